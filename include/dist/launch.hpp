@@ -1,0 +1,35 @@
+#pragma once
+// The launcher behind `fsdpp launch`: starts the local ranks of one node with torchrun's
+// environment variables, prefixes their output lines with their rank, and makes the whole group
+// fail fast: when one rank fails, the others are stopped (SIGTERM, then SIGKILL after a grace
+// period) and the first failure's exit code is returned.
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdpp::dist {
+
+struct LaunchOptions {
+  int nproc = 1;      // ranks on this node
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr;  // empty: 127.0.0.1 (single node only)
+  uint16_t master_port = 0;  // 0: a free port (single node only)
+  std::vector<std::string> command;  // program and its arguments
+  std::chrono::milliseconds stop_grace = std::chrono::seconds(5);  // SIGTERM to SIGKILL
+  bool prefix_output = true;
+};
+
+struct LaunchResult {
+  int exit_code = 0;      // 0, the first failing rank's exit code, or 128 + its signal
+  int failed_rank = -1;   // global rank, -1 when all succeeded
+  std::string reason;     // "rank 1 (pid 123) was killed by signal 9 (SIGKILL)"
+};
+
+// Runs the ranks to completion. Throws std::invalid_argument for inconsistent options. Installs
+// SIGINT/SIGTERM handlers for its duration, so Ctrl-C stops every rank.
+LaunchResult launch(const LaunchOptions& options);
+
+}  // namespace fsdpp::dist

@@ -1,0 +1,91 @@
+#pragma once
+// Work: the handle of one asynchronous operation. wait() blocks until the operation is done and
+// rethrows its failure; the tensors it reads or writes are kept alive until then.
+
+#include <ATen/core/Tensor.h>
+
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dist/types.hpp"
+
+namespace fsdpp::dist {
+
+namespace detail {
+
+struct WorkState {
+  explicit WorkState(std::string what) : what(std::move(what)) {}
+
+  // Called exactly once by the thread that ran the operation.
+  void finish(std::exception_ptr failure = nullptr) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      error = std::move(failure);
+      done = true;
+      tensors.clear();
+    }
+    cv.notify_all();
+  }
+
+  const std::string what;  // "rank 1/4 all_gather float32 in=10 out=40"
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+  std::vector<at::Tensor> tensors;  // kept alive while the operation runs
+};
+
+}  // namespace detail
+
+class Work {
+ public:
+  Work() = default;  // an already completed, empty operation
+  explicit Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
+
+  void wait() const {
+    if (!state_) return;
+    std::unique_lock<std::mutex> lock(state_->mu);
+    state_->cv.wait(lock, [&] { return state_->done; });
+    if (!state_->error) return;
+    try {
+      std::rethrow_exception(state_->error);
+    } catch (const std::exception& e) {
+      throw CommError(state_->what + " failed: " + e.what());
+    }
+  }
+
+  bool is_completed() const {
+    if (!state_) return true;
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->done;
+  }
+
+  const std::string& description() const {
+    static const std::string kEmpty = "empty work";
+    return state_ ? state_->what : kEmpty;
+  }
+
+ private:
+  std::shared_ptr<detail::WorkState> state_;
+};
+
+// Waits for every handle, so that all of them finish even when an earlier one failed, then
+// rethrows the first failure.
+inline void wait_all(const std::vector<Work>& works) {
+  std::exception_ptr first;
+  for (const auto& w : works) {
+    try {
+      w.wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace fsdpp::dist

@@ -1,0 +1,21 @@
+#pragma once
+// Which BLAS library LibTorch multiplies with, and how fast. Debian's LibTorch calls the generic
+// libblas.so.3, which is the slow reference BLAS unless OpenBLAS provides it, so programs print
+// this at start-up to make a slow setup visible at once.
+
+#include <string>
+
+namespace fsdpp {
+
+struct BlasInfo {
+  std::string library;  // resolved path of the loaded BLAS, or "unknown"
+  std::string kind;     // "OpenBLAS (pthread)", "reference BLAS", ...
+  double matmul_gflops = 0;  // float32 1024x1024 matmul on this process's threads
+};
+
+BlasInfo probe_blas(bool measure = true);
+
+// "BLAS: OpenBLAS (pthread) [/usr/lib/...], float32 1024^2 matmul 212.4 GFLOP/s"
+std::string describe(const BlasInfo& info);
+
+}  // namespace fsdpp

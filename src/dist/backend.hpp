@@ -1,0 +1,34 @@
+#pragma once
+// Internal: what init.cpp needs from the backends and the shared rendezvous step.
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <string>
+
+#include "dist/comm.hpp"
+#include "dist/store.hpp"
+
+namespace fsdpp::dist::detail {
+
+struct BackendConfig {
+  std::string bind_address = "127.0.0.1";
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+};
+
+// Every rank announces itself under `store` and waits for the others. Fails with a CommError that
+// names the missing ranks, a world size that differs between ranks, or a rank claimed twice.
+void join(Store& store, int rank, int size, std::chrono::milliseconds timeout);
+
+// `store` is private to the new communicator (already prefixed); join() has run on it.
+std::shared_ptr<CommImpl> make_gloo_comm(std::shared_ptr<Store> store, int rank, int size,
+                                         const BackendConfig& config);
+std::shared_ptr<CommImpl> make_nccl_comm(std::shared_ptr<Store> store, int rank, int size,
+                                         const BackendConfig& config);
+bool gloo_available();
+
+// Records a failed operation for the launcher (see Note [collateral failures]).
+void note_failure(const std::string& what, std::exception_ptr error);
+bool is_peer_loss(const std::string& message);
+bool nccl_available();
+
+}  // namespace fsdpp::dist::detail

@@ -1,0 +1,175 @@
+// Comm's public entry points: argument checks with messages a person can act on, then dispatch to
+// the backend. Backends may assume what is checked here.
+#include "dist/comm.hpp"
+
+#include <fmt/format.h>
+
+#include <numeric>
+
+namespace fsdpp::dist {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
+
+namespace {
+
+bool supported(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kHalf:
+    case at::kInt: case at::kLong: case at::kByte:
+      return true;
+    default:
+      return false;
+  }
+}
+
+class Checker {
+ public:
+  Checker(const Comm& c, const char* op) : rank_(c.rank()), size_(c.size()), op_(op) {}
+
+  template <typename... Args>
+  [[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) const {
+    throw CommError(fmt::format("rank {}/{} {}: {}", rank_, size_, op_,
+                                fmt::format(f, std::forward<Args>(args)...)));
+  }
+
+  void tensor(const at::Tensor& t, const char* name) const {
+    if (!t.defined()) fail("{} is an undefined tensor", name);
+    if (!supported(t.scalar_type()))
+      fail("{} has dtype {}, supported are float32, float64, bfloat16, float16, int32, int64, uint8",
+           name, c10::toString(t.scalar_type()));
+    if (!t.is_contiguous()) fail("{} must be contiguous (call .contiguous() first)", name);
+  }
+
+  void same_dtype(const at::Tensor& a, const at::Tensor& b) const {
+    if (a.scalar_type() != b.scalar_type())
+      fail("out has dtype {} but in has dtype {}", c10::toString(a.scalar_type()),
+           c10::toString(b.scalar_type()));
+  }
+
+  void reduction(ReduceOp op, const at::Tensor& t) const {
+    if (op == ReduceOp::kAvg && !at::isFloatingType(t.scalar_type()))
+      fail("average of integer dtype {} is not defined; use sum and divide",
+           c10::toString(t.scalar_type()));
+  }
+
+  void peer(int p, const char* what) const {
+    if (p < 0 || p >= size_) fail("{} rank {} is outside [0, {})", what, p, size_);
+  }
+
+  void splits(const std::vector<int64_t>& v, int64_t numel, const char* name) const {
+    if (static_cast<int>(v.size()) != size_)
+      fail("{} has {} entries, expected one per rank ({})", name, v.size(), size_);
+    for (size_t i = 0; i < v.size(); ++i)
+      if (v[i] < 0) fail("{}[{}] is negative ({})", name, i, v[i]);
+    const int64_t total = std::accumulate(v.begin(), v.end(), int64_t{0});
+    if (total != numel) fail("{} sums to {} but the tensor has {} elements", name, total, numel);
+  }
+
+ private:
+  int rank_, size_;
+  const char* op_;
+};
+
+}  // namespace
+
+detail::CommImpl& Comm::impl() const {
+  if (!impl_) throw CommError("use of an empty Comm (this rank is not a member of that group)");
+  return *impl_;
+}
+
+int Comm::rank() const { return impl().rank(); }
+int Comm::size() const { return impl().size(); }
+const char* Comm::backend() const { return impl().backend(); }
+
+Work Comm::all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOptions opts) {
+  Checker c(*this, "all_gather");
+  c.tensor(out, "out");
+  c.tensor(in, "in");
+  c.same_dtype(out, in);
+  if (opts.counts.empty()) {
+    if (out.numel() != size() * in.numel())
+      c.fail("out has {} elements, expected {} ranks x {} = {}", out.numel(), size(), in.numel(),
+             size() * in.numel());
+  } else {
+    c.splits(opts.counts, out.numel(), "counts");
+    if (opts.counts[rank()] != in.numel())
+      c.fail("counts[{}] is {} but in has {} elements", rank(), opts.counts[rank()], in.numel());
+  }
+  return impl().all_gather(out, in, opts);
+}
+
+Work Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceScatterOptions opts) {
+  Checker c(*this, "reduce_scatter");
+  c.tensor(out, "out");
+  c.tensor(in, "in");
+  c.same_dtype(out, in);
+  c.reduction(opts.op, out);
+  if (in.numel() != size() * out.numel())
+    c.fail("in has {} elements, expected {} ranks x {} = {}", in.numel(), size(), out.numel(),
+           size() * out.numel());
+  return impl().reduce_scatter(out, in, opts);
+}
+
+Work Comm::all_reduce(const at::Tensor& t, AllReduceOptions opts) {
+  Checker c(*this, "all_reduce");
+  c.tensor(t, "tensor");
+  c.reduction(opts.op, t);
+  return impl().all_reduce(t, opts);
+}
+
+Work Comm::broadcast(const at::Tensor& t, BroadcastOptions opts) {
+  Checker c(*this, "broadcast");
+  c.tensor(t, "tensor");
+  c.peer(opts.root, "root");
+  return impl().broadcast(t, opts);
+}
+
+Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptions opts) {
+  Checker c(*this, "all_to_all");
+  c.tensor(out, "out");
+  c.tensor(in, "in");
+  c.same_dtype(out, in);
+  if (opts.in_splits.empty() != opts.out_splits.empty())
+    c.fail("give both in_splits and out_splits, or neither for equal splits");
+  if (opts.in_splits.empty()) {
+    if (in.numel() % size() != 0)
+      c.fail("in has {} elements, not divisible into {} equal splits", in.numel(), size());
+    if (out.numel() != in.numel())
+      c.fail("out has {} elements but in has {}; equal splits need the same", out.numel(),
+             in.numel());
+  } else {
+    c.splits(opts.in_splits, in.numel(), "in_splits");
+    c.splits(opts.out_splits, out.numel(), "out_splits");
+  }
+  return impl().all_to_all(out, in, opts);
+}
+
+Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) {
+  Checker c(*this, "send");
+  c.tensor(t, "tensor");
+  c.peer(dst, "destination");
+  if (dst == rank()) c.fail("send to self (rank {}) is not supported", dst);
+  return impl().send(t, dst, tag);
+}
+
+Work Comm::recv(const at::Tensor& t, int src, uint32_t tag) {
+  Checker c(*this, "recv");
+  c.tensor(t, "tensor");
+  c.peer(src, "source");
+  if (src == rank()) c.fail("receive from self (rank {}) is not supported", src);
+  return impl().recv(t, src, tag);
+}
+
+Work Comm::barrier() { return impl().barrier(); }
+
+Comm Comm::split(int color, int key) const { return Comm(impl().split(color, key)); }
+
+}  // namespace fsdpp::dist

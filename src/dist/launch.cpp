@@ -1,0 +1,349 @@
+// `fsdpp launch`: local ranks as child processes, torchrun's environment, fail-fast supervision.
+//
+// Note [process groups and Ctrl-C]
+// Each rank runs in its own process group, so a terminal's SIGINT reaches only the launcher, which
+// then stops every rank the same way it stops them after a failure (SIGTERM, then SIGKILL after
+// the grace period). Killing the whole group also takes any helper processes a rank started. A
+// rank whose launcher dies gets SIGKILL from the kernel (PR_SET_PDEATHSIG), so nothing outlives a
+// killed launcher either.
+#include "dist/launch.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <stdexcept>
+
+#include "dist/store.hpp"
+
+extern char** environ;
+
+namespace fsdpp::dist {
+
+namespace {
+
+std::atomic<int> g_signal{0};
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  g_signal.store(sig);
+  const char c = 1;
+  [[maybe_unused]] auto n = write(g_signal_pipe[1], &c, 1);
+}
+
+std::string resolve_program(const std::string& name) {
+  if (name.find('/') != std::string::npos) return name;
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    std::string candidate = dirs.substr(start, end - start) + "/" + name;
+    if (access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = end + 1;
+  }
+  throw std::invalid_argument(fmt::format("fsdpp launch: program '{}' not found in PATH", name));
+}
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+struct Rank {
+  int global_rank = 0;
+  std::string error_file;  // see Note [collateral failures] in failure.cpp
+  pid_t pid = -1;
+  bool running = true;
+  int fds[2] = {-1, -1};  // stdout, stderr pipes (read ends)
+  std::string partial[2];
+};
+
+void write_all(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t n = write(fd, s.data() + off, s.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    off += n;
+  }
+}
+
+// Forwards complete lines from a rank's pipe, each with the rank's prefix.
+void forward(Rank& r, int stream, const char* data, size_t n, bool prefix, bool flush) {
+  std::string& buf = r.partial[stream];
+  buf.append(data, n);
+  const std::string tag = prefix ? fmt::format("[rank{}]: ", r.global_rank) : "";
+  std::string out;
+  size_t start = 0, nl;
+  while ((nl = buf.find('\n', start)) != std::string::npos) {
+    out += tag;
+    out.append(buf, start, nl - start + 1);
+    start = nl + 1;
+  }
+  buf.erase(0, start);
+  if (flush && !buf.empty()) {
+    out += tag + buf + "\n";
+    buf.clear();
+  }
+  if (!out.empty()) write_all(stream == 0 ? STDOUT_FILENO : STDERR_FILENO, out);
+}
+
+struct Failure {
+  int rank;
+  int exit_code;
+  std::string reason;
+};
+
+Failure describe_exit(const Rank& r, int status) {
+  if (WIFSIGNALED(status))
+    return {r.global_rank, 128 + WTERMSIG(status),
+            fmt::format("rank {} (pid {}) was killed by {}", r.global_rank, r.pid,
+                        signal_name(WTERMSIG(status)))};
+  return {r.global_rank, WEXITSTATUS(status),
+          fmt::format("rank {} (pid {}) exited with code {}", r.global_rank, r.pid,
+                      WEXITSTATUS(status))};
+}
+
+bool lost_a_peer(const Rank& r) {
+  std::error_code ec;
+  return std::filesystem::file_size(r.error_file, ec) > 0 && !ec;
+}
+
+pid_t spawn(const std::string& program, const std::vector<std::string>& args,
+            const std::vector<std::string>& env, int out_fd, int err_fd, pid_t parent) {
+  std::vector<char*> argv, envp;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error(fmt::format("fsdpp launch: fork failed: {}", strerror(errno)));
+  if (pid == 0) {
+    // Only async-signal-safe calls between fork and exec.
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
+    dup2(out_fd, STDOUT_FILENO);
+    dup2(err_fd, STDERR_FILENO);
+    signal(SIGPIPE, SIG_DFL);
+    execve(program.c_str(), argv.data(), envp.data());
+    const char msg[] = "fsdpp launch: exec failed\n";
+    [[maybe_unused]] auto n = write(STDERR_FILENO, msg, sizeof(msg) - 1);
+    _exit(127);
+  }
+  setpgid(pid, pid);  // also from the parent, so that killpg works before the child runs
+  return pid;
+}
+
+std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& addr, uint16_t port,
+                                  int local_rank, const std::string& error_file) {
+  static const char* kOwned[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                 "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                 "TORCHELASTIC_USE_AGENT_STORE", "FSDPP_ERROR_FILE"};
+  std::vector<std::string> env;
+  bool has_omp = false;
+  for (char** e = environ; *e; ++e) {
+    std::string kv(*e);
+    const std::string key = kv.substr(0, kv.find('='));
+    bool owned = false;
+    for (const char* k : kOwned) owned |= key == k;
+    has_omp |= key == "OMP_NUM_THREADS";
+    if (!owned) env.push_back(std::move(kv));
+  }
+  const int world = o.nnodes * o.nproc;
+  env.push_back(fmt::format("RANK={}", o.node_rank * o.nproc + local_rank));
+  env.push_back(fmt::format("WORLD_SIZE={}", world));
+  env.push_back(fmt::format("LOCAL_RANK={}", local_rank));
+  env.push_back(fmt::format("LOCAL_WORLD_SIZE={}", o.nproc));
+  env.push_back(fmt::format("GROUP_RANK={}", o.node_rank));
+  env.push_back("MASTER_ADDR=" + addr);
+  env.push_back(fmt::format("MASTER_PORT={}", port));
+  env.push_back("TORCHELASTIC_USE_AGENT_STORE=True");  // node 0's launcher hosts the store
+  env.push_back("FSDPP_ERROR_FILE=" + error_file);
+  // As torchrun does: ranks sharing a node should not each spawn a thread per core.
+  if (!has_omp && o.nproc > 1) env.push_back("OMP_NUM_THREADS=1");
+  return env;
+}
+
+}  // namespace
+
+LaunchResult launch(const LaunchOptions& o) {
+  if (o.nproc < 1) throw std::invalid_argument("fsdpp launch: --nproc must be at least 1");
+  if (o.nnodes < 1) throw std::invalid_argument("fsdpp launch: --nnodes must be at least 1");
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
+    throw std::invalid_argument(fmt::format("fsdpp launch: --node-rank {} is outside [0, {})",
+                                            o.node_rank, o.nnodes));
+  if (o.command.empty()) throw std::invalid_argument("fsdpp launch: no program given after --");
+  if (o.nnodes > 1 && (o.master_addr.empty() || o.master_port == 0))
+    throw std::invalid_argument(
+        "fsdpp launch: with --nnodes > 1, give --master-addr and --master-port (the address and "
+        "port of node 0, the same on every node)");
+  const std::string program = resolve_program(o.command[0]);
+  const std::string addr = o.master_addr.empty() ? "127.0.0.1" : o.master_addr;
+
+  // Node 0's launcher hosts the rendezvous store for the whole job, so it outlives any rank.
+  std::shared_ptr<Store> store;
+  uint16_t port = o.master_port;
+  if (o.node_rank == 0) {
+    TcpStoreOptions so;
+    so.host = addr;
+    so.port = o.master_port;
+    so.is_server = true;
+    store = make_tcp_store(so);
+    port = tcp_store_port(*store);
+  }
+
+  if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
+    throw std::runtime_error("fsdpp launch: pipe failed");
+  g_signal.store(0);
+  struct sigaction sa {}, old_int{}, old_term{};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+
+  char dir_template[] = "/tmp/fsdpp-launch-XXXXXX";
+  const std::string error_dir = mkdtemp(dir_template) ? dir_template : "";
+  if (error_dir.empty()) throw std::runtime_error("fsdpp launch: cannot create a directory in /tmp");
+
+  const pid_t self = getpid();
+  std::vector<Rank> ranks(o.nproc);
+  for (int i = 0; i < o.nproc; ++i) {
+    int out[2], err[2];
+    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0)
+      throw std::runtime_error("fsdpp launch: pipe failed");
+    ranks[i].global_rank = o.node_rank * o.nproc + i;
+    ranks[i].error_file = fmt::format("{}/rank{}", error_dir, ranks[i].global_rank);
+    ranks[i].pid = spawn(program, o.command, rank_env(o, addr, port, i, ranks[i].error_file),
+                         out[1], err[1], self);
+    close(out[1]);
+    close(err[1]);
+    ranks[i].fds[0] = out[0];
+    ranks[i].fds[1] = err[0];
+  }
+
+  LaunchResult result;
+  bool stopping = false;
+  auto deadline = std::chrono::steady_clock::time_point::max();
+  auto stop_all = [&](int sig) {
+    for (auto& r : ranks)
+      if (r.running) killpg(r.pid, sig);
+  };
+  auto begin_stop = [&] {
+    if (stopping) return;
+    stopping = true;
+    stop_all(SIGTERM);
+    deadline = std::chrono::steady_clock::now() + o.stop_grace;
+  };
+
+  std::optional<Failure> primary, collateral;
+  auto settle_until = std::chrono::steady_clock::time_point::max();
+  int running = o.nproc;
+  auto pipes_open = [&] {
+    for (auto& r : ranks)
+      if (r.fds[0] >= 0 || r.fds[1] >= 0) return true;
+    return false;
+  };
+  auto all_done_at = std::chrono::steady_clock::time_point::max();
+  while (running > 0 || pipes_open()) {
+    // Helpers that a rank left behind could hold its pipes open; don't wait for them forever.
+    if (running == 0 && std::chrono::steady_clock::now() > all_done_at) break;
+    std::vector<pollfd> pfds;
+    std::vector<std::pair<int, int>> owners;  // (rank index, stream)
+    pfds.push_back({g_signal_pipe[0], POLLIN, 0});
+    owners.emplace_back(-1, -1);
+    for (int i = 0; i < o.nproc; ++i)
+      for (int s = 0; s < 2; ++s)
+        if (ranks[i].fds[s] >= 0) {
+          pfds.push_back({ranks[i].fds[s], POLLIN, 0});
+          owners.emplace_back(i, s);
+        }
+    poll(pfds.data(), pfds.size(), 50);
+    for (size_t k = 0; k < pfds.size(); ++k) {
+      if (!(pfds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      char buf[65536];
+      const ssize_t n = read(pfds[k].fd, buf, sizeof(buf));
+      if (owners[k].first < 0) continue;  // signal pipe: handled below
+      Rank& r = ranks[owners[k].first];
+      const int s = owners[k].second;
+      if (n > 0) {
+        forward(r, s, buf, n, o.prefix_output, false);
+      } else if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) {
+        forward(r, s, "", 0, o.prefix_output, true);
+        close(r.fds[s]);
+        r.fds[s] = -1;
+      }
+    }
+
+    if (const int sig = g_signal.exchange(0)) {
+      if (stopping) {
+        stop_all(SIGKILL);  // a second Ctrl-C: no more grace
+      } else {
+        write_all(STDERR_FILENO,
+                  fmt::format("fsdpp launch: got {}, stopping all ranks\n", signal_name(sig)));
+        if (result.failed_rank < 0) {
+          result.exit_code = 128 + sig;
+          result.reason = fmt::format("interrupted by {}", signal_name(sig));
+        }
+        begin_stop();
+      }
+    }
+
+    for (auto& r : ranks) {
+      if (!r.running) continue;
+      int status = 0;
+      if (waitpid(r.pid, &status, WNOHANG) != r.pid) continue;
+      r.running = false;
+      --running;
+      killpg(r.pid, SIGKILL);  // anything the rank left behind in its group
+      const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (ok || stopping) continue;  // ranks stopped by us are not the cause
+      Failure f = describe_exit(r, status);
+      if (!lost_a_peer(r)) {
+        if (!primary) primary = f;
+      } else if (!collateral) {
+        // Give the rank it lost a moment to exit and be named instead.
+        collateral = f;
+        settle_until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      }
+    }
+    if (!primary && collateral && std::chrono::steady_clock::now() > settle_until) primary = collateral;
+    if (primary && !stopping) {
+      result.failed_rank = primary->rank;
+      result.exit_code = primary->exit_code;
+      result.reason = primary->reason;
+      write_all(STDERR_FILENO,
+                fmt::format("fsdpp launch: {}; stopping the other ranks\n", result.reason));
+      begin_stop();
+    }
+    if (running == 0 && all_done_at == std::chrono::steady_clock::time_point::max())
+      all_done_at = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    if (stopping && std::chrono::steady_clock::now() > deadline) {
+      stop_all(SIGKILL);
+      deadline = std::chrono::steady_clock::time_point::max();
+    }
+  }
+  for (auto& r : ranks)
+    for (int s = 0; s < 2; ++s)
+      if (r.fds[s] >= 0) close(r.fds[s]);
+
+  std::filesystem::remove_all(error_dir);
+  sigaction(SIGINT, &old_int, nullptr);
+  sigaction(SIGTERM, &old_term, nullptr);
+  close(g_signal_pipe[0]);
+  close(g_signal_pipe[1]);
+  return result;
+}
+
+}  // namespace fsdpp::dist

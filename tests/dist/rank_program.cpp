@@ -1,0 +1,94 @@
+// A rank for the real-process tests, started under `fsdpp launch` (or by hand with torchrun's
+// variables). Modes:
+//   collectives         check all_reduce, all_gather, reduce_scatter, send/recv across processes
+//   exit CODE RANK      RANK exits with CODE after init; the others block in a receive from it
+//   kill RANK           RANK kills itself with SIGKILL; the others block likewise
+//   sleep               every rank prints "ready" and sleeps (for Ctrl-C and orphan tests)
+// Extra arguments are ignored; tests pass a unique token to find stray processes afterwards.
+// FSDPP_TEST_TIMEOUT_MS sets the rendezvous timeout.
+#include <ATen/ATen.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <thread>
+
+#include "dist/init.hpp"
+
+using namespace fsdpp;
+
+namespace {
+
+int fail(const std::string& what) {
+  std::cerr << "FAILED: " << what << std::endl;
+  return 1;
+}
+
+int collectives(dist::Comm& comm) {
+  const int r = comm.rank(), n = comm.size();
+  auto t = at::full({1000}, r + 1.0);
+  comm.all_reduce(t).wait();
+  if (!at::all(t == n * (n + 1) / 2.0).item<bool>()) return fail("all_reduce");
+  auto g = at::empty({n * 3}, at::kLong);
+  comm.all_gather(g, at::full({3}, r, at::kLong)).wait();
+  if (!at::equal(g, at::arange(n, at::kLong).repeat_interleave(3))) return fail("all_gather");
+  auto in = at::arange(n * 4, at::kFloat).to(at::kBFloat16), out = at::empty({4}, at::kBFloat16);
+  comm.reduce_scatter(out, in).wait();
+  if (!at::equal(out, (at::arange(4, at::kFloat) + 4 * r).mul(n).to(at::kBFloat16)))
+    return fail("reduce_scatter");
+  if (n > 1) {
+    auto recv = at::empty({2}, at::kInt);
+    auto w = comm.recv(recv, (r + n - 1) % n, 1);
+    comm.send(at::full({2}, r, at::kInt), (r + 1) % n, 1).wait();
+    w.wait();
+    if (recv[0].item<int>() != (r + n - 1) % n) return fail("send/recv");
+  }
+  comm.barrier().wait();
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::cout << "rank " << r << "/" << n << " ok" << std::endl;
+  return 0;
+}
+
+// Blocks in a receive from `peer`, which will never send.
+void block_on(dist::Comm& comm, int peer) {
+  auto t = at::empty({1});
+  comm.recv(t, peer, 99).wait();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) return fail("usage: fsdpp_test_rank MODE [ARGS]");
+  const std::string mode = argv[1];
+  dist::InitOptions opts;
+  if (const char* ms = std::getenv("FSDPP_TEST_TIMEOUT_MS"))
+    opts.timeout = std::chrono::milliseconds(std::atoi(ms));
+  try {
+    auto comm = dist::init_from_env(opts);
+    if (mode == "collectives") return collectives(comm);
+    if (mode == "exit" || mode == "kill") {
+      const int victim = std::atoi(argv[mode == "exit" ? 3 : 2]);
+      comm.barrier().wait();
+      if (comm.rank() == victim) {
+        std::cout << "rank " << victim << " failing now" << std::endl;
+        if (mode == "kill") raise(SIGKILL);
+        return std::atoi(argv[2]);
+      }
+      block_on(comm, victim);
+      return 0;
+    }
+    if (mode == "sleep") {
+      comm.barrier().wait();
+      std::cout << "ready" << std::endl;
+      std::this_thread::sleep_for(std::chrono::minutes(10));
+      return 0;
+    }
+    return fail("unknown mode " + mode);
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 2;
+  }
+}

@@ -1,0 +1,61 @@
+#pragma once
+// Runs a function on N ranks, each a thread with its own communicator, over real Gloo on
+// loopback, rendezvousing through a fresh file store.
+#include <ATen/ATen.h>
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dist/init.hpp"
+
+namespace fsdpp::test {
+
+inline std::string fresh_store_path() {
+  static std::atomic<int> counter{0};
+  auto dir = std::filesystem::temp_directory_path();
+  return (dir / ("fsdpp-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++)))
+      .string();
+}
+
+inline void run_ranks(int n, const std::function<void(dist::Comm&)>& body,
+                      std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  const auto path = fresh_store_path();
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        dist::InitOptions opts;
+        opts.timeout = timeout;
+        auto comm = dist::connect(dist::make_file_store(path, n, timeout), r, n, opts);
+        body(comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  std::filesystem::remove(path);
+  for (int r = 0; r < n; ++r)
+    if (errors[r]) {
+      try {
+        std::rethrow_exception(errors[r]);
+      } catch (const std::exception& e) {
+        FAIL("rank " << r << " of " << n << " threw: " << e.what());
+      }
+    }
+}
+
+inline const std::vector<at::ScalarType>& all_dtypes() {
+  static const std::vector<at::ScalarType> v = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf,
+                                                at::kInt,   at::kLong,   at::kByte};
+  return v;
+}
+
+}  // namespace fsdpp::test

@@ -1,0 +1,164 @@
+// `fsdpp launch` with real processes: exit codes, signals, Ctrl-C, no orphans, rendezvous errors.
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+struct Run {
+  int status = -1;  // exit code, or 128 + signal
+  std::string output;
+  double seconds = 0;
+};
+
+std::string unique_token() {
+  std::random_device rd;
+  return "fsdpp-test-token-" + std::to_string(getpid()) + "-" + std::to_string(rd());
+}
+
+Run run(const std::string& cmd) {
+  Run r;
+  const auto t0 = std::chrono::steady_clock::now();
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  REQUIRE(p != nullptr);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, n);
+  const int st = pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+// Processes whose command line contains `token`, read from the process table.
+std::vector<int> processes_with(const std::string& token) {
+  std::vector<int> pids;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const auto name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream f(e.path() / "cmdline", std::ios::binary);
+    std::string cmdline((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (cmdline.find(token) != std::string::npos && std::stoi(name) != getpid())
+      pids.push_back(std::stoi(name));
+  }
+  return pids;
+}
+
+const std::string kLaunch = std::string(FSDPP_BIN) + " launch";
+const std::string kRank = FSDPP_TEST_RANK_BIN;
+
+}  // namespace
+
+TEST_CASE("collectives across 4 real processes, output prefixed with the rank") {
+  const auto r = run(kLaunch + " --nproc 4 -- " + kRank + " collectives");
+  INFO(r.output);
+  CHECK(r.status == 0);
+  for (int i = 0; i < 4; ++i)
+    CHECK(r.output.find("[rank" + std::to_string(i) + "]: rank " + std::to_string(i) + "/4 ok") !=
+          std::string::npos);
+}
+
+TEST_CASE("a rank that exits 3 makes the launch exit 3 within 10 s, leaving no process") {
+  const auto token = unique_token();
+  const auto r = run(kLaunch + " --nproc 3 -- " + kRank + " exit 3 1 " + token);
+  INFO(r.output);
+  CHECK(r.status == 3);
+  CHECK(r.seconds < 10);
+  CHECK(r.output.find("rank 1 (pid ") != std::string::npos);
+  CHECK(r.output.find("exited with code 3") != std::string::npos);
+  CHECK(processes_with(token).empty());
+}
+
+TEST_CASE("a rank killed with SIGKILL is reported as such, and the others are stopped") {
+  const auto token = unique_token();
+  const auto r = run(kLaunch + " --nproc 3 -- " + kRank + " kill 2 " + token);
+  INFO(r.output);
+  CHECK(r.status == 128 + SIGKILL);
+  CHECK(r.seconds < 10);
+  CHECK(r.output.find("rank 2 (pid ") != std::string::npos);
+  CHECK(r.output.find("was killed by SIGKILL") != std::string::npos);
+  CHECK(processes_with(token).empty());
+}
+
+TEST_CASE("Ctrl-C (SIGINT to the launcher) stops every rank") {
+  const auto token = unique_token();
+  const auto log = std::filesystem::temp_directory_path() / (token + ".log");
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    execl(FSDPP_BIN, FSDPP_BIN, "launch", "--nproc", "2", "--", kRank.c_str(), "sleep",
+          token.c_str(), nullptr);
+    _exit(127);
+  }
+  auto read_log = [&] {
+    std::ifstream f(log);
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  };
+  // Wait until both ranks are up and sleeping.
+  for (int i = 0; i < 300; ++i) {
+    const auto text = read_log();
+    if (text.find("[rank0]: ready") != std::string::npos &&
+        text.find("[rank1]: ready") != std::string::npos)
+      break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  REQUIRE(processes_with(token).size() == 3);  // the launcher and its two ranks
+  const auto t0 = std::chrono::steady_clock::now();
+  kill(pid, SIGINT);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(read_log());
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 128 + SIGINT);
+  CHECK(secs < 10);
+  CHECK(read_log().find("got SIGINT, stopping all ranks") != std::string::npos);
+  CHECK(processes_with(token).empty());
+  std::filesystem::remove(log);
+}
+
+TEST_CASE("a rank started alone fails at init naming the missing rank, not a hang") {
+  // Rank 0 of 2 with nobody else: it hosts the store, waits, and gives up after the timeout.
+  const auto r = run("env RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731 "
+                     "FSDPP_TEST_TIMEOUT_MS=2000 " + kRank + " collectives");
+  INFO(r.output);
+  CHECK(r.status == 2);
+  CHECK(r.seconds < 10);
+  CHECK(r.output.find("rank 0 of 2: rendezvous through 127.0.0.1:29731 timed out") !=
+        std::string::npos);
+  CHECK(r.output.find("missing rank(s) 1") != std::string::npos);
+}
+
+TEST_CASE("a wrong store address fails at init, naming the rank and the address") {
+  // Rank 1 looks for a store that nobody hosts.
+  const auto r = run("env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29733 "
+                     "FSDPP_TEST_TIMEOUT_MS=2000 " + kRank + " collectives");
+  INFO(r.output);
+  CHECK(r.status == 2);
+  CHECK(r.seconds < 10);
+  CHECK(r.output.find("rank 1 of 2: cannot reach the rendezvous store at 127.0.0.1:29733") !=
+        std::string::npos);
+}
+
+TEST_CASE("launch rejects inconsistent options before starting anything") {
+  auto r = run(kLaunch + " --nproc 2 --nnodes 2 -- /bin/true");
+  CHECK(r.status != 0);
+  CHECK(r.output.find("--master-addr and --master-port") != std::string::npos);
+  r = run(kLaunch + " --nproc 2 -- no-such-program-fsdpp");
+  CHECK(r.status != 0);
+  CHECK(r.output.find("program 'no-such-program-fsdpp' not found") != std::string::npos);
+}
