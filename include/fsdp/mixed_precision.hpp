@@ -1,0 +1,50 @@
+#pragma once
+// MixedPrecisionPolicy: in which dtypes a sharded unit computes, reduces and accumulates.
+//
+//   param_dtype      dtype of the unsharded parameters, so of the all-gather and of compute. The
+//                    sharded parameters, which the optimizer sees, keep their own dtype.
+//   reduce_dtype     dtype of the reduce-scatter. Default: the widest gradient dtype of the unit.
+//   output_dtype     floating-point outputs of forward are cast to it.
+//   cast_forward_inputs  floating-point tensor inputs of forward are cast to param_dtype.
+//   param_dtype_override(name, tensor)  per parameter, a dtype that replaces param_dtype (for
+//                    example float32 for "*.router.gate.weight" and "*norm*" inside a bfloat16
+//                    model), or nullopt for the default.
+//   grad_dtype(name, tensor)  per parameter, the dtype in which its unsharded gradient accumulates
+//                    across no-sync microbatches (nullopt: its compute dtype). The sharded gradient
+//                    keeps the sharded parameter's dtype.
+//
+// Both callables see the parameter's name in the unwrapped model and its original tensor. They must
+// give the same answer on every rank; fully_shard checks that and fails naming the ranks that differ.
+
+#include <c10/core/ScalarType.h>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace at {
+class Tensor;
+}
+
+namespace fsdpp::fsdp {
+
+using DtypeFn = std::function<std::optional<at::ScalarType>(const std::string& name, const at::Tensor&)>;
+
+struct MixedPrecisionPolicy {
+  std::optional<at::ScalarType> param_dtype;
+  std::optional<at::ScalarType> reduce_dtype;
+  std::optional<at::ScalarType> output_dtype;
+  bool cast_forward_inputs = true;
+  DtypeFn param_dtype_override;
+  DtypeFn grad_dtype;
+};
+
+// A DtypeFn that returns `dtype` for parameters whose name matches any of the glob patterns
+// ('*' matches any run of characters, including dots), for example
+// dtype_for({"*.router.gate.weight", "*norm*"}, at::kFloat).
+DtypeFn dtype_for(std::vector<std::string> patterns, at::ScalarType dtype);
+
+bool glob_match(const std::string& pattern, const std::string& text);
+
+}  // namespace fsdpp::fsdp

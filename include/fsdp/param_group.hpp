@@ -1,0 +1,114 @@
+#pragma once
+// ParamGroup: the parameters of one sharded unit and the collectives that move them.
+//
+// Each parameter is chunked along dim 0 across the ranks of the communicator, with padding:
+// rows r * ceil(R/n) .. min(R, (r+1) * ceil(R/n)) live on rank r, so trailing ranks may own zero
+// rows (5 rows on 4 ranks: 2, 2, 1, 0). A rank keeps its rows in a zero-padded float buffer; the
+// optimizer sees a view of the real rows (sharded_parameters()).
+//
+// Note [unshard by storage resize]
+// The module's parameter tensors stay the same objects for the module's lifetime. At sharding time
+// each one is pointed (set_data, once) at a full-size buffer in its compute dtype whose storage is
+// then freed. Unsharding re-allocates that storage and fills it from one all-gather; resharding
+// frees it again. Autograd's saved references to the parameter therefore stay valid: only the
+// bytes behind them come and go. Reading a parameter while its unit is resharded is an error.
+//
+// Layout: all-gather and reduce-scatter use one rank-major layout, [rank 0: p0 | p1 | ...][rank 1:
+// p0 | p1 | ...]..., where pi is parameter i's padded shard. The all-gather packs as bytes, so one
+// collective serves a unit whose parameters have different dtypes; the all-gather input is a view
+// of this rank's slot of the output.
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dist/comm.hpp"
+#include "fsdp/mixed_precision.hpp"
+
+namespace fsdpp::fsdp {
+
+// Where one parameter's shard lives, as a checkpoint or a test needs to know.
+struct ShardInfo {
+  std::vector<std::string> names;  // FQNs in the unwrapped model; several when tied
+  std::vector<int64_t> global_shape;
+  int64_t row_offset = 0;  // first global row on this rank
+  int64_t local_rows = 0;
+  int64_t padded_rows = 0;  // ceil(rows / world size)
+  at::ScalarType compute_dtype = at::kFloat;
+  at::ScalarType grad_dtype = at::kFloat;
+};
+
+struct ParamSpec {
+  std::vector<std::string> names;
+  at::Tensor param;  // the module's parameter
+};
+
+class ParamGroup {
+ public:
+  ParamGroup(dist::Comm comm, std::vector<ParamSpec> params, const MixedPrecisionPolicy& mp,
+             std::string label);
+
+  const std::string& label() const { return label_; }
+  const dist::Comm& comm() const { return comm_; }
+  bool empty() const { return params_.empty(); }
+  bool is_unsharded() const { return unsharded_; }
+
+  // Issues the all-gather (no-op when unsharded or already in flight).
+  void unshard_async();
+  // Completes the all-gather and fills the parameters.
+  void wait_unshard();
+  void reshard();
+
+  // Moves each parameter's .grad into its unsharded accumulator (in grad_dtype).
+  void accumulate_grads();
+  // Packs the accumulated gradients (zeros for parameters that got none) and issues one
+  // reduce-scatter that averages over the ranks.
+  void reduce_grads_async();
+  // Waits for the reduce-scatter and adds the result to the sharded parameters' gradients.
+  void finish_reduce();
+  bool reduce_pending() const { return reduce_work_.has_value(); }
+  // True when some parameter holds a .grad that was not accumulated yet.
+  bool has_stray_grads() const;
+
+  std::vector<at::Tensor> sharded_parameters() const;
+  std::vector<ShardInfo> shard_infos() const;
+  // Full parameters in their original dtype, in the order of shard_infos(); collective.
+  std::vector<at::Tensor> gather_full_params();
+  // Sets this rank's rows from full parameters (same order); not collective.
+  void load_full_params(const std::vector<at::Tensor>& full);
+
+ private:
+  struct Param {
+    std::vector<std::string> names;
+    at::Tensor param;      // the module's parameter (identity kept)
+    at::Tensor unsharded;  // full-size compute-dtype buffer sharing param's storage
+    at::Tensor padded;     // this rank's rows, zero-padded to padded_rows, original dtype
+    at::Tensor sharded;    // leaf view of padded's real rows: what the optimizer updates
+    at::Tensor grad_acc;   // unsharded gradient accumulated in grad_dtype
+    std::vector<int64_t> shape;
+    int64_t rows = 0, padded_rows = 0, row_offset = 0, local_rows = 0, row_numel = 1;
+    at::ScalarType compute_dtype, grad_dtype;
+    int64_t gather_offset = 0, gather_bytes = 0;  // within one rank's slot of the all-gather
+    int64_t reduce_offset = 0;                    // elements, within one rank's reduce slot
+    int64_t padded_numel() const { return padded_rows * row_numel; }
+    int64_t numel() const { return rows * row_numel; }
+  };
+
+  void check_plan_is_uniform();
+
+  dist::Comm comm_;
+  std::string label_;
+  std::vector<Param> params_;
+  int64_t gather_slot_bytes_ = 0;
+  int64_t reduce_slot_numel_ = 0;
+  at::ScalarType reduce_dtype_ = at::kFloat;
+  bool unsharded_ = false;
+  at::Tensor gather_out_;
+  std::optional<dist::Work> gather_work_;
+  at::Tensor reduce_out_;
+  std::optional<dist::Work> reduce_work_;
+};
+
+}  // namespace fsdpp::fsdp

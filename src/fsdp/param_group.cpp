@@ -1,0 +1,308 @@
+#include "fsdp/param_group.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/native/Resize.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <functional>
+
+namespace fsdpp::fsdp {
+
+namespace {
+
+constexpr int64_t kAlign = 16;  // bytes; keeps every dtype view of the gather buffer aligned
+
+int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+bool is_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// See Note [unshard by storage resize].
+void resize_storage(const at::Tensor& t, size_t nbytes) {
+  TORCH_INTERNAL_ASSERT(t.device().is_cpu(), "fsdp: storage resize is implemented for CPU tensors");
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), nbytes);
+}
+
+std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
+
+}  // namespace
+
+ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const MixedPrecisionPolicy& mp,
+                       std::string label)
+    : comm_(std::move(comm)), label_(std::move(label)) {
+  const int64_t n = comm_.size(), rank = comm_.rank();
+  std::optional<at::ScalarType> widest_grad;
+  for (auto& spec : specs) {
+    const std::string& name = spec.names.front();
+    const at::Tensor& p = spec.param;
+    auto fail = [&](const std::string& why) {
+      throw std::invalid_argument(fmt::format("fully_shard({}): parameter '{}' {}", label_, name, why));
+    };
+    if (!p.defined()) fail("is undefined");
+    if (!p.device().is_cpu()) fail("is on " + p.device().str() + "; this build shards CPU tensors");
+    if (!is_float(p.scalar_type()))
+      fail(fmt::format("has dtype {}; only float32, float64, bfloat16 and float16 parameters can be "
+                       "sharded",
+                       dtype_name(p.scalar_type())));
+    if (p.dim() == 0) fail("is a 0-dim tensor; sharding needs at least one dimension");
+    if (!p.is_contiguous()) fail("is not contiguous");
+
+    Param q;
+    q.names = spec.names;
+    q.param = p;
+    q.shape = p.sizes().vec();
+    q.rows = p.size(0);
+    q.row_numel = 1;
+    for (size_t d = 1; d < q.shape.size(); ++d) q.row_numel *= q.shape[d];
+    q.padded_rows = (q.rows + n - 1) / n;
+    q.row_offset = std::min(q.rows, rank * q.padded_rows);
+    q.local_rows = std::clamp<int64_t>(q.rows - rank * q.padded_rows, 0, q.padded_rows);
+
+    auto compute = mp.param_dtype.value_or(p.scalar_type());
+    if (mp.param_dtype_override)
+      if (auto o = mp.param_dtype_override(name, p)) compute = *o;
+    if (!is_float(compute))
+      fail(fmt::format("would compute in {}; param_dtype must be a floating-point dtype",
+                       dtype_name(compute)));
+    auto grad = compute;
+    if (mp.grad_dtype)
+      if (auto g = mp.grad_dtype(name, p)) grad = *g;
+    if (!is_float(grad))
+      fail(fmt::format("has grad_dtype {}; it must be a floating-point dtype", dtype_name(grad)));
+    q.compute_dtype = compute;
+    q.grad_dtype = grad;
+    if (p.requires_grad())
+      widest_grad = widest_grad ? at::promote_types(*widest_grad, grad) : grad;
+
+    std::vector<int64_t> padded_shape = q.shape;
+    padded_shape[0] = q.padded_rows;
+    {
+      at::NoGradGuard no_grad;
+      q.padded = at::zeros(padded_shape, p.options());
+      q.padded.narrow(0, 0, q.local_rows).copy_(p.narrow(0, q.row_offset, q.local_rows));
+      q.sharded = q.padded.narrow(0, 0, q.local_rows).detach().requires_grad_(p.requires_grad());
+      q.unsharded = at::empty(q.shape, p.options().dtype(compute));
+      q.param.set_data(q.unsharded);
+    }
+    resize_storage(q.unsharded, 0);
+
+    q.gather_offset = gather_slot_bytes_;
+    q.gather_bytes = q.padded_numel() * at::elementSize(compute);
+    gather_slot_bytes_ += align_up(q.gather_bytes);
+    if (p.requires_grad()) {
+      q.reduce_offset = reduce_slot_numel_;
+      reduce_slot_numel_ += q.padded_numel();
+    } else {
+      q.reduce_offset = -1;
+    }
+    params_.push_back(std::move(q));
+  }
+  reduce_dtype_ = mp.reduce_dtype.value_or(widest_grad.value_or(at::kFloat));
+  if (!is_float(reduce_dtype_))
+    throw std::invalid_argument(fmt::format("fully_shard({}): reduce_dtype {} is not a floating-point dtype",
+                                            label_, dtype_name(reduce_dtype_)));
+  check_plan_is_uniform();
+}
+
+// Per-parameter dtype choices come from user callables; a rank that decides differently would
+// all-gather a different number of bytes and hang or corrupt. Compare a fingerprint of every
+// parameter's plan across ranks once, here.
+void ParamGroup::check_plan_is_uniform() {
+  const int64_t n = comm_.size();
+  const int64_t count = static_cast<int64_t>(params_.size());
+  auto counts = at::empty({n}, at::kLong);
+  comm_.all_gather(counts, at::full({1}, count, at::kLong)).wait();
+  for (int64_t q = 0; q < n; ++q)
+    if (counts[q].item<int64_t>() != count)
+      throw std::invalid_argument(fmt::format(
+          "fully_shard({}): rank {} shards {} parameters but rank {} shards {}; every rank must "
+          "wrap the same model",
+          label_, comm_.rank(), count, q, counts[q].item<int64_t>()));
+  if (count == 0) return;
+  auto mine = at::empty({count}, at::kLong);
+  for (int64_t i = 0; i < count; ++i) {
+    const auto& q = params_[i];
+    const std::string plan = fmt::format("{}|{}|{}|{}|{}", q.names.front(), fmt::join(q.shape, "x"),
+                                         dtype_name(q.compute_dtype), dtype_name(q.grad_dtype),
+                                         q.param.requires_grad());
+    mine[i] = static_cast<int64_t>(std::hash<std::string>{}(plan));
+  }
+  auto all = at::empty({n * count}, at::kLong);
+  comm_.all_gather(all, mine).wait();
+  auto view = all.view({n, count});
+  for (int64_t q = 0; q < n; ++q)
+    for (int64_t i = 0; i < count; ++i)
+      if (view[q][i].item<int64_t>() != mine[i].item<int64_t>()) {
+        const auto& p = params_[i];
+        throw std::invalid_argument(fmt::format(
+            "fully_shard({}): ranks {} and {} disagree on parameter '{}' (this rank: shape {}, "
+            "compute dtype {}, grad dtype {}); param_dtype_override and grad_dtype must give the "
+            "same answer on every rank",
+            label_, comm_.rank(), q, p.names.front(), fmt::join(p.shape, "x"),
+            dtype_name(p.compute_dtype), dtype_name(p.grad_dtype)));
+      }
+}
+
+void ParamGroup::unshard_async() {
+  if (unsharded_ || gather_work_) return;
+  const int64_t n = comm_.size();
+  gather_out_ = at::empty({n * gather_slot_bytes_}, at::kByte);
+  auto slot = gather_out_.narrow(0, comm_.rank() * gather_slot_bytes_, gather_slot_bytes_);
+  for (const auto& q : params_) {
+    if (q.gather_bytes == 0) continue;
+    // Copy-in casts from the sharded dtype to the compute dtype.
+    slot.narrow(0, q.gather_offset, q.gather_bytes).view(q.compute_dtype).view(q.padded.sizes()).copy_(q.padded);
+  }
+  gather_work_ = comm_.all_gather(gather_out_, slot);
+}
+
+void ParamGroup::wait_unshard() {
+  if (unsharded_) return;
+  unshard_async();
+  gather_work_->wait();
+  gather_work_.reset();
+  const int64_t n = comm_.size();
+  for (auto& q : params_) {
+    resize_storage(q.unsharded, q.numel() * at::elementSize(q.compute_dtype));
+    auto flat = q.unsharded.view(-1);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t rows = std::clamp<int64_t>(q.rows - r * q.padded_rows, 0, q.padded_rows);
+      if (rows == 0) continue;
+      const int64_t len = rows * q.row_numel;
+      auto src = gather_out_.narrow(0, r * gather_slot_bytes_ + q.gather_offset,
+                                    len * at::elementSize(q.compute_dtype));
+      flat.narrow(0, r * q.padded_numel(), len).copy_(src.view(q.compute_dtype));
+    }
+  }
+  gather_out_ = at::Tensor();
+  unsharded_ = true;
+}
+
+void ParamGroup::reshard() {
+  if (gather_work_) {  // a prefetch nobody used: let it land, then drop it
+    gather_work_->wait();
+    gather_work_.reset();
+    gather_out_ = at::Tensor();
+  }
+  if (!unsharded_) return;
+  for (auto& q : params_) resize_storage(q.unsharded, 0);
+  unsharded_ = false;
+}
+
+void ParamGroup::accumulate_grads() {
+  at::NoGradGuard no_grad;
+  for (auto& q : params_) {
+    at::Tensor& g = q.param.mutable_grad();
+    if (!g.defined()) continue;
+    if (!q.grad_acc.defined())
+      q.grad_acc = g.scalar_type() == q.grad_dtype ? g : g.to(q.grad_dtype);
+    else
+      q.grad_acc.add_(g);
+    g = at::Tensor();
+  }
+}
+
+bool ParamGroup::has_stray_grads() const {
+  for (const auto& q : params_)
+    if (q.param.grad().defined()) return true;
+  return false;
+}
+
+void ParamGroup::reduce_grads_async() {
+  accumulate_grads();
+  if (reduce_slot_numel_ == 0) return;
+  TORCH_INTERNAL_ASSERT(!reduce_work_, "fsdp: reduce-scatter issued twice for ", label_);
+  const int64_t n = comm_.size();
+  auto in = at::empty({n, reduce_slot_numel_}, at::TensorOptions().dtype(reduce_dtype_));
+  {
+    at::NoGradGuard no_grad;
+    for (auto& q : params_) {
+      if (q.reduce_offset < 0) continue;
+      const int64_t pn = q.padded_numel();
+      auto dst = in.narrow(1, q.reduce_offset, pn);
+      // A parameter that got no gradient here (an expert that saw no tokens) is reduced as zeros,
+      // so every rank still issues the same collective.
+      if (!q.grad_acc.defined()) {
+        dst.zero_();
+        continue;
+      }
+      auto flat = q.grad_acc.reshape(-1);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t len = std::clamp<int64_t>(q.numel() - r * pn, 0, pn);
+        dst[r].narrow(0, 0, len).copy_(flat.narrow(0, r * pn, len));
+        if (len < pn) dst[r].narrow(0, len, pn - len).zero_();
+      }
+      q.grad_acc = at::Tensor();
+    }
+  }
+  reduce_out_ = at::empty({reduce_slot_numel_}, in.options());
+  reduce_work_ = comm_.reduce_scatter(reduce_out_, in.view(-1), {dist::ReduceOp::kAvg});
+}
+
+void ParamGroup::finish_reduce() {
+  if (!reduce_work_) return;
+  reduce_work_->wait();
+  reduce_work_.reset();
+  at::NoGradGuard no_grad;
+  for (auto& q : params_) {
+    if (q.reduce_offset < 0) continue;
+    auto local_shape = q.shape;
+    local_shape[0] = q.local_rows;
+    auto piece = reduce_out_.narrow(0, q.reduce_offset, q.local_rows * q.row_numel)
+                     .view(local_shape)
+                     .to(q.sharded.scalar_type());
+    at::Tensor& g = q.sharded.mutable_grad();
+    if (g.defined())
+      g.add_(piece);
+    else
+      g = piece.clone();
+  }
+  reduce_out_ = at::Tensor();
+}
+
+std::vector<at::Tensor> ParamGroup::sharded_parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& q : params_) out.push_back(q.sharded);
+  return out;
+}
+
+std::vector<ShardInfo> ParamGroup::shard_infos() const {
+  std::vector<ShardInfo> out;
+  for (const auto& q : params_)
+    out.push_back({q.names, q.shape, q.row_offset, q.local_rows, q.padded_rows, q.compute_dtype,
+                   q.grad_dtype});
+  return out;
+}
+
+std::vector<at::Tensor> ParamGroup::gather_full_params() {
+  std::vector<at::Tensor> out;
+  const int64_t n = comm_.size();
+  for (const auto& q : params_) {
+    auto shape = q.shape;
+    shape[0] = n * q.padded_rows;
+    auto full = at::empty(shape, q.padded.options());
+    comm_.all_gather(full.view(-1), q.padded.view(-1)).wait();
+    out.push_back(full.narrow(0, 0, q.rows).clone());
+  }
+  return out;
+}
+
+void ParamGroup::load_full_params(const std::vector<at::Tensor>& full) {
+  TORCH_CHECK(full.size() == params_.size(), "fsdp: ", full.size(), " tensors for ", params_.size(),
+              " parameters of ", label_);
+  at::NoGradGuard no_grad;
+  reshard();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& q = params_[i];
+    if (full[i].sizes().vec() != q.shape)
+      throw std::invalid_argument(fmt::format("load: parameter '{}' has shape [{}] in the state dict "
+                                              "but [{}] in the model",
+                                              q.names.front(), fmt::join(full[i].sizes(), ", "),
+                                              fmt::join(q.shape, ", ")));
+    q.padded.narrow(0, 0, q.local_rows).copy_(full[i].narrow(0, q.row_offset, q.local_rows));
+  }
+}
+
+}  // namespace fsdpp::fsdp

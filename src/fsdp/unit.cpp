@@ -1,0 +1,212 @@
+#include "fsdp/unit.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+
+namespace fsdpp::fsdp {
+
+namespace {
+
+// Parameters owned by some unit, so that sharding one twice fails clearly.
+std::mutex g_registry_mu;
+std::unordered_map<const void*, std::string> g_registry;  // TensorImpl* -> owning unit's label
+
+// Identity in forward; its backward runs once the gradients of all the unit's inputs are ready,
+// which is after the unit's whole backward (and after its parameters' AccumulateGrad nodes, which
+// the engine runs as soon as they are ready).
+struct PostBackwardMarker : public torch::autograd::Function<PostBackwardMarker> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs, int64_t unit) {
+    ctx->saved_data["unit"] = unit;
+    return inputs.vec();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    reinterpret_cast<Unit*>(ctx->saved_data["unit"].toInt())->post_backward();
+    grads.emplace_back();  // no gradient for the unit pointer
+    return grads;
+  }
+};
+
+}  // namespace
+
+Unit::~Unit() {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  for (const void* k : owned_) g_registry.erase(k);
+}
+
+void Unit::shard(dist::Comm comm, std::vector<ParamSpec> params, FullyShardOptions options) {
+  if (group_) throw std::invalid_argument(fmt::format("fully_shard: '{}' is already sharded", label_));
+  std::vector<const void*> keys;
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    for (const auto& p : params) {
+      const void* k = p.param.unsafeGetTensorImpl();
+      if (auto it = g_registry.find(k); it != g_registry.end())
+        throw std::invalid_argument(fmt::format(
+            "fully_shard({}): parameter '{}' is already managed by unit '{}'; a module can be "
+            "sharded only once, and tied parameters must live in one unit",
+            label_, p.names.front(), it->second));
+      keys.push_back(k);
+    }
+  }
+  comm_ = comm;
+  options_ = std::move(options);
+  group_ = std::make_unique<ParamGroup>(std::move(comm), std::move(params), options_.mp, label_);
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    for (const void* k : keys) g_registry[k] = label_;
+  }
+  owned_ = std::move(keys);
+  tree_ = std::make_shared<detail::Tree>();
+  tree_->root = this;
+  tree_->units = {this};
+}
+
+void Unit::become_root(const std::vector<Unit*>& nested) {
+  TORCH_INTERNAL_ASSERT(group_, "fsdp: become_root before shard");
+  tree_->units.clear();
+  for (Unit* u : nested) {
+    u->tree_ = tree_;
+    tree_->units.push_back(u);
+  }
+  tree_->units.push_back(this);
+  tree_->root = this;
+}
+
+ParamGroup& Unit::group() {
+  if (!group_)
+    throw std::logic_error(fmt::format("fsdp: '{}' is used before fully_shard was called on it", label_));
+  return *group_;
+}
+
+std::vector<Unit*> Unit::tree_units() const { return tree_ ? tree_->units : std::vector<Unit*>{}; }
+
+bool Unit::reshard_after_forward() const {
+  return options_.reshard_after_forward.value_or(!is_root());
+}
+
+Unit* Unit::neighbour(const std::vector<Unit*>& order, int step) const {
+  auto it = std::find(order.begin(), order.end(), this);
+  if (it == order.end()) return nullptr;
+  const auto idx = (it - order.begin()) + step;
+  return idx >= 0 && idx < static_cast<std::ptrdiff_t>(order.size()) ? order[idx] : nullptr;
+}
+
+void Unit::pre_forward() {
+  if (!group_) return;  // not sharded: a plain module
+  auto& tree = *tree_;
+  if (is_root() && !tree.backward_active) {
+    // A new forward: the order recorded last time drives this time's prefetching.
+    if (!tree.forward_order.empty()) tree.last_forward_order = std::move(tree.forward_order);
+    tree.forward_order.clear();
+  }
+  group_->wait_unshard();
+  if (std::find(tree.forward_order.begin(), tree.forward_order.end(), this) == tree.forward_order.end())
+    tree.forward_order.push_back(this);
+  if (!forward_prefetch_.empty()) {
+    for (Unit* u : forward_prefetch_) u->group().unshard_async();
+  } else if (Unit* next = neighbour(tree.last_forward_order, +1); next && next != tree.root) {
+    next->group_->unshard_async();
+  }
+  pre_backward_done_ = false;
+  post_backward_done_ = false;
+}
+
+at::Tensor Unit::prepare_input(const at::Tensor& input) const {
+  const auto& mp = options_.mp;
+  if (group_ && mp.cast_forward_inputs && mp.param_dtype && input.defined() &&
+      input.is_floating_point() && input.scalar_type() != *mp.param_dtype)
+    return input.to(*mp.param_dtype);
+  return input;
+}
+
+std::vector<at::Tensor> Unit::mark_for_post_backward(const std::vector<at::Tensor>& inputs) {
+  if (!group_ || inputs.empty() || !at::GradMode::is_enabled()) return inputs;
+  return PostBackwardMarker::apply(at::TensorList(inputs), reinterpret_cast<int64_t>(this));
+}
+
+at::Tensor Unit::finish_output(const at::Tensor& output) {
+  if (!group_ || !output.defined()) return output;
+  at::Tensor out = output;
+  if (options_.mp.output_dtype && out.is_floating_point())
+    out = out.to(*options_.mp.output_dtype);
+  if (out.requires_grad() && at::GradMode::is_enabled())
+    out.register_hook([this](const at::Tensor&) { pre_backward(); });
+  return out;
+}
+
+void Unit::post_forward() {
+  if (group_ && reshard_after_forward()) group_->reshard();
+}
+
+void Unit::pre_backward() {
+  if (!group_ || pre_backward_done_) return;
+  pre_backward_done_ = true;
+  auto tree = tree_;
+  if (!tree->backward_active) {
+    tree->backward_active = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([tree] { finish_backward(tree); });
+  }
+  group_->wait_unshard();
+  if (!backward_prefetch_.empty()) {
+    for (Unit* u : backward_prefetch_) u->group().unshard_async();
+  } else if (Unit* prev = neighbour(tree->forward_order, -1); prev && prev != tree->root) {
+    prev->group_->unshard_async();
+  }
+}
+
+void Unit::post_backward() {
+  if (!group_ || post_backward_done_) return;
+  post_backward_done_ = true;
+  if (!tree_->requires_gradient_sync) {
+    group_->accumulate_grads();  // no-sync microbatch: keep the unsharded sum, no communication
+  } else {
+    group_->reduce_grads_async();
+    if (!options_.overlap_reduce_scatter) group_->finish_reduce();
+  }
+  if (tree_->reshard_after_backward) group_->reshard();
+}
+
+void Unit::finish_backward(const std::shared_ptr<detail::Tree>& tree) {
+  // Units whose inputs needed no gradient (a first layer fed token ids) had no marker; they run
+  // their post-backward now, in reverse forward order, the same on every rank.
+  for (auto it = tree->forward_order.rbegin(); it != tree->forward_order.rend(); ++it)
+    (*it)->post_backward();
+  // Parameters may stay unsharded across no-sync microbatches; after a synchronising backward the
+  // optimizer is about to change them, so the unsharded copies must go.
+  const bool reshard = tree->reshard_after_backward || tree->requires_gradient_sync;
+  for (Unit* u : tree->units) {
+    u->group_->finish_reduce();
+    if (u->group_->has_stray_grads())
+      throw std::logic_error(fmt::format(
+          "fsdp: a gradient of unit '{}' arrived after its reduce-scatter was issued; every "
+          "parameter of a unit must be used on the path from the unit's inputs to its outputs",
+          u->label_));
+    if (reshard) u->group_->reshard();
+    u->pre_backward_done_ = false;
+    u->post_backward_done_ = false;
+  }
+  tree->backward_active = false;
+}
+
+void Unit::unshard() {
+  for (Unit* u : tree_units()) u->group().unshard_async();
+  for (Unit* u : tree_units()) u->group().wait_unshard();
+}
+
+void Unit::reshard() {
+  for (Unit* u : tree_units()) u->group().reshard();
+}
+
+void Unit::set_requires_gradient_sync(bool sync) { tree_->requires_gradient_sync = sync; }
+void Unit::set_reshard_after_backward(bool reshard) { tree_->reshard_after_backward = reshard; }
+
+}  // namespace fsdpp::fsdp
