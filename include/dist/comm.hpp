@@ -75,6 +75,10 @@ class Comm {
   // A negative color takes part in the split but returns an empty Comm.
   Comm split(int color, int key) const;
 
+  // The backend behind this communicator, for decorators (for example one that counts operations:
+  // Comm(std::make_shared<Counting>(comm.impl_ptr()))).
+  const std::shared_ptr<detail::CommImpl>& impl_ptr() const { return impl_; }
+
  private:
   detail::CommImpl& impl() const;
   std::shared_ptr<detail::CommImpl> impl_;

@@ -64,11 +64,28 @@ struct ForwardAs<Derived, R (C::*)(A...)> {
 template <class Derived, class C, class R, class... A>
 struct ForwardAs<Derived, R (C::*)(A...) const> : ForwardAs<Derived, R (C::*)(A...)> {};
 
+template <class Impl, class = void>
+struct HasPlainForward : std::false_type {};
+template <class Impl>
+struct HasPlainForward<Impl, std::void_t<decltype(&Impl::forward)>> : std::true_type {};
+
+// A module whose forward is a template or overloaded (torch::nn::Sequential) gets a template
+// forward instead.
+template <class Derived, class Impl, bool = HasPlainForward<Impl>::value>
+struct ForwardFor : ForwardAs<Derived, decltype(&Impl::forward)> {};
+template <class Derived, class Impl>
+struct ForwardFor<Derived, Impl, false> {
+  template <class... A>
+  decltype(auto) forward(A&&... args) {
+    return static_cast<Derived*>(this)->run_forward(std::forward<A>(args)...);
+  }
+};
+
 // The tensors among forward's arguments, for the post-backward marker.
 inline void collect_tensors(std::vector<at::Tensor>& out, const at::Tensor& t) {
   if (t.defined() && t.requires_grad()) out.push_back(t);
 }
-template <class T>
+template <class T, class = std::enable_if_t<!std::is_same_v<std::decay_t<T>, at::Tensor>>>
 void collect_tensors(std::vector<at::Tensor>&, const T&) {}
 
 inline at::Tensor substitute(const Unit& unit, const at::Tensor& t,
@@ -77,7 +94,7 @@ inline at::Tensor substitute(const Unit& unit, const at::Tensor& t,
     if (from[i].is_same(t)) return unit.prepare_input(to[i]);
   return unit.prepare_input(t);
 }
-template <class T>
+template <class T, class = std::enable_if_t<!std::is_same_v<std::decay_t<T>, at::Tensor>>>
 T&& substitute(const Unit&, T&& x, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&) {
   return std::forward<T>(x);
 }
@@ -110,7 +127,7 @@ template <class M>
 class FullyShardImpl
     : public torch::nn::Module,
       public UnitHolder,
-      public detail::ForwardAs<FullyShardImpl<M>, decltype(&detail::ImplOf<M>::type::forward)> {
+      public detail::ForwardFor<FullyShardImpl<M>, typename detail::ImplOf<M>::type> {
  public:
   using Impl = typename detail::ImplOf<M>::type;
   static_assert(std::is_base_of_v<torch::nn::Module, Impl>,
@@ -196,6 +213,14 @@ FullyShard<Impl> fully_shard(const torch::nn::ModuleHolder<Impl>& module, const 
                              const FullyShardOptions& options = {}) {
   return fully_shard(module.ptr(), comm, options);
 }
+
+// This rank's shard of every parameter of the tree, with its name in the unwrapped model.
+struct Shard {
+  std::string name;
+  ShardInfo info;
+  at::Tensor param;  // the sharded parameter the optimizer updates (its .grad after backward)
+};
+std::vector<Shard> shards(UnitHolder& root);
 
 // Every parameter in full, under its name in the unwrapped model, in its original dtype. Collective.
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(UnitHolder& root);

@@ -98,6 +98,17 @@ double clip_grad_norm(UnitHolder& root, double max_norm) {
   return norm;
 }
 
+std::vector<Shard> shards(UnitHolder& root) {
+  std::vector<Shard> out;
+  for (Unit* u : root.fsdp_unit().tree_units()) {
+    auto infos = u->group().shard_infos();
+    auto params = u->group().sharded_parameters();
+    for (size_t i = 0; i < infos.size(); ++i)
+      out.push_back({detail::join_path(u->prefix(), infos[i].names.front()), infos[i], params[i]});
+  }
+  return out;
+}
+
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(UnitHolder& root) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (Unit* u : root.fsdp_unit().tree_units()) {

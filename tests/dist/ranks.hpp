@@ -47,7 +47,9 @@ inline void run_ranks(int n, const std::function<void(dist::Comm&)>& body,
       try {
         std::rethrow_exception(errors[r]);
       } catch (const std::exception& e) {
-        FAIL("rank " << r << " of " << n << " threw: " << e.what());
+        FAIL("rank " << r << " of " << n << " threw: " << std::string(e.what()));
+      } catch (...) {
+        FAIL("rank " << r << " of " << n << " stopped at a failed REQUIRE (see above)");
       }
     }
 }

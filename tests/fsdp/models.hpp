@@ -4,6 +4,8 @@
 // also the plain LibTorch reference).
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/functional.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
@@ -18,7 +20,10 @@ struct BlockImpl : torch::nn::Module {
     fc2 = register_module("fc2", torch::nn::Linear(2 * d, d));
     norm_weight = register_parameter("norm_weight", at::ones({d}));
   }
-  at::Tensor forward(at::Tensor x) { return x + fc2(at::tanh(fc1(x * norm_weight))); }
+  // The norm weight may be kept in float32 inside a bfloat16 model; compute returns to x's dtype.
+  at::Tensor forward(at::Tensor x) {
+    return x + fc2(at::tanh(fc1((x * norm_weight).to(x.scalar_type()))));
+  }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
   at::Tensor norm_weight;
 };

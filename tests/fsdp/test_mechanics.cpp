@@ -1,0 +1,352 @@
+// fully_shard: an independent float64 oracle, collective counts, mixed precision, tied and unused
+// parameters, identity of parameters, and misuse.
+#include <Eigen/Dense>
+
+#include "fsdp/counting_comm.hpp"
+#include "fsdp/models.hpp"
+
+using namespace fsdpp;
+
+namespace {
+
+// Wraps `comm` so its operations are counted.
+std::pair<dist::Comm, std::shared_ptr<test::CountingComm>> counted(dist::Comm& comm) {
+  auto c = std::make_shared<test::CountingComm>(comm.impl_ptr());
+  return {dist::Comm(c), c};
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
+TEST_CASE("sharded float32 gradients of an MLP match an Eigen float64 oracle at world size 3") {
+  // MLP 4 -> 7 -> 2 with tanh, loss = mean squared error over a batch of 6.
+  using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  auto g = at::detail::createCPUGenerator(99);
+  const auto w1 = at::randn({7, 4}, g), b1 = at::randn({7}, g), w2 = at::randn({2, 7}, g),
+             b2 = at::randn({2}, g), x = at::randn({6, 4}, g), y = at::randn({6, 2}, g);
+  auto to_eigen = [](const at::Tensor& t) {
+    auto d = t.to(at::kDouble).contiguous().view({t.size(0), t.dim() > 1 ? t.size(1) : 1});
+    return Mat(Eigen::Map<const Mat>(d.data_ptr<double>(), d.size(0), d.size(1)));
+  };
+  const Mat W1 = to_eigen(w1), B1 = to_eigen(b1), W2 = to_eigen(w2), B2 = to_eigen(b2),
+            X = to_eigen(x), Y = to_eigen(y);
+  // Forward and backward by hand, in float64.
+  const Mat Z1 = (X * W1.transpose()).rowwise() + B1.transpose().row(0);
+  const Mat H = Z1.array().tanh().matrix();
+  const Mat O = (H * W2.transpose()).rowwise() + B2.transpose().row(0);
+  const Mat dO = 2.0 * (O - Y) / static_cast<double>(O.size());
+  const Mat dW2 = dO.transpose() * H, dB2 = dO.colwise().sum().transpose();
+  const Mat dZ1 = ((dO * W2).array() * (1 - H.array().square())).matrix();
+  const Mat dW1 = dZ1.transpose() * X, dB1 = dZ1.colwise().sum().transpose();
+  const std::map<std::string, Mat> oracle = {
+      {"0.weight", dW1}, {"0.bias", dB1}, {"2.weight", dW2}, {"2.bias", dB2}};
+
+  test::run_ranks(3, [&](dist::Comm& comm) {
+    auto mlp = torch::nn::Sequential(torch::nn::Linear(4, 7), torch::nn::Functional(at::tanh),
+                                     torch::nn::Linear(7, 2));
+    {
+      at::NoGradGuard no_grad;
+      auto p = mlp->named_parameters();
+      p["0.weight"].copy_(w1), p["0.bias"].copy_(b1), p["2.weight"].copy_(w2), p["2.bias"].copy_(b2);
+    }
+    auto model = fsdp::fully_shard(mlp, comm);
+    // Each rank takes 2 of the 6 rows; the reduce-scatter averages, giving the full-batch mean.
+    const auto r = comm.rank();
+    at::mse_loss(model->forward(x.narrow(0, 2 * r, 2)), y.narrow(0, 2 * r, 2)).backward();
+    for (const auto& s : fsdp::shards(*model.ptr())) {
+      INFO(s.name << " on rank " << r);
+      REQUIRE(oracle.count(s.name) == 1);
+      const Mat& full = oracle.at(s.name);
+      REQUIRE(s.param.grad().defined());
+      const auto got = to_eigen(s.param.grad().reshape({s.info.local_rows, full.cols()}));
+      for (int64_t i = 0; i < s.info.local_rows; ++i)
+        for (int64_t j = 0; j < full.cols(); ++j)
+          CHECK(std::abs(got(i, j) - full(s.info.row_offset + i, j)) <=
+                1e-5 * (std::abs(full(s.info.row_offset + i, j)) + 1e-3));
+    }
+  });
+}
+
+TEST_CASE("one all-gather per unit per unshard and one reduce-scatter per unit per synced backward") {
+  for (bool mixed : {false, true})
+    test::run_ranks(2, [&](dist::Comm& world) {
+      auto [comm, counter] = counted(world);
+      auto net = test::Net(6, 3);
+      fsdp::FullyShardOptions o;
+      if (mixed) {  // bfloat16 compute with float32 norms: still one all-gather per unit
+        o.mp.param_dtype = at::kBFloat16;
+        o.mp.param_dtype_override = fsdp::dtype_for({"*norm*"}, at::kFloat);
+      }
+      auto model = fsdp::fully_shard(net, comm, o);
+      const int units = 4;  // 3 blocks and the root
+      auto x = at::randn({4, 5});
+      counter->reset();
+      model->set_requires_gradient_sync(false);
+      model->forward(x).sum().backward();
+      // Forward gathers every unit; backward gathers again the units resharded after forward
+      // (all but the root). No reduce-scatter without gradient sync.
+      CHECK(counter->all_gathers == units + (units - 1));
+      CHECK(counter->reduce_scatters == 0);
+      counter->reset();
+      model->set_requires_gradient_sync(true);
+      model->forward(x).sum().backward();
+      CHECK(counter->all_gathers == units + (units - 1));
+      CHECK(counter->reduce_scatters == units);
+      counter->reset();
+      fsdp::clip_grad_norm(*model.ptr(), 1.0);
+      CHECK(counter->all_reduces == 1);
+    });
+}
+
+namespace {
+
+// Records the dtypes its parameters have while its forward runs.
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl() {
+    fc = register_module("fc", torch::nn::Linear(4, 4));
+    norm_weight = register_parameter("norm_weight", at::ones({4}));
+  }
+  at::Tensor forward(at::Tensor x) {
+    seen_fc = fc->weight.scalar_type();
+    seen_norm = norm_weight.scalar_type();
+    seen_input = x.scalar_type();
+    return fc(x) * norm_weight.to(x.scalar_type());
+  }
+  torch::nn::Linear fc{nullptr};
+  at::Tensor norm_weight;
+  at::ScalarType seen_fc{}, seen_norm{}, seen_input{};
+};
+
+}  // namespace
+
+TEST_CASE("mixed precision: bfloat16 compute, float32 overrides, output dtype") {
+  test::run_ranks(2, [](dist::Comm& comm) {
+    auto probe = std::make_shared<ProbeImpl>();
+    fsdp::FullyShardOptions o;
+    o.mp.param_dtype = at::kBFloat16;
+    o.mp.output_dtype = at::kFloat;
+    o.mp.param_dtype_override = fsdp::dtype_for({"*norm*"}, at::kFloat);
+    auto model = fsdp::fully_shard(probe, comm, o);
+    auto out = model->forward(at::randn({3, 4}));
+    CHECK((probe->seen_fc == at::kBFloat16));
+    CHECK((probe->seen_norm == at::kFloat));
+    CHECK((probe->seen_input == at::kBFloat16));  // cast_forward_inputs
+    CHECK((out.scalar_type() == at::kFloat));     // output_dtype
+    out.sum().backward();
+    for (const auto& s : fsdp::shards(*model.ptr())) {
+      CHECK((s.param.scalar_type() == at::kFloat));  // the optimizer's copy keeps its dtype
+      CHECK((s.param.grad().scalar_type() == at::kFloat));
+    }
+  });
+}
+
+TEST_CASE("float32 grad_dtype accumulates 8 bfloat16 microbatches closer to float64 than bfloat16") {
+  // The same 8 no-sync microbatches with unsharded gradients accumulated in bfloat16 (the compute
+  // dtype) and in float32 (grad_dtype), against the float64 sum of the same gradients.
+  auto g = at::detail::createCPUGenerator(5);
+  auto init = test::Net(16, 2);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : init->parameters()) p.copy_(at::randn(p.sizes(), g) * 0.5);
+  }
+  std::vector<at::Tensor> xs;
+  for (int m = 0; m < 8; ++m) xs.push_back(at::randn({4, 5}, g) * (1 + m));
+  // Reference: each microbatch's bfloat16 gradient from the unwrapped bfloat16 model (the same
+  // computation the sharded run does), summed in float64. What remains is accumulation error.
+  auto ref = test::Net(16, 2);
+  test::copy_params(*ref, *init);
+  ref->to(at::kBFloat16);
+  std::map<std::string, at::Tensor> ref_grads;
+  for (const auto& x : xs) {
+    for (auto& p : ref->parameters()) p.mutable_grad() = at::Tensor();
+    ref->forward(x.to(at::kBFloat16)).pow(2).sum().backward();
+    for (auto& p : ref->named_parameters()) {
+      auto g = p.value().grad().to(at::kDouble);
+      ref_grads[p.key()] = ref_grads.count(p.key()) ? ref_grads[p.key()] + g : g;
+    }
+  }
+  std::map<bool, double> error;  // keyed by "float32 accumulation"
+  for (bool fp32_acc : {false, true})
+    test::run_ranks(2, [&](dist::Comm& comm) {
+      auto net = test::Net(16, 2);
+      test::copy_params(*net, *init);
+      fsdp::FullyShardOptions o;
+      o.mp.param_dtype = at::kBFloat16;
+      o.mp.reduce_dtype = at::kFloat;
+      if (fp32_acc) o.mp.grad_dtype = [](const std::string&, const at::Tensor&) { return std::optional(at::kFloat); };
+      auto model = fsdp::fully_shard(net, comm, o);
+      // Both ranks see all microbatches; the average over 2 ranks is then the sum itself.
+      for (int m = 0; m < 8; ++m) {
+        model->set_requires_gradient_sync(m == 7);
+        model->forward(xs[m]).pow(2).sum().backward();
+      }
+      double num = 0, den = 0;
+      for (const auto& s : fsdp::shards(*model.ptr())) {
+        auto want = ref_grads[s.name].narrow(0, s.info.row_offset, s.info.local_rows);
+        num += (s.param.grad().to(at::kDouble) - want).pow(2).sum().item<double>();
+        den += want.pow(2).sum().item<double>();
+      }
+      auto t = at::tensor({num, den}, at::kDouble);
+      comm.all_reduce(t).wait();
+      if (comm.rank() == 0) error[fp32_acc] = std::sqrt(t[0].item<double>() / t[1].item<double>());
+    });
+  MESSAGE("relative error, bfloat16 accumulation: " << error[false]
+                                                    << ", float32 grad_dtype: " << error[true]);
+  CHECK(error[true] * 10 < error[false]);
+}
+
+namespace {
+
+struct AffineImpl : torch::nn::Module {
+  AffineImpl(at::Tensor w, int64_t n) {
+    weight = register_parameter("weight", std::move(w));
+    bias = register_parameter("bias", at::zeros({n}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+  at::Tensor weight, bias;
+};
+
+// emb and out share one weight, as shared embedding and output weights do.
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() {
+    auto w = at::randn({5, 5});
+    emb = register_module("emb", std::make_shared<AffineImpl>(w, 5));
+    out = register_module("out", std::make_shared<AffineImpl>(w, 5));
+  }
+  at::Tensor forward(at::Tensor x) { return out->forward(at::tanh(emb->forward(x))); }
+  std::shared_ptr<AffineImpl> emb, out;
+};
+
+}  // namespace
+
+TEST_CASE("tied parameters are managed once and train like the unsharded model (5 rows on 3 ranks)") {
+  auto g = at::detail::createCPUGenerator(3);
+  auto init = std::make_shared<TiedImpl>();
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : init->parameters()) p.copy_(at::randn(p.sizes(), g));
+  }
+  const auto x = at::randn({6, 5}, g), y = at::randn({6, 5}, g);
+  auto ref = std::make_shared<TiedImpl>();
+  test::copy_params(*ref, *init);
+  // The tied weight appears under two names; the optimizer must see it once.
+  std::vector<at::Tensor> unique;
+  for (auto& p : ref->parameters())
+    if (std::none_of(unique.begin(), unique.end(), [&](const at::Tensor& u) { return u.is_same(p); }))
+      unique.push_back(p);
+  torch::optim::AdamW ropt(unique, torch::optim::AdamWOptions(1e-2));
+  for (int s = 0; s < 5; ++s) {
+    ropt.zero_grad();
+    at::mse_loss(ref->forward(x), y).backward();
+    ropt.step();
+  }
+  test::run_ranks(3, [&](dist::Comm& comm) {
+    auto m = std::make_shared<TiedImpl>();
+    test::copy_params(*m, *init);
+    auto model = fsdp::fully_shard(m, comm);
+    CHECK(fsdp::shards(*model.ptr()).size() == 3);  // emb.weight (= out.weight), emb.bias, out.bias
+    torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
+    const auto r = comm.rank();
+    for (int s = 0; s < 5; ++s) {
+      opt.zero_grad();
+      at::mse_loss(model->forward(x.narrow(0, 2 * r, 2)), y.narrow(0, 2 * r, 2)).backward();
+      opt.step();
+    }
+    auto full = fsdp::full_state_dict(*model.ptr());
+    CHECK(full.size() == 4);  // both names of the tied weight
+    auto want = ref->named_parameters();
+    for (auto& [name, value] : full) {
+      INFO(name);
+      CHECK(test::rel_diff(value, want[name]) < 1e-5);
+    }
+  });
+}
+
+namespace {
+
+// An "expert" used only when the batch says so, as an MoE expert that receives no tokens.
+struct GatedImpl : torch::nn::Module {
+  GatedImpl() {
+    base = register_module("base", torch::nn::Linear(4, 4));
+    expert = register_module("expert", torch::nn::Linear(4, 4));
+  }
+  at::Tensor forward(at::Tensor x, bool use_expert) {
+    auto h = base(x);
+    return use_expert ? h + expert(h) : h;
+  }
+  torch::nn::Linear base{nullptr}, expert{nullptr};
+};
+
+}  // namespace
+
+TEST_CASE("a parameter that gets no gradient on some rank is reduced as zeros, without a hang") {
+  auto g = at::detail::createCPUGenerator(11);
+  const auto x = at::randn({4, 4}, g);
+  auto init = std::make_shared<GatedImpl>();
+  // Expected: rank 0 alone uses the expert, so its gradient is rank 0's over 2 ranks.
+  auto ref = std::make_shared<GatedImpl>();
+  test::copy_params(*ref, *init);
+  ref->forward(x.narrow(0, 0, 2), true).sum().backward();
+  const auto want = ref->expert->weight.grad() / 2;
+  test::run_ranks(2, [&](dist::Comm& comm) {
+    auto m = std::make_shared<GatedImpl>();
+    test::copy_params(*m, *init);
+    auto model = fsdp::fully_shard(m, comm);
+    model->forward(x.narrow(0, 2 * comm.rank(), 2), comm.rank() == 0).sum().backward();
+    for (const auto& s : fsdp::shards(*model.ptr()))
+      if (s.name == "expert.weight")
+        CHECK(test::rel_diff(s.param.grad(), want.narrow(0, s.info.row_offset, s.info.local_rows)) < 1e-6);
+  });
+}
+
+TEST_CASE("unshard and reshard change storage, not the parameter objects") {
+  test::run_ranks(2, [](dist::Comm& comm) {
+    auto net = test::Net(6, 2);
+    std::map<std::string, const void*> before;
+    for (auto& p : net->named_parameters()) before[p.key()] = p.value().unsafeGetTensorImpl();
+    auto model = fsdp::fully_shard(net, comm);
+    for (auto& p : model->named_parameters()) {
+      INFO(p.key());
+      CHECK(before.at(p.key()) == p.value().unsafeGetTensorImpl());
+      CHECK(p.value().storage().nbytes() == 0);  // resharded
+    }
+    model->unshard();
+    for (auto& p : model->named_parameters())
+      CHECK(p.value().storage().nbytes() == p.value().numel() * p.value().element_size());
+    model->reshard();
+    for (auto& p : model->named_parameters()) CHECK(p.value().storage().nbytes() == 0);
+  });
+}
+
+TEST_CASE("misuse is a clear error: sharding twice, rank-dependent overrides, bad dtypes") {
+  test::run_ranks(2, [](dist::Comm& comm) {
+    auto net = test::Net(6, 1);
+    auto model = fsdp::fully_shard(net, comm);
+    auto msg = error_of([&] { fsdp::fully_shard(net, comm); });
+    CHECK(msg.find("is already managed by unit") != std::string::npos);
+
+    fsdp::FullyShardOptions o;
+    o.mp.param_dtype = at::kBFloat16;
+    const int r = comm.rank();
+    o.mp.param_dtype_override = [r](const std::string& name, const at::Tensor&) -> std::optional<at::ScalarType> {
+      if (r == 0 && name == "head.weight") return at::kFloat;
+      return std::nullopt;
+    };
+    msg = error_of([&] { fsdp::fully_shard(test::Net(6, 1), comm, o); });
+    INFO(msg);
+    CHECK(msg.find("disagree on parameter") != std::string::npos);
+
+    fsdp::FullyShardOptions bad;
+    bad.mp.param_dtype = at::kInt;
+    msg = error_of([&] { fsdp::fully_shard(test::Net(6, 1), comm, bad); });
+    CHECK(msg.find("param_dtype must be a floating-point dtype") != std::string::npos);
+  });
+}
