@@ -1,6 +1,7 @@
 # Finds what fsdpp builds on. Sets FSDPP_HAVE_GLOO.
 find_package(Torch REQUIRED)
 find_package(fmt REQUIRED)
+find_package(nlohmann_json REQUIRED)
 find_package(CLI11 QUIET)
 if(NOT TARGET CLI11::CLI11)
   find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)

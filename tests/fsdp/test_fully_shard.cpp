@@ -1,4 +1,5 @@
 // fully_shard: equivalence with unsharded training, collectives, mechanics, bad use.
+#include "fsdp/checkpoint.hpp"
 #include "fsdp/models.hpp"
 
 using namespace fsdpp;
@@ -129,4 +130,71 @@ TEST_CASE("overlap off, reshard_after_forward off: same results") {
     o.reshard_after_forward = false;
     check_same(train_sharded(comm, 1, o), want, "no overlap, no reshard");
   });
+}
+
+namespace {
+
+// One AdamW step on this rank's slice of the batch; returns the loss averaged over ranks.
+double train_step(fsdp::FullyShard<test::NetImpl>& model, torch::optim::AdamW& opt, dist::Comm& comm,
+                  const Data& data) {
+  const int64_t local = kBatch / comm.size();
+  opt.zero_grad();
+  auto loss = at::mse_loss(model->forward(data.x.narrow(0, comm.rank() * local, local)),
+                           data.y.narrow(0, comm.rank() * local, local));
+  loss.backward();
+  opt.step();
+  auto l = at::full({1}, loss.item<double>(), at::kDouble);
+  comm.all_reduce(l, {dist::ReduceOp::kAvg}).wait();
+  return l.item<double>();
+}
+
+}  // namespace
+
+TEST_CASE("a sharded checkpoint saved at 4 ranks resumes at 2 and 3 with the same losses") {
+  const auto dir = test::fresh_store_path() + "-ckpt";
+  const auto data = make_data();
+  std::vector<double> uninterrupted;
+  test::run_ranks(4, [&](dist::Comm& comm) {
+    auto net = Net(8, 3);
+    test::copy_params(*net, *make_reference());
+    auto model = fsdp::fully_shard(net, comm);
+    torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int s = 0; s < 3; ++s) train_step(model, opt, comm, data);
+    fsdp::save_sharded(*model.ptr(), dir, &opt);
+    std::vector<double> losses;
+    for (int s = 0; s < 3; ++s) losses.push_back(train_step(model, opt, comm, data));
+    if (comm.rank() == 0) uninterrupted = losses;
+  });
+  for (int n : {2, 3})
+    test::run_ranks(n, [&](dist::Comm& comm) {
+      auto model = fsdp::fully_shard(Net(8, 3), comm);  // fresh weights, replaced by the load
+      torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
+      fsdp::load_sharded(*model.ptr(), dir, &opt);
+      for (int s = 0; s < 3; ++s) {
+        const double loss = train_step(model, opt, comm, data);
+        INFO("world " << n << " step " << s << ": " << loss << " vs " << uninterrupted[s]);
+        CHECK(std::abs(loss - uninterrupted[s]) <= 1e-5 * std::abs(uninterrupted[s]));
+      }
+    });
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a checkpoint with a missing rank file is rejected naming the file") {
+  const auto dir = test::fresh_store_path() + "-ckpt";
+  test::run_ranks(2, [&](dist::Comm& comm) {
+    auto model = fsdp::fully_shard(Net(8, 1), comm);
+    fsdp::save_sharded(*model.ptr(), dir);
+  });
+  std::filesystem::remove(dir + "/rank1.json");
+  test::run_ranks(1, [&](dist::Comm& comm) {
+    auto model = fsdp::fully_shard(Net(8, 1), comm);
+    std::string msg;
+    try {
+      fsdp::load_sharded(*model.ptr(), dir);
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    CHECK(msg.find("rank1.json is missing") != std::string::npos);
+  });
+  std::filesystem::remove_all(dir);
 }
