@@ -150,7 +150,8 @@ std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& add
                                   int local_rank, const std::string& error_file) {
   static const char* kOwned[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                  "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                                 "TORCHELASTIC_USE_AGENT_STORE", "FSDPP_ERROR_FILE"};
+                                 "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
+                                 "FSDPP_ERROR_FILE"};
   std::vector<std::string> env;
   bool has_omp = false;
   for (char** e = environ; *e; ++e) {
@@ -170,6 +171,7 @@ std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& add
   env.push_back("MASTER_ADDR=" + addr);
   env.push_back(fmt::format("MASTER_PORT={}", port));
   env.push_back("TORCHELASTIC_USE_AGENT_STORE=True");  // node 0's launcher hosts the store
+  env.push_back("TORCHELASTIC_RESTART_COUNT=0");  // PyTorch's env:// reads it with the above
   env.push_back("FSDPP_ERROR_FILE=" + error_file);
   // As torchrun does: ranks sharing a node should not each spawn a thread per core.
   if (!has_omp && o.nproc > 1) env.push_back("OMP_NUM_THREADS=1");

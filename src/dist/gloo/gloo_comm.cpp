@@ -316,6 +316,17 @@ class GlooComm : public CommImpl {
   template <typename F>
   Work enqueue(std::string what, std::vector<at::Tensor> tensors, F&& body) {
     auto state = std::make_shared<WorkState>(std::move(what));
+    if (size_ == 1) {
+      // Alone in the group, every collective is a local copy: run it here rather than pay two
+      // thread hand-offs. Nothing else can be queued (send/recv to self are rejected).
+      try {
+        body(0);
+        state->finish();
+      } catch (...) {
+        state->finish(std::current_exception());
+      }
+      return Work(state);
+    }
     state->tensors = std::move(tensors);
     push({state, [body = std::forward<F>(body)](uint32_t tag) {
             body(tag);

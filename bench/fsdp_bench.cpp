@@ -1,0 +1,195 @@
+// fully_shard benchmarks; each mode prints one result line (rank 0 only under the launcher).
+//   throughput --sharded|--unsharded [--threads N] [--no-overlap] [--steps S] [--batch B]
+//       tokens/s of bench/transformer.hpp training with AdamW; B is the global batch (sequences).
+//       --sharded runs under `fsdpp launch`, each of the dp ranks taking B/dp sequences.
+//   memory        per-rank bytes of parameters, gradients and AdamW state after one step
+//   unit-cost     microseconds of framework bookkeeping per unit per step, 200 tiny units, 1 rank
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <string>
+
+#include "dist/init.hpp"
+#include "fsdpp/blas.hpp"
+#include "transformer.hpp"
+
+using namespace fsdpp;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Args {
+  std::string mode;
+  bool sharded = false, overlap = true;
+  int threads = 1, steps = 20;
+  int64_t batch = 16;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  a.mode = argc > 1 ? argv[1] : "";
+  for (int i = 2; i < argc; ++i) {
+    const std::string s = argv[i];
+    auto next = [&] { return i + 1 < argc ? std::atoll(argv[++i]) : 0; };
+    if (s == "--sharded") a.sharded = true;
+    else if (s == "--unsharded") a.sharded = false;
+    else if (s == "--no-overlap") a.overlap = false;
+    else if (s == "--threads") a.threads = static_cast<int>(next());
+    else if (s == "--steps") a.steps = static_cast<int>(next());
+    else if (s == "--batch") a.batch = next();
+    else throw std::invalid_argument("fsdp_bench: unknown argument " + s);
+  }
+  return a;
+}
+
+at::Tensor tokens(int64_t batch, int64_t seq, int64_t seed) {
+  auto g = at::detail::createCPUGenerator(seed);
+  return at::randint(256, {batch, seq + 1}, g);
+}
+
+int throughput(const Args& a) {
+  at::set_num_threads(a.threads);
+  bench::TransformerConfig cfg;
+  auto net = bench::Transformer(cfg);
+  dist::Comm comm;
+  int rank = 0, dp = 1;
+  std::optional<fsdp::FullyShard<bench::TransformerImpl>> model;
+  std::vector<at::Tensor> params = net->parameters();
+  if (a.sharded) {
+    comm = dist::init_from_env();
+    rank = comm.rank();
+    dp = comm.size();
+    fsdp::FullyShardOptions o;
+    o.overlap_reduce_scatter = a.overlap;
+    model = fsdp::fully_shard(net, comm, o);
+    params = (*model)->sharded_parameters();
+  }
+  if (rank == 0) std::cout << describe(probe_blas()) << std::endl;
+  const int64_t local = a.batch / dp;
+  auto data = tokens(a.batch, cfg.seq, 1).narrow(0, rank * local, local);
+  auto x = data.narrow(1, 0, cfg.seq), y = data.narrow(1, 1, cfg.seq);
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-3));
+  auto step = [&] {
+    opt.zero_grad();
+    auto logits = model ? (*model)->forward(x) : net->forward(x);
+    at::cross_entropy_loss(logits.reshape({-1, cfg.vocab}), y.reshape(-1)).backward();
+    opt.step();
+  };
+  for (int i = 0; i < 3; ++i) step();
+  if (a.sharded) comm.barrier().wait();
+  const auto t0 = Clock::now();
+  for (int i = 0; i < a.steps; ++i) step();
+  if (a.sharded) comm.barrier().wait();
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (rank == 0)
+    std::cout << fmt::format("RESULT throughput {} dp={} threads/rank={} overlap={} tokens/s={:.0f} step_ms={:.1f}\n",
+                             a.sharded ? "fsdpp" : "unsharded", dp, a.threads, a.overlap,
+                             a.batch * cfg.seq * a.steps / secs, secs / a.steps * 1e3);
+  return 0;
+}
+
+int memory(const Args&) {
+  at::set_num_threads(1);
+  bench::TransformerConfig cfg;
+  auto comm = dist::init_from_env();
+  auto model = fsdp::fully_shard(bench::Transformer(cfg), comm);
+  torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  auto data = tokens(2 * comm.size(), cfg.seq, 1).narrow(0, comm.rank() * 2, 2);
+  at::cross_entropy_loss(model->forward(data.narrow(1, 0, cfg.seq)).reshape({-1, cfg.vocab}),
+                         data.narrow(1, 1, cfg.seq).reshape(-1))
+      .backward();
+  opt.step();
+  // This rank's bytes: sharded parameters, their gradients and AdamW's two moments.
+  int64_t mine = 0, total = 0, largest_unit = 0;
+  for (fsdp::Unit* u : model->fsdp_unit().tree_units()) {
+    int64_t unit_bytes = 0;
+    for (const auto& info : u->group().shard_infos()) {
+      int64_t numel = 1;
+      for (auto d : info.global_shape) numel *= d;
+      total += 4 * numel * 4;  // fp32 parameter + gradient + 2 moments
+      unit_bytes += numel * at::elementSize(info.compute_dtype);
+    }
+    largest_unit = std::max(largest_unit, unit_bytes);
+  }
+  for (const auto& p : model->sharded_parameters()) {
+    mine += p.nbytes() + (p.grad().defined() ? p.grad().nbytes() : 0);
+  }
+  for (auto& kv : opt.state()) {
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*kv.second);
+    mine += st.exp_avg().nbytes() + st.exp_avg_sq().nbytes();
+  }
+  auto t = at::full({1}, static_cast<double>(mine), at::kDouble);
+  comm.all_reduce(t, {dist::ReduceOp::kMax}).wait();
+  if (comm.rank() == 0) {
+    const double ideal = static_cast<double>(total) / comm.size();
+    std::cout << fmt::format(
+        "RESULT memory dp={} max_rank_bytes={:.0f} total_unsharded_bytes={} ideal={:.0f} "
+        "ratio={:.3f} bound={:.0f} largest_unit_unsharded_bytes={}\n",
+        comm.size(), t.item<double>(), total, ideal, t.item<double>() / ideal,
+        1.05 * ideal + 2 * largest_unit, largest_unit);
+  }
+  return 0;
+}
+
+struct TinyImpl : torch::nn::Module {
+  TinyImpl() {
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (int i = 0; i < 200; ++i)
+      layers->push_back(fsdp::FullyShard<torch::nn::Linear>(torch::nn::Linear(8, 8)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& l : *layers) x = l->as<fsdp::FullyShardImpl<torch::nn::Linear>>()->forward(x);
+    return x;
+  }
+  torch::nn::ModuleList layers{nullptr};
+};
+
+int unit_cost(const Args& a) {
+  at::set_num_threads(1);
+  auto comm = dist::init_from_env();
+  auto x = at::randn({4, 8});
+  auto time_steps = [&](auto& forward, std::vector<at::Tensor> params) {
+    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-4));
+    auto step = [&] {
+      opt.zero_grad();
+      forward(x).sum().backward();
+      opt.step();
+    };
+    for (int i = 0; i < 3; ++i) step();
+    const auto t0 = Clock::now();
+    for (int i = 0; i < a.steps; ++i) step();
+    return std::chrono::duration<double>(Clock::now() - t0).count() / a.steps;
+  };
+  auto plain = std::make_shared<TinyImpl>();
+  auto plain_fwd = [&](const at::Tensor& t) { return plain->forward(t); };
+  const double t_plain = time_steps(plain_fwd, plain->parameters());
+  auto model = fsdp::fully_shard(std::make_shared<TinyImpl>(), comm);
+  auto sharded_fwd = [&](const at::Tensor& t) { return model->forward(t); };
+  const double t_sharded = time_steps(sharded_fwd, model->sharded_parameters());
+  if (comm.rank() == 0)
+    std::cout << fmt::format("RESULT unit-cost units=200 world={} plain_step_us={:.0f} sharded_step_us={:.0f} "
+                             "us_per_unit_per_step={:.1f}\n",
+                             comm.size(), t_plain * 1e6, t_sharded * 1e6, (t_sharded - t_plain) * 1e6 / 200);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const auto a = parse(argc, argv);
+    if (a.mode == "throughput") return throughput(a);
+    if (a.mode == "memory") return memory(a);
+    if (a.mode == "unit-cost") return unit_cost(a);
+    std::cerr << "usage: fsdpp_fsdp_bench throughput|memory|unit-cost [options]\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "fsdp_bench: " << e.what() << "\n";
+    return 1;
+  }
+}
