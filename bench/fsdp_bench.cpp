@@ -1,5 +1,5 @@
 // fully_shard benchmarks; each mode prints one result line (rank 0 only under the launcher).
-//   throughput --sharded|--unsharded [--threads N] [--no-overlap] [--steps S] [--batch B]
+//   throughput --sharded|--unsharded [--threads N] [--no-overlap] [--no-reshard] [--steps S] [--batch B]
 //       tokens/s of bench/transformer.hpp training with AdamW; B is the global batch (sequences).
 //       --sharded runs under `fsdpp launch`, each of the dp ranks taking B/dp sequences.
 //   memory        per-rank bytes of parameters, gradients and AdamW state after one step
@@ -25,7 +25,7 @@ namespace {
 
 struct Args {
   std::string mode;
-  bool sharded = false, overlap = true;
+  bool sharded = false, overlap = true, reshard = true;
   int threads = 1, steps = 20;
   int64_t batch = 16;
 };
@@ -39,6 +39,7 @@ Args parse(int argc, char** argv) {
     if (s == "--sharded") a.sharded = true;
     else if (s == "--unsharded") a.sharded = false;
     else if (s == "--no-overlap") a.overlap = false;
+    else if (s == "--no-reshard") a.reshard = false;
     else if (s == "--threads") a.threads = static_cast<int>(next());
     else if (s == "--steps") a.steps = static_cast<int>(next());
     else if (s == "--batch") a.batch = next();
@@ -66,6 +67,7 @@ int throughput(const Args& a) {
     dp = comm.size();
     fsdp::FullyShardOptions o;
     o.overlap_reduce_scatter = a.overlap;
+    o.reshard_after_forward = a.reshard;
     model = fsdp::fully_shard(net, comm, o);
     params = (*model)->sharded_parameters();
   }
@@ -87,8 +89,9 @@ int throughput(const Args& a) {
   if (a.sharded) comm.barrier().wait();
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   if (rank == 0)
-    std::cout << fmt::format("RESULT throughput {} dp={} threads/rank={} overlap={} tokens/s={:.0f} step_ms={:.1f}\n",
-                             a.sharded ? "fsdpp" : "unsharded", dp, a.threads, a.overlap,
+    std::cout << fmt::format("RESULT throughput {} dp={} threads/rank={} overlap={} reshard_after_forward={} "
+                             "tokens/s={:.0f} step_ms={:.1f}\n",
+                             a.sharded ? "fsdpp" : "unsharded", dp, a.threads, a.overlap, a.reshard,
                              a.batch * cfg.seq * a.steps / secs, secs / a.steps * 1e3);
   return 0;
 }
