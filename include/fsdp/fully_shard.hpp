@@ -170,6 +170,14 @@ class FullyShardImpl
   void set_reshard_after_backward(bool reshard) { unit_.set_reshard_after_backward(reshard); }
   void unshard() { unit_.unshard(); }
   void reshard() { unit_.reshard(); }
+  // Explicit prefetch, replacing the default of one unit ahead: right after this unit's all-gather
+  // in forward (backward), issue the all-gathers of `units`.
+  void set_modules_to_forward_prefetch(const std::vector<UnitHolder*>& units) {
+    unit_.set_forward_prefetch(units_of(units));
+  }
+  void set_modules_to_backward_prefetch(const std::vector<UnitHolder*>& units) {
+    unit_.set_backward_prefetch(units_of(units));
+  }
 
   // The parameters the optimizer updates: this rank's shards, for every unit of the tree.
   std::vector<at::Tensor> sharded_parameters() {
@@ -180,6 +188,12 @@ class FullyShardImpl
   }
 
  private:
+  static std::vector<Unit*> units_of(const std::vector<UnitHolder*>& holders) {
+    std::vector<Unit*> out;
+    for (auto* h : holders) out.push_back(&h->fsdp_unit());
+    return out;
+  }
+
   Unit unit_;
   std::shared_ptr<Impl> inner_;
 };

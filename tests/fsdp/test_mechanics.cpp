@@ -350,3 +350,89 @@ TEST_CASE("misuse is a clear error: sharding twice, rank-dependent overrides, ba
     CHECK(msg.find("param_dtype must be a floating-point dtype") != std::string::npos);
   });
 }
+
+namespace {
+
+// Holds plain blocks in a ModuleList, as an existing model might; wrap_each converts them.
+struct ListNetImpl : torch::nn::Module {
+  ListNetImpl() {
+    blocks = register_module("blocks", torch::nn::ModuleList(test::Block(6), test::Block(6)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& b : *blocks) {
+      if (auto* unit = b->as<fsdp::FullyShardImpl<test::BlockImpl>>())
+        x = unit->forward(x);
+      else
+        x = b->as<test::BlockImpl>()->forward(x);
+    }
+    return x;
+  }
+  torch::nn::ModuleList blocks{nullptr};
+};
+
+// Gradients of a model on the full batch, by name.
+std::map<std::string, at::Tensor> reference_grads(torch::nn::Module& m,
+                                                  const std::function<at::Tensor(at::Tensor)>& fwd,
+                                                  const at::Tensor& x) {
+  fwd(x).pow(2).mean().backward();
+  std::map<std::string, at::Tensor> out;
+  for (auto& p : m.named_parameters()) out[p.key()] = p.value().grad().clone();
+  return out;
+}
+
+void check_shard_grads(fsdp::UnitHolder& root, const std::map<std::string, at::Tensor>& want) {
+  const auto all = fsdp::shards(root);
+  CHECK(all.size() == want.size());
+  for (const auto& s : all) {
+    INFO(s.name);
+    REQUIRE(want.count(s.name) == 1);
+    CHECK(test::rel_diff(s.param.grad(), want.at(s.name).narrow(0, s.info.row_offset, s.info.local_rows)) < 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("blocks held in a Sequential, in a ModuleList via wrap_each, with explicit prefetch") {
+  auto g = at::detail::createCPUGenerator(21);
+  const auto x = at::randn({4, 3, 6}, g);
+  auto init = torch::nn::Sequential(test::Block(6), test::Block(6));
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : init->parameters()) p.copy_(at::randn(p.sizes(), g) * 0.5);
+  }
+  auto plain = torch::nn::Sequential(test::Block(6), test::Block(6));
+  test::copy_params(*plain, *init);
+  const auto want = reference_grads(*plain, [&](at::Tensor t) { return plain->forward(t); }, x);
+
+  test::run_ranks(2, [&](dist::Comm& comm) {
+    const auto local = x.narrow(0, 2 * comm.rank(), 2);
+    {  // Sequential of units: torch::nn::Sequential calls them through AnyModule
+      auto seq = torch::nn::Sequential(fsdp::FullyShard<test::Block>(test::Block(6)),
+                                       fsdp::FullyShard<test::Block>(test::Block(6)));
+      test::copy_params(*seq, *init);
+      auto model = fsdp::fully_shard(seq, comm);
+      model->forward(local).pow(2).mean().backward();
+      check_shard_grads(*model.ptr(), want);
+    }
+    {  // an existing ModuleList of plain blocks, converted; names are unchanged
+      auto net = std::make_shared<ListNetImpl>();
+      net->blocks = net->replace_module("blocks", fsdp::wrap_each<test::BlockImpl>(net->blocks));
+      std::map<std::string, at::Tensor> renamed;
+      for (auto& [k, v] : want) renamed["blocks." + k] = v;
+      auto src = init->named_parameters();
+      {
+        at::NoGradGuard no_grad;
+        for (auto& p : net->named_parameters()) p.value().copy_(src[p.key().substr(7)]);
+      }
+      auto model = fsdp::fully_shard(net, comm);
+      auto* b0 = dynamic_cast<fsdp::UnitHolder*>(net->blocks->ptr(0).get());
+      auto* b1 = dynamic_cast<fsdp::UnitHolder*>(net->blocks->ptr(1).get());
+      REQUIRE(b0);
+      REQUIRE(b1);
+      model->set_modules_to_forward_prefetch({b0, b1});  // both blocks as soon as the root gathers
+      net->blocks->ptr(1)->as<fsdp::FullyShardImpl<test::BlockImpl>>()->set_modules_to_backward_prefetch({b0});
+      model->forward(local).pow(2).mean().backward();
+      check_shard_grads(*model.ptr(), renamed);
+    }
+  });
+}
