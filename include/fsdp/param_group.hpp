@@ -47,8 +47,10 @@ struct ParamSpec {
 
 class ParamGroup {
  public:
+  // post_forward_group > 1: reshard_to_group() keeps 1/post_forward_group of the gathered
+  // parameters, and the next unshard gathers within groups of that many consecutive ranks.
   ParamGroup(dist::Comm comm, std::vector<ParamSpec> params, const MixedPrecisionPolicy& mp,
-             std::string label);
+             std::string label, int post_forward_group = 0);
 
   const std::string& label() const { return label_; }
   const dist::Comm& comm() const { return comm_; }
@@ -60,6 +62,9 @@ class ParamGroup {
   // Completes the all-gather and fills the parameters.
   void wait_unshard();
   void reshard();
+  // Frees the unsharded parameters but keeps this rank's 1/N of the gathered bytes (N =
+  // post_forward_group), so that the next unshard is an all-gather among N ranks only.
+  void reshard_to_group();
 
   // Moves each parameter's .grad into its unsharded accumulator (in grad_dtype).
   void accumulate_grads();
@@ -106,6 +111,8 @@ class ParamGroup {
   at::ScalarType reduce_dtype_ = at::kFloat;
   bool unsharded_ = false;
   at::Tensor gather_out_;
+  dist::Comm group_comm_;   // N consecutive ranks, for reshard_to_group
+  at::Tensor group_shard_;  // this rank's 1/N of the gather buffer while resharded to the group
   std::optional<dist::Work> gather_work_;
   at::Tensor reduce_out_;
   std::optional<dist::Work> reduce_work_;

@@ -20,6 +20,7 @@
 
 #include <memory>
 #include <optional>
+#include <variant>
 #include <string>
 #include <vector>
 
@@ -31,9 +32,11 @@ namespace fsdpp::fsdp {
 
 struct FullyShardOptions {
   MixedPrecisionPolicy mp;
-  // Free the unsharded parameters after forward and gather them again for backward. Default: yes,
-  // except for the root unit, whose parameters are needed first in backward anyway.
-  std::optional<bool> reshard_after_forward;
+  // After forward: true frees the unsharded parameters and gathers them again for backward; false
+  // keeps them; an integer N (dividing the world size) keeps 1/N of them on each rank, so that
+  // backward gathers only within groups of N consecutive ranks (for example one node). Default:
+  // true, except for the root unit, whose parameters are needed first in backward anyway.
+  std::optional<std::variant<bool, int>> reshard_after_forward;
   // Issue each unit's reduce-scatter as soon as its gradients are ready (otherwise wait for it
   // right away; for measuring the overlap).
   bool overlap_reduce_scatter = true;
@@ -102,7 +105,8 @@ class Unit {
 
  private:
   static void finish_backward(const std::shared_ptr<detail::Tree>& tree);
-  bool reshard_after_forward() const;
+  // 0: keep unsharded after forward; 1: reshard fully; N > 1: keep 1/N (see the option).
+  int post_forward_group() const;
   Unit* neighbour(const std::vector<Unit*>& order, int step) const;
 
   std::string label_;

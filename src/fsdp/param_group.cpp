@@ -30,7 +30,7 @@ std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
 }  // namespace
 
 ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const MixedPrecisionPolicy& mp,
-                       std::string label)
+                       std::string label, int post_forward_group)
     : comm_(std::move(comm)), label_(std::move(label)) {
   const int64_t n = comm_.size(), rank = comm_.rank();
   std::optional<at::ScalarType> widest_grad;
@@ -104,6 +104,8 @@ ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const Mixe
     throw std::invalid_argument(fmt::format("fully_shard({}): reduce_dtype {} is not a floating-point dtype",
                                             label_, dtype_name(reduce_dtype_)));
   check_plan_is_uniform();
+  if (post_forward_group > 1)
+    group_comm_ = comm_.split(comm_.rank() / post_forward_group, comm_.rank() % post_forward_group);
 }
 
 // Per-parameter dtype choices come from user callables; a rank that decides differently would
@@ -148,6 +150,13 @@ void ParamGroup::check_plan_is_uniform() {
 void ParamGroup::unshard_async() {
   if (unsharded_ || gather_work_) return;
   const int64_t n = comm_.size();
+  if (group_shard_.defined()) {
+    // The gather buffer is split in N contiguous pieces, one per member of the group.
+    gather_out_ = at::empty({n * gather_slot_bytes_}, at::kByte);
+    gather_work_ = group_comm_.all_gather(gather_out_, group_shard_);
+    group_shard_ = at::Tensor();
+    return;
+  }
   gather_out_ = at::empty({n * gather_slot_bytes_}, at::kByte);
   auto slot = gather_out_.narrow(0, comm_.rank() * gather_slot_bytes_, gather_slot_bytes_);
   for (const auto& q : params_) {
@@ -176,8 +185,18 @@ void ParamGroup::wait_unshard() {
       flat.narrow(0, r * q.padded_numel(), len).copy_(src.view(q.compute_dtype));
     }
   }
-  gather_out_ = at::Tensor();
+  if (!group_comm_) gather_out_ = at::Tensor();  // reshard_to_group still needs it
   unsharded_ = true;
+}
+
+void ParamGroup::reshard_to_group() {
+  if (!unsharded_) return;
+  TORCH_INTERNAL_ASSERT(group_comm_ && gather_out_.defined(), "fsdp: reshard_to_group without a group");
+  const int64_t piece = gather_out_.numel() / group_comm_.size();
+  group_shard_ = gather_out_.narrow(0, group_comm_.rank() * piece, piece).clone();
+  gather_out_ = at::Tensor();
+  for (auto& q : params_) resize_storage(q.unsharded, 0);
+  unsharded_ = false;
 }
 
 void ParamGroup::reshard() {
@@ -186,6 +205,8 @@ void ParamGroup::reshard() {
     gather_work_.reset();
     gather_out_ = at::Tensor();
   }
+  group_shard_ = at::Tensor();
+  gather_out_ = at::Tensor();
   if (!unsharded_) return;
   for (auto& q : params_) resize_storage(q.unsharded, 0);
   unsharded_ = false;

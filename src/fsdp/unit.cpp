@@ -59,7 +59,18 @@ void Unit::shard(dist::Comm comm, std::vector<ParamSpec> params, FullyShardOptio
   }
   comm_ = comm;
   options_ = std::move(options);
-  group_ = std::make_unique<ParamGroup>(std::move(comm), std::move(params), options_.mp, label_);
+  int group_size = 0;
+  if (options_.reshard_after_forward)
+    if (const int* n = std::get_if<int>(&*options_.reshard_after_forward)) {
+      if (*n < 1 || comm_.size() % *n != 0)
+        throw std::invalid_argument(fmt::format(
+            "fully_shard({}): reshard_after_forward={} must be a positive divisor of the world "
+            "size {}",
+            label_, *n, comm_.size()));
+      if (*n > 1 && *n < comm_.size()) group_size = *n;
+    }
+  group_ = std::make_unique<ParamGroup>(std::move(comm), std::move(params), options_.mp, label_,
+                                        group_size);
   {
     std::lock_guard<std::mutex> lock(g_registry_mu);
     for (const void* k : keys) g_registry[k] = label_;
@@ -89,8 +100,13 @@ ParamGroup& Unit::group() {
 
 std::vector<Unit*> Unit::tree_units() const { return tree_ ? tree_->units : std::vector<Unit*>{}; }
 
-bool Unit::reshard_after_forward() const {
-  return options_.reshard_after_forward.value_or(!is_root());
+int Unit::post_forward_group() const {
+  const auto& v = options_.reshard_after_forward;
+  if (!v) return is_root() ? 0 : 1;
+  if (const bool* b = std::get_if<bool>(&*v)) return *b ? 1 : 0;
+  const int n = std::get<int>(*v);
+  // N = 1 keeps everything (as false); N = world size keeps 1/world size (as true).
+  return n == 1 ? 0 : n == comm_.size() ? 1 : n;
 }
 
 Unit* Unit::neighbour(const std::vector<Unit*>& order, int step) const {
@@ -144,7 +160,10 @@ at::Tensor Unit::finish_output(const at::Tensor& output) {
 }
 
 void Unit::post_forward() {
-  if (group_ && reshard_after_forward()) group_->reshard();
+  if (!group_) return;
+  const int n = post_forward_group();
+  if (n == 1) group_->reshard();
+  if (n > 1) group_->reshard_to_group();
 }
 
 void Unit::pre_backward() {

@@ -198,3 +198,24 @@ TEST_CASE("a checkpoint with a missing rank file is rejected naming the file") {
   });
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("reshard_after_forward as a group size: backward gathers within groups of 2 of 4 ranks") {
+  const auto want = train_reference(1);
+  test::run_ranks(4, [&](dist::Comm& comm) {
+    fsdp::FullyShardOptions o;
+    o.reshard_after_forward = 2;
+    check_same(train_sharded(comm, 1, o), want, "reshard_after_forward=2");
+  });
+  test::run_ranks(2, [&](dist::Comm& comm) {
+    fsdp::FullyShardOptions o;
+    o.reshard_after_forward = 3;  // does not divide 2
+    std::string msg;
+    try {
+      fsdp::fully_shard(Net(8, 1), comm, o);
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    CHECK(msg.find("reshard_after_forward=3 must be a positive divisor of the world size 2") !=
+          std::string::npos);
+  });
+}
