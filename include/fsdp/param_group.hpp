@@ -97,11 +97,23 @@ class ParamGroup {
     at::ScalarType compute_dtype, grad_dtype;
     int64_t gather_offset = 0, gather_bytes = 0;  // within one rank's slot of the all-gather
     int64_t reduce_offset = 0;                    // elements, within one rank's reduce slot
+    // Views into the persistent buffers, made once (see Note [persistent views]).
+    at::Tensor copy_in;                                      // in this rank's gather slot
+    std::vector<std::pair<at::Tensor, at::Tensor>> copy_out; // (unsharded rows, gathered rows)
+    struct Pack {
+      at::Tensor dst;  // rows of the reduce input
+      int64_t offset, numel;  // elements of the flattened gradient
+    };
+    std::vector<Pack> pack;
+    std::vector<at::Tensor> pad;  // parts of the reduce input beyond the parameter: zeroed
+    at::Tensor reduce_all;        // the parameter's whole region of the reduce input
+    at::Tensor reduce_piece;      // this rank's rows in the reduce output
     int64_t padded_numel() const { return padded_rows * row_numel; }
     int64_t numel() const { return rows * row_numel; }
   };
 
   void check_plan_is_uniform();
+  void make_views();
 
   dist::Comm comm_;
   std::string label_;
@@ -110,11 +122,12 @@ class ParamGroup {
   int64_t reduce_slot_numel_ = 0;
   at::ScalarType reduce_dtype_ = at::kFloat;
   bool unsharded_ = false;
-  at::Tensor gather_out_;
+  at::Tensor gather_buf_;   // [ranks x slot] bytes, storage allocated only while in use
+  at::Tensor gather_slot_;  // this rank's slot of gather_buf_
+  at::Tensor reduce_in_, reduce_out_;  // likewise, in reduce_dtype
   dist::Comm group_comm_;   // N consecutive ranks, for reshard_to_group
   at::Tensor group_shard_;  // this rank's 1/N of the gather buffer while resharded to the group
   std::optional<dist::Work> gather_work_;
-  at::Tensor reduce_out_;
   std::optional<dist::Work> reduce_work_;
 };
 

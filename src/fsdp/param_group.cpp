@@ -76,18 +76,6 @@ ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const Mixe
     if (p.requires_grad())
       widest_grad = widest_grad ? at::promote_types(*widest_grad, grad) : grad;
 
-    std::vector<int64_t> padded_shape = q.shape;
-    padded_shape[0] = q.padded_rows;
-    {
-      at::NoGradGuard no_grad;
-      q.padded = at::zeros(padded_shape, p.options());
-      q.padded.narrow(0, 0, q.local_rows).copy_(p.narrow(0, q.row_offset, q.local_rows));
-      q.sharded = q.padded.narrow(0, 0, q.local_rows).detach().requires_grad_(p.requires_grad());
-      q.unsharded = at::empty(q.shape, p.options().dtype(compute));
-      q.param.set_data(q.unsharded);
-    }
-    resize_storage(q.unsharded, 0);
-
     q.gather_offset = gather_slot_bytes_;
     q.gather_bytes = q.padded_numel() * at::elementSize(compute);
     gather_slot_bytes_ += align_up(q.gather_bytes);
@@ -106,6 +94,63 @@ ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const Mixe
   check_plan_is_uniform();
   if (post_forward_group > 1)
     group_comm_ = comm_.split(comm_.rank() / post_forward_group, comm_.rank() % post_forward_group);
+
+  // Everything is checked; only now take the parameters over, so a rejected plan leaves the
+  // model as it was.
+  for (auto& q : params_) {
+    at::NoGradGuard no_grad;
+    std::vector<int64_t> padded_shape = q.shape;
+    padded_shape[0] = q.padded_rows;
+    q.padded = at::zeros(padded_shape, q.param.options());
+    q.padded.narrow(0, 0, q.local_rows).copy_(q.param.narrow(0, q.row_offset, q.local_rows));
+    q.sharded = q.padded.narrow(0, 0, q.local_rows).detach().requires_grad_(q.param.requires_grad());
+    q.unsharded = at::empty(q.shape, q.param.options().dtype(q.compute_dtype));
+    q.param.set_data(q.unsharded);
+  }
+  make_views();
+  for (auto& q : params_) resize_storage(q.unsharded, 0);
+}
+
+// Note [persistent views]
+// The gather and reduce buffers are tensors made once, whose storage is allocated only while a
+// collective uses it (as the parameters' own, Note [unshard by storage resize]). Every view that
+// packs or unpacks them is made here, once, while the storage exists; a view keeps pointing at the
+// storage object across resizes. A step then costs one copy per parameter and direction, not a
+// chain of narrow/view calls, which matters for models of many small units.
+void ParamGroup::make_views() {
+  const int64_t n = comm_.size();
+  gather_buf_ = at::empty({n * gather_slot_bytes_}, at::kByte);
+  gather_slot_ = gather_buf_.narrow(0, comm_.rank() * gather_slot_bytes_, gather_slot_bytes_);
+  const auto rows = gather_buf_.view({n, gather_slot_bytes_});
+  reduce_in_ = at::empty({n, reduce_slot_numel_}, at::TensorOptions().dtype(reduce_dtype_));
+  reduce_out_ = at::empty({reduce_slot_numel_}, reduce_in_.options());
+  for (auto& q : params_) {
+    const int64_t pn = q.padded_numel();
+    if (pn == 0) continue;
+    q.copy_in = gather_slot_.narrow(0, q.gather_offset, q.gather_bytes).view(q.compute_dtype).view(q.padded.sizes());
+    // Rank r's rows of this parameter sit at [r, offset .. offset + bytes) of the gather buffer,
+    // and at elements [r * pn, (r + 1) * pn) of the unsharded parameter, the last ones cut short.
+    const auto src = rows.narrow(1, q.gather_offset, q.gather_bytes).view(q.compute_dtype);
+    const auto dst = q.unsharded.view(-1);
+    const int64_t full = q.numel() / pn, rest = q.numel() % pn;
+    if (full > 0) q.copy_out.emplace_back(dst.narrow(0, 0, full * pn).view({full, pn}), src.narrow(0, 0, full));
+    if (rest > 0) q.copy_out.emplace_back(dst.narrow(0, full * pn, rest), src[full].narrow(0, 0, rest));
+    if (q.reduce_offset < 0) continue;
+    q.reduce_all = reduce_in_.narrow(1, q.reduce_offset, pn);
+    if (full > 0) q.pack.push_back({q.reduce_all.narrow(0, 0, full), 0, full * pn});
+    if (rest > 0) {
+      q.pack.push_back({q.reduce_all[full].narrow(0, 0, rest), full * pn, rest});
+      q.pad.push_back(q.reduce_all[full].narrow(0, rest, pn - rest));
+    }
+    const int64_t used = full + (rest > 0);
+    if (used < n) q.pad.push_back(q.reduce_all.narrow(0, used, n - used));
+    auto local_shape = q.shape;
+    local_shape[0] = q.local_rows;
+    q.reduce_piece = reduce_out_.narrow(0, q.reduce_offset, q.local_rows * q.row_numel).view(local_shape);
+  }
+  resize_storage(gather_buf_, 0);
+  resize_storage(reduce_in_, 0);
+  resize_storage(reduce_out_, 0);
 }
 
 // Per-parameter dtype choices come from user callables; a rank that decides differently would
@@ -149,22 +194,16 @@ void ParamGroup::check_plan_is_uniform() {
 
 void ParamGroup::unshard_async() {
   if (unsharded_ || gather_work_) return;
-  const int64_t n = comm_.size();
+  resize_storage(gather_buf_, gather_buf_.numel());
   if (group_shard_.defined()) {
-    // The gather buffer is split in N contiguous pieces, one per member of the group.
-    gather_out_ = at::empty({n * gather_slot_bytes_}, at::kByte);
-    gather_work_ = group_comm_.all_gather(gather_out_, group_shard_);
+    // After reshard_to_group: the buffer is split in N contiguous pieces, one per group member.
+    gather_work_ = group_comm_.all_gather(gather_buf_, group_shard_);
     group_shard_ = at::Tensor();
     return;
   }
-  gather_out_ = at::empty({n * gather_slot_bytes_}, at::kByte);
-  auto slot = gather_out_.narrow(0, comm_.rank() * gather_slot_bytes_, gather_slot_bytes_);
-  for (const auto& q : params_) {
-    if (q.gather_bytes == 0) continue;
-    // Copy-in casts from the sharded dtype to the compute dtype.
-    slot.narrow(0, q.gather_offset, q.gather_bytes).view(q.compute_dtype).view(q.padded.sizes()).copy_(q.padded);
-  }
-  gather_work_ = comm_.all_gather(gather_out_, slot);
+  for (const auto& q : params_)
+    if (q.copy_in.defined()) q.copy_in.copy_(q.padded);  // casts to the compute dtype
+  gather_work_ = comm_.all_gather(gather_buf_, gather_slot_);
 }
 
 void ParamGroup::wait_unshard() {
@@ -172,29 +211,20 @@ void ParamGroup::wait_unshard() {
   unshard_async();
   gather_work_->wait();
   gather_work_.reset();
-  const int64_t n = comm_.size();
   for (auto& q : params_) {
     resize_storage(q.unsharded, q.numel() * at::elementSize(q.compute_dtype));
-    auto flat = q.unsharded.view(-1);
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t rows = std::clamp<int64_t>(q.rows - r * q.padded_rows, 0, q.padded_rows);
-      if (rows == 0) continue;
-      const int64_t len = rows * q.row_numel;
-      auto src = gather_out_.narrow(0, r * gather_slot_bytes_ + q.gather_offset,
-                                    len * at::elementSize(q.compute_dtype));
-      flat.narrow(0, r * q.padded_numel(), len).copy_(src.view(q.compute_dtype));
-    }
+    for (auto& [dst, src] : q.copy_out) dst.copy_(src);
   }
-  if (!group_comm_) gather_out_ = at::Tensor();  // reshard_to_group still needs it
+  if (!group_comm_) resize_storage(gather_buf_, 0);  // reshard_to_group still needs it
   unsharded_ = true;
 }
 
 void ParamGroup::reshard_to_group() {
   if (!unsharded_) return;
-  TORCH_INTERNAL_ASSERT(group_comm_ && gather_out_.defined(), "fsdp: reshard_to_group without a group");
-  const int64_t piece = gather_out_.numel() / group_comm_.size();
-  group_shard_ = gather_out_.narrow(0, group_comm_.rank() * piece, piece).clone();
-  gather_out_ = at::Tensor();
+  TORCH_INTERNAL_ASSERT(group_comm_, "fsdp: reshard_to_group without a group");
+  const int64_t piece = gather_buf_.numel() / group_comm_.size();
+  group_shard_ = gather_buf_.narrow(0, group_comm_.rank() * piece, piece).clone();
+  resize_storage(gather_buf_, 0);
   for (auto& q : params_) resize_storage(q.unsharded, 0);
   unsharded_ = false;
 }
@@ -203,10 +233,9 @@ void ParamGroup::reshard() {
   if (gather_work_) {  // a prefetch nobody used: let it land, then drop it
     gather_work_->wait();
     gather_work_.reset();
-    gather_out_ = at::Tensor();
   }
   group_shard_ = at::Tensor();
-  gather_out_ = at::Tensor();
+  resize_storage(gather_buf_, 0);
   if (!unsharded_) return;
   for (auto& q : params_) resize_storage(q.unsharded, 0);
   unsharded_ = false;
@@ -235,31 +264,25 @@ void ParamGroup::reduce_grads_async() {
   accumulate_grads();
   if (reduce_slot_numel_ == 0) return;
   TORCH_INTERNAL_ASSERT(!reduce_work_, "fsdp: reduce-scatter issued twice for ", label_);
-  const int64_t n = comm_.size();
-  auto in = at::empty({n, reduce_slot_numel_}, at::TensorOptions().dtype(reduce_dtype_));
+  resize_storage(reduce_in_, reduce_in_.numel() * reduce_in_.element_size());
+  resize_storage(reduce_out_, reduce_out_.numel() * reduce_out_.element_size());
   {
     at::NoGradGuard no_grad;
     for (auto& q : params_) {
-      if (q.reduce_offset < 0) continue;
-      const int64_t pn = q.padded_numel();
-      auto dst = in.narrow(1, q.reduce_offset, pn);
+      if (!q.reduce_all.defined()) continue;
       // A parameter that got no gradient here (an expert that saw no tokens) is reduced as zeros,
       // so every rank still issues the same collective.
       if (!q.grad_acc.defined()) {
-        dst.zero_();
+        q.reduce_all.zero_();
         continue;
       }
-      auto flat = q.grad_acc.reshape(-1);
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t len = std::clamp<int64_t>(q.numel() - r * pn, 0, pn);
-        dst[r].narrow(0, 0, len).copy_(flat.narrow(0, r * pn, len));
-        if (len < pn) dst[r].narrow(0, len, pn - len).zero_();
-      }
+      const auto flat = q.grad_acc.reshape(-1);
+      for (const auto& p : q.pack) p.dst.copy_(flat.narrow(0, p.offset, p.numel).view(p.dst.sizes()));
+      for (auto& z : q.pad) z.zero_();
       q.grad_acc = at::Tensor();
     }
   }
-  reduce_out_ = at::empty({reduce_slot_numel_}, in.options());
-  reduce_work_ = comm_.reduce_scatter(reduce_out_, in.view(-1), {dist::ReduceOp::kAvg});
+  reduce_work_ = comm_.reduce_scatter(reduce_out_, reduce_in_.view(-1), {dist::ReduceOp::kAvg});
 }
 
 void ParamGroup::finish_reduce() {
@@ -269,18 +292,18 @@ void ParamGroup::finish_reduce() {
   at::NoGradGuard no_grad;
   for (auto& q : params_) {
     if (q.reduce_offset < 0) continue;
-    auto local_shape = q.shape;
-    local_shape[0] = q.local_rows;
-    auto piece = reduce_out_.narrow(0, q.reduce_offset, q.local_rows * q.row_numel)
-                     .view(local_shape)
-                     .to(q.sharded.scalar_type());
     at::Tensor& g = q.sharded.mutable_grad();
+    if (!q.reduce_piece.defined()) {  // a parameter with no rows anywhere
+      if (!g.defined()) g = at::zeros_like(q.sharded);
+      continue;
+    }
     if (g.defined())
-      g.add_(piece);
+      g.add_(q.reduce_piece);
     else
-      g = piece.clone();
+      g = q.reduce_piece.to(q.sharded.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   }
-  reduce_out_ = at::Tensor();
+  resize_storage(reduce_in_, 0);
+  resize_storage(reduce_out_, 0);
 }
 
 std::vector<at::Tensor> ParamGroup::sharded_parameters() const {

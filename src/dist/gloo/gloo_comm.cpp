@@ -166,6 +166,10 @@ class GlooComm : public CommImpl {
     auto what = describe("all_gather", in, fmt::format("in={} out={}", in.numel(), out.numel()));
     return enqueue(std::move(what), {out, in}, [this, out, in, counts = opts.counts](uint32_t tag) {
       const size_t esize = out.element_size();
+      if (size_ == 1) {
+        if (in.data_ptr() != out.data_ptr()) out.copy_(in);
+        return;
+      }
       if (counts.empty()) {
         if (in.numel() == 0) return;
         gloo::AllgatherOptions o(context_);
@@ -430,10 +434,8 @@ class GlooComm : public CommImpl {
     if (n == 0) return;
     const auto acc_type = is_half(in.scalar_type()) ? at::kFloat : in.scalar_type();
     const at::Tensor src = in.scalar_type() == acc_type ? in : in.to(acc_type);
-    if (size_ == 1) {
-      at::Tensor r = src.clone();
-      if (op == ReduceOp::kAvg) r.div_(size_);
-      out.copy_(r);
+    if (size_ == 1) {  // the sum or average over one rank is the input
+      out.copy_(in);
       return;
     }
     auto chunk = [&](int c) { return src.narrow(0, ((c % size_) + size_) % size_ * n, n); };
