@@ -54,6 +54,16 @@ inline void run_ranks(int n, const std::function<void(dist::Comm&)>& body,
     }
 }
 
+// The message of what f throws, or "no error".
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
 inline const std::vector<at::ScalarType>& all_dtypes() {
   static const std::vector<at::ScalarType> v = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf,
                                                 at::kInt,   at::kLong,   at::kByte};

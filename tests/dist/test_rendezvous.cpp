@@ -3,18 +3,6 @@
 
 using namespace fsdpp;
 
-namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "no error";
-}
-
-}  // namespace
 
 TEST_CASE("a rank that never joins makes the others fail at init, naming it") {
   const auto path = test::fresh_store_path();
@@ -25,7 +13,7 @@ TEST_CASE("a rank that never joins makes the others fail at init, naming it") {
   const auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < 2; ++r)  // world size 3, rank 2 never starts
     threads.emplace_back([&, r] {
-      errors[r] = error_of([&] { dist::connect(dist::make_file_store(path, 3), r, 3, opts); });
+      errors[r] = test::error_of([&] { dist::connect(dist::make_file_store(path, 3), r, 3, opts); });
     });
   for (auto& t : threads) t.join();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -44,8 +32,8 @@ TEST_CASE("ranks started with different world sizes are told so") {
   opts.timeout = std::chrono::milliseconds(3000);
   std::string e0, e1;
   // Rank 0 believes in 2 ranks, rank 1 in 3 (and rank 2 never comes).
-  std::thread a([&] { e0 = error_of([&] { dist::connect(dist::make_file_store(path, 2), 0, 2, opts); }); });
-  std::thread b([&] { e1 = error_of([&] { dist::connect(dist::make_file_store(path, 3), 1, 3, opts); }); });
+  std::thread a([&] { e0 = test::error_of([&] { dist::connect(dist::make_file_store(path, 2), 0, 2, opts); }); });
+  std::thread b([&] { e1 = test::error_of([&] { dist::connect(dist::make_file_store(path, 3), 1, 3, opts); }); });
   a.join();
   b.join();
   std::filesystem::remove(path);
@@ -61,7 +49,7 @@ TEST_CASE("a store address where nothing listens fails within the timeout, namin
   so.port = 1;  // privileged and unused here
   so.timeout = std::chrono::milliseconds(1000);
   const auto t0 = std::chrono::steady_clock::now();
-  const auto msg = error_of([&] { dist::make_tcp_store(so); });
+  const auto msg = test::error_of([&] { dist::make_tcp_store(so); });
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   INFO(msg);
   CHECK(msg.find("cannot reach the rendezvous store at 127.0.0.1:1") != std::string::npos);
@@ -94,7 +82,7 @@ TEST_CASE("the launch environment is read and checked") {
   setenv("RANK", "4", 1);
   setenv("MASTER_ADDR", "127.0.0.1", 1);
   setenv("MASTER_PORT", "29500", 1);
-  CHECK(error_of([] { dist::read_launch_env(); }).find("RANK='4' is not an integer in [0, 3]") !=
+  CHECK(test::error_of([] { dist::read_launch_env(); }).find("RANK='4' is not an integer in [0, 3]") !=
         std::string::npos);
   setenv("RANK", "3", 1);
   unsetenv("LOCAL_RANK");
@@ -104,6 +92,6 @@ TEST_CASE("the launch environment is read and checked") {
   CHECK(env.local_rank == 3);
   CHECK(env.local_world_size == 4);
   unsetenv("MASTER_PORT");
-  CHECK(error_of([] { dist::read_launch_env(); }).find("MASTER_PORT is not set") != std::string::npos);
+  CHECK(test::error_of([] { dist::read_launch_env(); }).find("MASTER_PORT is not set") != std::string::npos);
   for (const char* k : {"WORLD_SIZE", "RANK", "MASTER_ADDR"}) unsetenv(k);
 }

@@ -15,15 +15,6 @@ std::pair<dist::Comm, std::shared_ptr<test::CountingComm>> counted(dist::Comm& c
   return {dist::Comm(c), c};
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "no error";
-}
-
 }  // namespace
 
 TEST_CASE("sharded float32 gradients of an MLP match an Eigen float64 oracle at world size 3") {
@@ -330,7 +321,7 @@ TEST_CASE("misuse is a clear error: sharding twice, rank-dependent overrides, ba
   test::run_ranks(2, [](dist::Comm& comm) {
     auto net = test::Net(6, 1);
     auto model = fsdp::fully_shard(net, comm);
-    auto msg = error_of([&] { fsdp::fully_shard(net, comm); });
+    auto msg = test::error_of([&] { fsdp::fully_shard(net, comm); });
     CHECK(msg.find("is already managed by unit") != std::string::npos);
 
     fsdp::FullyShardOptions o;
@@ -340,13 +331,13 @@ TEST_CASE("misuse is a clear error: sharding twice, rank-dependent overrides, ba
       if (r == 0 && name == "head.weight") return at::kFloat;
       return std::nullopt;
     };
-    msg = error_of([&] { fsdp::fully_shard(test::Net(6, 1), comm, o); });
+    msg = test::error_of([&] { fsdp::fully_shard(test::Net(6, 1), comm, o); });
     INFO(msg);
     CHECK(msg.find("disagree on parameter") != std::string::npos);
 
     fsdp::FullyShardOptions bad;
     bad.mp.param_dtype = at::kInt;
-    msg = error_of([&] { fsdp::fully_shard(test::Net(6, 1), comm, bad); });
+    msg = test::error_of([&] { fsdp::fully_shard(test::Net(6, 1), comm, bad); });
     CHECK(msg.find("param_dtype must be a floating-point dtype") != std::string::npos);
   });
 }
