@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <cstring>
 #include <functional>
 
 namespace fsdpp::fsdp {
@@ -26,6 +27,42 @@ void resize_storage(const at::Tensor& t, size_t nbytes) {
 }
 
 std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
+
+// Copies between the persistent views are mostly same-dtype blocks of contiguous rows. For the many
+// small units of a deep model, ATen's generic copy (a TensorIterator per call) costs more than the
+// bytes themselves, so such blocks go through memcpy; anything else (a dtype cast) through ATen.
+bool rows_view(const at::Tensor& t) {
+  return t.device().is_cpu() && (t.dim() == 1 ? t.stride(0) == 1 || t.numel() <= 1
+                                              : t.dim() == 2 && (t.stride(1) == 1 || t.size(1) <= 1));
+}
+
+void copy_block(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.scalar_type() != src.scalar_type() || dst.sizes() != src.sizes() || !rows_view(dst) ||
+      !rows_view(src)) {
+    dst.copy_(src);
+    return;
+  }
+  const int64_t rows = dst.dim() == 2 ? dst.size(0) : 1;
+  const size_t row_bytes = (dst.dim() == 2 ? dst.size(1) : dst.numel()) * dst.element_size();
+  if (row_bytes == 0) return;
+  auto* d = static_cast<char*>(dst.data_ptr());
+  const auto* s = static_cast<const char*>(src.data_ptr());
+  const int64_t ds = dst.dim() == 2 ? dst.stride(0) * dst.element_size() : 0;
+  const int64_t ss = src.dim() == 2 ? src.stride(0) * src.element_size() : 0;
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * ds, s + r * ss, row_bytes);
+}
+
+void zero_block(const at::Tensor& t) {
+  if (!rows_view(t)) {
+    t.zero_();
+    return;
+  }
+  const int64_t rows = t.dim() == 2 ? t.size(0) : 1;
+  const size_t row_bytes = (t.dim() == 2 ? t.size(1) : t.numel()) * t.element_size();
+  auto* d = static_cast<char*>(t.data_ptr());
+  const int64_t ds = t.dim() == 2 ? t.stride(0) * t.element_size() : 0;
+  for (int64_t r = 0; r < rows; ++r) std::memset(d + r * ds, 0, row_bytes);
+}
 
 }  // namespace
 
@@ -202,7 +239,7 @@ void ParamGroup::unshard_async() {
     return;
   }
   for (const auto& q : params_)
-    if (q.copy_in.defined()) q.copy_in.copy_(q.padded);  // casts to the compute dtype
+    if (q.copy_in.defined()) copy_block(q.copy_in, q.padded);  // casts to the compute dtype
   gather_work_ = comm_.all_gather(gather_buf_, gather_slot_);
 }
 
@@ -213,7 +250,7 @@ void ParamGroup::wait_unshard() {
   gather_work_.reset();
   for (auto& q : params_) {
     resize_storage(q.unsharded, q.numel() * at::elementSize(q.compute_dtype));
-    for (auto& [dst, src] : q.copy_out) dst.copy_(src);
+    for (auto& [dst, src] : q.copy_out) copy_block(dst, src);
   }
   if (!group_comm_) resize_storage(gather_buf_, 0);  // reshard_to_group still needs it
   unsharded_ = true;
@@ -273,12 +310,12 @@ void ParamGroup::reduce_grads_async() {
       // A parameter that got no gradient here (an expert that saw no tokens) is reduced as zeros,
       // so every rank still issues the same collective.
       if (!q.grad_acc.defined()) {
-        q.reduce_all.zero_();
+        zero_block(q.reduce_all);
         continue;
       }
       const auto flat = q.grad_acc.reshape(-1);
-      for (const auto& p : q.pack) p.dst.copy_(flat.narrow(0, p.offset, p.numel).view(p.dst.sizes()));
-      for (auto& z : q.pad) z.zero_();
+      for (const auto& p : q.pack) copy_block(p.dst, flat.narrow(0, p.offset, p.numel).view(p.dst.sizes()));
+      for (auto& z : q.pad) zero_block(z);
       q.grad_acc = at::Tensor();
     }
   }
@@ -297,10 +334,12 @@ void ParamGroup::finish_reduce() {
       if (!g.defined()) g = at::zeros_like(q.sharded);
       continue;
     }
-    if (g.defined())
+    if (g.defined()) {
       g.add_(q.reduce_piece);
-    else
-      g = q.reduce_piece.to(q.sharded.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    } else {
+      g = at::empty_like(q.sharded);
+      copy_block(g.view(-1), q.reduce_piece.view(-1));
+    }
   }
   resize_storage(reduce_in_, 0);
   resize_storage(reduce_out_, 0);

@@ -133,6 +133,14 @@ class GlooComm : public CommImpl {
       auto device = device_for(config.bind_address);
       GlooStoreAdapter adapter(*store_);
       context_->connectFullMesh(adapter, device);
+      // A rank may finish its side of the mesh before its peers finish theirs; if it went on and
+      // closed the communicator, they would fail. Returning only once all are connected makes
+      // "connected" mean the same thing on every rank.
+      if (size > 1) {
+        gloo::BarrierOptions barrier(context_);
+        barrier.setTimeout(config.timeout);
+        gloo::barrier(barrier);
+      }
     } catch (const std::exception& e) {
       throw CommError(fmt::format("rank {}/{}: connecting the Gloo transport (listening on {}) "
                                   "failed: {}",
