@@ -19,12 +19,23 @@ run() { "$@" 2>&1 | grep -E '^(RESULT|BLAS)' | sed 's/^RESULT /- /'; }
   echo "batch 16 sequences. Each sharded rank and each DDP rank uses 1 intra-op thread; the unsharded"
   echo "process uses 2 threads, so every row uses both cores."
   echo
-  echo "## Throughput"
-  run env OMP_NUM_THREADS=2 "$bin" throughput --unsharded --threads 2 --steps "$steps"
-  run $launch --nproc 2 -- "$bin" throughput --sharded --steps "$steps"
-  run $launch --nproc 2 -- "$bin" throughput --sharded --no-overlap --steps "$steps"
-  run $launch --nproc 2 -- "$bin" throughput --sharded --no-reshard --steps "$steps"
-  run $launch --nproc 2 -- /usr/bin/python3 bench/ddp_baseline.py --steps "$steps"
+  env OMP_NUM_THREADS=1 "$bin" throughput --unsharded --steps 1 2>&1 | grep '^BLAS'
+  echo
+  echo "## Throughput (median of 3 interleaved runs of each)"
+  for trial in 1 2 3; do
+    run env OMP_NUM_THREADS=2 "$bin" throughput --unsharded --threads 2 --steps "$steps"
+    run $launch --nproc 2 -- "$bin" throughput --sharded --steps "$steps"
+    run $launch --nproc 2 -- "$bin" throughput --sharded --no-overlap --steps "$steps"
+    run $launch --nproc 2 -- "$bin" throughput --sharded --no-reshard --steps "$steps"
+    run $launch --nproc 2 -- /usr/bin/python3 bench/ddp_baseline.py --steps "$steps"
+  done | grep -v '^BLAS' | awk '{
+      key = $0; sub(/ tokens\/s=.*/, "", key); split($0, f, "tokens/s="); split(f[2], v, " ");
+      n[key]++; vals[key, n[key]] = v[1]; if (!(key in order)) { order[key] = ++k; keys[k] = key } }
+    END { for (i = 1; i <= k; i++) { key = keys[i]; m = n[key];
+      for (a = 1; a <= m; a++) for (b = a + 1; b <= m; b++) if (vals[key, b] < vals[key, a]) {
+        t = vals[key, a]; vals[key, a] = vals[key, b]; vals[key, b] = t }
+      printf "%s tokens/s=%s (runs:", key, vals[key, int((m + 1) / 2)];
+      for (a = 1; a <= m; a++) printf " %s", vals[key, a]; print ")" } }'
   echo
   echo "## Memory (parameters + gradients + AdamW moments, the largest rank)"
   for n in 1 2 4; do run $launch --nproc "$n" -- "$bin" memory; done
