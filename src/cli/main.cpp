@@ -6,11 +6,14 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <climits>
+#include <fstream>
 #include <iostream>
 
 #include "dist/init.hpp"
 #include "dist/launch.hpp"
 #include "fsdpp/blas.hpp"
+#include "pipeline/plan.hpp"
+#include "pipeline/visualize.hpp"
 
 namespace {
 
@@ -84,6 +87,49 @@ int demo_worker(int64_t max_bytes) {
   return 0;
 }
 
+struct ShowOptions {
+  std::string schedule, csv, out = "schedule";
+  int pp = 2, stages_per_rank = 1, microbatches = 4;
+  std::vector<double> costs{1, 2, 1, 1};
+};
+
+// Validates and simulates a schedule; prints the timeline and bubbles, writes an SVG and a trace.
+int schedule_show(const ShowOptions& o) {
+  using namespace fsdpp::pipeline;
+  std::unique_ptr<Schedule> schedule;
+  if (!o.csv.empty()) {
+    std::ifstream f(o.csv);
+    if (!f) throw std::runtime_error("cannot read " + o.csv);
+    try {
+      schedule = std::make_unique<TableSchedule>(o.csv, parse_csv(f));
+    } catch (const ScheduleError& e) {
+      throw ScheduleError(o.csv + ": " + e.what());
+    }
+  } else {
+    schedule = make_schedule(o.schedule);
+  }
+  const ScheduleSpec spec{o.pp, o.stages_per_rank, o.microbatches};
+  const auto plan = make_plan(*schedule, spec, /*reduce_grad=*/true);
+  const Costs costs{o.costs[0], o.costs[1], o.costs[2], o.costs[3], 0};
+  const auto sim = simulate(plan.lowered, plan.owner, costs);
+  const std::string title = fmt::format("{} pp={} stages/rank={} microbatches={}", schedule->name(),
+                                        spec.pp, spec.stages_per_rank, spec.microbatches);
+  std::cout << title << " (costs F=" << costs.forward << " B=" << costs.backward
+            << " I=" << costs.backward_input << " W=" << costs.backward_weight << ")\n"
+            << render_timeline(sim);
+  for (size_t r = 0; r < plan.lowered.size(); ++r)
+    std::cout << fmt::format("rank {}: {} actions after lowering, peak live activations {}, peak "
+                             "receive buffers {}\n",
+                             r, plan.lowered[r].size(), sim.peak_activations[r], sim.peak_recv_buffers[r]);
+  std::cout << fmt::format("mean bubble fraction {:.3f}, step time {} units\n", sim.mean_bubble(), sim.makespan);
+  std::ofstream(o.out + ".svg") << render_svg(sim, title);
+  std::ofstream(o.out + ".trace.json") << chrome_trace(sim);
+  std::ofstream csv(o.out + ".csv");
+  write_csv(csv, plan.lowered);
+  std::cout << "wrote " << o.out << ".svg, " << o.out << ".trace.json and " << o.out << ".csv (lowered)\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -113,12 +159,31 @@ int main(int argc, char** argv) {
   cmd_demo->add_option("--nproc", demo_nproc, "ranks to start")->check(CLI::Range(1, 64));
   cmd_demo->add_option("--max-mib", demo_max_mib, "largest message, MiB")->check(CLI::Range(1, 1024));
 
+  ShowOptions show;
+  auto* cmd_schedule = app.add_subcommand("schedule", "pipeline schedules");
+  cmd_schedule->require_subcommand(1);
+  auto* cmd_show = cmd_schedule->add_subcommand(
+      "show", "validate and simulate a schedule; print its timeline and bubble, write SVG and trace");
+  auto* by_name = cmd_show->add_option("--schedule", show.schedule, "a registered schedule, e.g. 1F1B");
+  auto* by_csv = cmd_show->add_option("--csv", show.csv, "a CSV action table, one row per rank");
+  by_name->excludes(by_csv);
+  cmd_show->add_option("--pp", show.pp, "pipeline ranks")->check(CLI::Range(1, 1024));
+  cmd_show->add_option("--microbatches", show.microbatches, "microbatches per step")->check(CLI::Range(1, 100000));
+  cmd_show->add_option("--stages-per-rank", show.stages_per_rank, "stages per rank")->check(CLI::Range(1, 64));
+  cmd_show->add_option("--costs", show.costs, "costs of F,B,I,W (default 1,2,1,1)")->expected(4)->delimiter(',');
+  cmd_show->add_option("--out", show.out, "prefix of the files written (default: schedule)");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (cmd_launch->parsed()) {
       launch.master_port = static_cast<uint16_t>(master_port);
       launch.prefix_output = !no_prefix;
       return run_launch(launch);
+    }
+    if (cmd_show->parsed()) {
+      if (show.schedule.empty() && show.csv.empty())
+        throw std::invalid_argument("schedule show: give --schedule NAME or --csv FILE");
+      return schedule_show(show);
     }
     if (cmd_demo->parsed()) {
       if (dist::launched_by_launcher()) return demo_worker(demo_max_mib << 20);

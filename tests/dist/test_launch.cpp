@@ -162,3 +162,21 @@ TEST_CASE("launch rejects inconsistent options before starting anything") {
   CHECK(r.status != 0);
   CHECK(r.output.find("program 'no-such-program-fsdpp' not found") != std::string::npos);
 }
+
+TEST_CASE("fsdpp schedule show: timeline, bubble and files for a valid schedule; the reason for an invalid one") {
+  const auto dir = std::filesystem::temp_directory_path() / unique_token();
+  std::filesystem::create_directories(dir);
+  auto r = run(std::string(FSDPP_BIN) + " schedule show --schedule 1F1B --pp 4 --microbatches 8 --out " +
+               (dir / "s").string());
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("mean bubble fraction 0.273") != std::string::npos);  // (p-1)/(m+p-1) = 3/11
+  for (const char* ext : {".svg", ".trace.json", ".csv"}) CHECK(std::filesystem::file_size(dir / (std::string("s") + ext)) > 0);
+  std::ofstream(dir / "bad.csv") << "0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n";
+  r = run(std::string(FSDPP_BIN) + " schedule show --csv " + (dir / "bad.csv").string() +
+          " --pp 2 --microbatches 2 --out " + (dir / "b").string());
+  CHECK(r.status != 0);
+  CHECK(r.output.find("the schedule deadlocks: rank 0 at 0B0") != std::string::npos);
+  CHECK(r.output.find("rank 1 at 1F1") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}

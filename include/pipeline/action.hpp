@@ -1,0 +1,162 @@
+#pragma once
+// The action IR of a pipeline schedule, and its text form.
+//
+// A schedule is a list of actions per pipeline rank, executed in order. An action is written
+// "<stage><TYPE><microbatch>", compatible with PyTorch's pipelining: "0F1" (stage 0 forward of
+// microbatch 1), "2I1", "0W3", "0B3", "1UNSHARD", "2SEND_B2", "1RECV_F1", "0REDUCE_GRAD". A CSV
+// holds one rank per row, one action per cell; an empty cell is an idle slot and is skipped.
+
+#include <cctype>
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fsdpp::pipeline {
+
+enum class ActionType {
+  kForward,         // F
+  kBackward,        // B: input and weight gradients together
+  kBackwardInput,   // I: input gradient only (zero-bubble schedules)
+  kBackwardWeight,  // W: weight gradient of an earlier I
+  kSendF,
+  kRecvF,
+  kSendB,
+  kRecvB,
+  kUnshard,
+  kReshard,
+  kReduceGrad,
+};
+
+struct Action {
+  int stage = 0;
+  ActionType type = ActionType::kForward;
+  int microbatch = -1;  // -1 for UNSHARD, RESHARD, REDUCE_GRAD
+
+  bool operator==(const Action&) const = default;
+};
+
+// One list of actions per pipeline rank.
+using Program = std::vector<std::vector<Action>>;
+
+// A malformed or invalid schedule. The message names the rank (or line and column) and action.
+class ScheduleError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+inline const char* type_token(ActionType t) {
+  switch (t) {
+    case ActionType::kForward: return "F";
+    case ActionType::kBackward: return "B";
+    case ActionType::kBackwardInput: return "I";
+    case ActionType::kBackwardWeight: return "W";
+    case ActionType::kSendF: return "SEND_F";
+    case ActionType::kRecvF: return "RECV_F";
+    case ActionType::kSendB: return "SEND_B";
+    case ActionType::kRecvB: return "RECV_B";
+    case ActionType::kUnshard: return "UNSHARD";
+    case ActionType::kReshard: return "RESHARD";
+    case ActionType::kReduceGrad: return "REDUCE_GRAD";
+  }
+  return "?";
+}
+
+inline bool is_compute(ActionType t) {
+  return t == ActionType::kForward || t == ActionType::kBackward ||
+         t == ActionType::kBackwardInput || t == ActionType::kBackwardWeight;
+}
+
+inline bool has_microbatch(ActionType t) {
+  return t != ActionType::kUnshard && t != ActionType::kReshard && t != ActionType::kReduceGrad;
+}
+
+inline std::string to_string(const Action& a) {
+  std::string s = std::to_string(a.stage) + type_token(a.type);
+  if (has_microbatch(a.type)) s += std::to_string(a.microbatch);
+  return s;
+}
+
+namespace detail {
+
+inline std::string where(int line, int column) {
+  return line > 0 ? "line " + std::to_string(line) + ", column " + std::to_string(column) + ": "
+                  : std::string();
+}
+
+}  // namespace detail
+
+// Parses one action; `line` and `column` (1-based, 0 when unknown) only label errors.
+inline Action parse_action(const std::string& text, int line = 0, int column = 0) {
+  auto fail = [&](const std::string& why) {
+    throw ScheduleError(detail::where(line, column) + "'" + text + "' is not an action: " + why);
+  };
+  size_t i = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+  if (i == 0) fail("it must start with a stage number");
+  if (i > 6) fail("stage number too large");
+  Action a;
+  a.stage = std::stoi(text.substr(0, i));
+  size_t j = i;
+  while (j < text.size() && !std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
+  const std::string token = text.substr(i, j - i);
+  static const ActionType kTypes[] = {
+      ActionType::kSendF, ActionType::kRecvF,   ActionType::kSendB,   ActionType::kRecvB,
+      ActionType::kUnshard, ActionType::kReshard, ActionType::kReduceGrad, ActionType::kForward,
+      ActionType::kBackward, ActionType::kBackwardInput, ActionType::kBackwardWeight};
+  bool found = false;
+  for (auto t : kTypes)
+    if (token == type_token(t)) {
+      a.type = t;
+      found = true;
+    }
+  if (!found)
+    fail("unknown type '" + token +
+         "' (expected F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, UNSHARD, RESHARD or REDUCE_GRAD)");
+  const std::string mb = text.substr(j);
+  if (has_microbatch(a.type)) {
+    if (mb.empty()) fail("a microbatch number must follow " + token);
+    if (mb.size() > 6 || mb.find_first_not_of("0123456789") != std::string::npos)
+      fail("bad microbatch number '" + mb + "'");
+    a.microbatch = std::stoi(mb);
+  } else if (!mb.empty()) {
+    fail(token + " takes no microbatch");
+  }
+  return a;
+}
+
+// CSV: one row per rank. Cells are trimmed; empty cells (idle slots) are skipped.
+inline Program parse_csv(std::istream& in) {
+  Program program;
+  std::string row;
+  int line = 0;
+  while (std::getline(in, row)) {
+    ++line;
+    if (!row.empty() && row.back() == '\r') row.pop_back();
+    std::vector<Action> actions;
+    size_t start = 0;
+    while (start <= row.size()) {
+      size_t end = row.find(',', start);
+      if (end == std::string::npos) end = row.size();
+      std::string cell = row.substr(start, end - start);
+      const size_t b = cell.find_first_not_of(" \t"), e = cell.find_last_not_of(" \t");
+      if (b != std::string::npos) actions.push_back(parse_action(cell.substr(b, e - b + 1), line, static_cast<int>(start + b + 1)));
+      start = end + 1;
+    }
+    program.push_back(std::move(actions));
+  }
+  while (!program.empty() && program.back().empty()) program.pop_back();  // trailing blank lines
+  if (program.empty()) throw ScheduleError("the schedule CSV has no rows");
+  return program;
+}
+
+inline void write_csv(std::ostream& out, const Program& program) {
+  for (const auto& rank : program) {
+    for (size_t i = 0; i < rank.size(); ++i) out << (i ? "," : "") << to_string(rank[i]);
+    out << "\n";
+  }
+}
+
+}  // namespace fsdpp::pipeline

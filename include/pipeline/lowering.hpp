@@ -1,0 +1,156 @@
+#pragma once
+// Lowering: from each rank's compute actions to the program a rank executes, with the sends and
+// receives between stages on different ranks.
+
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "pipeline/action.hpp"
+
+namespace fsdpp::pipeline {
+
+// stage -> rank, from where each stage's actions appear. Throws when a stage appears on two ranks
+// or a stage in [0, num_stages) never appears.
+inline std::vector<int> infer_stage_ranks(const Program& program, int num_stages) {
+  std::vector<int> owner(num_stages, -1);
+  for (int r = 0; r < static_cast<int>(program.size()); ++r)
+    for (const auto& a : program[r]) {
+      if (a.stage < 0 || a.stage >= num_stages)
+        throw ScheduleError("rank " + std::to_string(r) + ": " + to_string(a) + " names stage " +
+                            std::to_string(a.stage) + ", but there are " + std::to_string(num_stages) +
+                            " stages");
+      if (owner[a.stage] >= 0 && owner[a.stage] != r)
+        throw ScheduleError("rank " + std::to_string(r) + ": " + to_string(a) + " runs stage " +
+                            std::to_string(a.stage) + ", which rank " + std::to_string(owner[a.stage]) +
+                            " also runs; a stage lives on one rank");
+      owner[a.stage] = r;
+    }
+  for (int s = 0; s < num_stages; ++s)
+    if (owner[s] < 0) throw ScheduleError("stage " + std::to_string(s) + " has no actions on any rank");
+  return owner;
+}
+
+// Checks a compute-only program: only F/B/I/W; for every stage and microbatch exactly one F and
+// either one B or one I and one W; B or I after that F, W after that I, on the stage's rank.
+inline void validate_compute(const Program& program, int num_stages, int microbatches) {
+  const auto owner = infer_stage_ranks(program, num_stages);
+  using Key = std::tuple<int, int, int>;  // stage, type, microbatch
+  std::set<Key> seen;
+  auto has = [&](int s, ActionType t, int mb) { return seen.count({s, static_cast<int>(t), mb}) > 0; };
+  for (int r = 0; r < static_cast<int>(program.size()); ++r)
+    for (const auto& a : program[r]) {
+      const std::string at = "rank " + std::to_string(r) + ": " + to_string(a);
+      if (!is_compute(a.type))
+        throw ScheduleError(at + ": a compute schedule holds only F, B, I and W actions");
+      if (a.microbatch < 0 || a.microbatch >= microbatches)
+        throw ScheduleError(at + ": microbatch " + std::to_string(a.microbatch) + " is outside [0, " +
+                            std::to_string(microbatches) + ")");
+      if (has(a.stage, a.type, a.microbatch)) throw ScheduleError(at + " appears twice");
+      using T = ActionType;
+      if ((a.type == T::kBackward || a.type == T::kBackwardInput) && !has(a.stage, T::kForward, a.microbatch))
+        throw ScheduleError(at + " comes before its forward " + std::to_string(a.stage) + "F" +
+                            std::to_string(a.microbatch));
+      if (a.type == T::kBackwardWeight && !has(a.stage, T::kBackwardInput, a.microbatch))
+        throw ScheduleError(at + " (W) comes before its input gradient " + std::to_string(a.stage) + "I" +
+                            std::to_string(a.microbatch));
+      if ((a.type == T::kBackward && has(a.stage, T::kBackwardInput, a.microbatch)) ||
+          (a.type == T::kBackwardInput && has(a.stage, T::kBackward, a.microbatch)))
+        throw ScheduleError(at + ": microbatch " + std::to_string(a.microbatch) + " of stage " +
+                            std::to_string(a.stage) + " has both B and I");
+      seen.insert({a.stage, static_cast<int>(a.type), a.microbatch});
+    }
+  for (int s = 0; s < num_stages; ++s)
+    for (int mb = 0; mb < microbatches; ++mb) {
+      const std::string what = " for microbatch " + std::to_string(mb) + " of stage " + std::to_string(s) +
+                               " (rank " + std::to_string(owner[s]) + ")";
+      if (!has(s, ActionType::kForward, mb)) throw ScheduleError("no forward" + what);
+      const bool b = has(s, ActionType::kBackward, mb), i = has(s, ActionType::kBackwardInput, mb);
+      if (!b && !i) throw ScheduleError("no backward" + what);
+      if (i && !has(s, ActionType::kBackwardWeight, mb)) throw ScheduleError("no W after the I" + what);
+    }
+}
+
+// Inserts SEND_F/RECV_F and SEND_B/RECV_B around computations whose neighbour stage is on another
+// rank. Ranks advance in turns, each emitting its next compute action once the input exists
+// (produced on the same rank, or sent by the peer). A send is emitted right after the computation
+// that produced the data; the matching receive right before the computation that consumes it, so
+// a receive buffer lives no longer than needed. Throws naming every rank's blocked action when the
+// compute order cannot run (a deadlock).
+inline Program add_send_recv(const Program& compute, const std::vector<int>& owner) {
+  const int ranks = static_cast<int>(compute.size()), stages = static_cast<int>(owner.size());
+  Program out(ranks);
+  std::vector<size_t> next(ranks, 0);
+  using Key = std::tuple<int, int, int>;  // (stage, type, mb)
+  std::vector<std::set<Key>> done(ranks), inbox(ranks);
+  auto k = [](int s, ActionType t, int mb) { return Key{s, static_cast<int>(t), mb}; };
+  using T = ActionType;
+  // The receive a computation needs, if its input comes from another rank; nullopt when none.
+  auto needed_recv = [&](int r, const Action& a) -> std::optional<Action> {
+    if (a.type == T::kForward && a.stage > 0 && owner[a.stage - 1] != r)
+      return Action{a.stage, T::kRecvF, a.microbatch};
+    if ((a.type == T::kBackward || a.type == T::kBackwardInput) && a.stage < stages - 1 &&
+        owner[a.stage + 1] != r)
+      return Action{a.stage, T::kRecvB, a.microbatch};
+    return std::nullopt;
+  };
+  auto ready = [&](int r, const Action& a) {
+    if (auto recv = needed_recv(r, a)) return inbox[r].count(k(recv->stage, recv->type, recv->microbatch)) > 0;
+    if (a.type == T::kForward && a.stage > 0) return done[r].count(k(a.stage - 1, T::kForward, a.microbatch)) > 0;
+    if ((a.type == T::kBackward || a.type == T::kBackwardInput) && a.stage < stages - 1)
+      return done[r].count(k(a.stage + 1, T::kBackward, a.microbatch)) > 0 ||
+             done[r].count(k(a.stage + 1, T::kBackwardInput, a.microbatch)) > 0;
+    return true;
+  };
+  for (;;) {
+    bool progress = false, finished = true;
+    for (int r = 0; r < ranks; ++r) {
+      if (next[r] >= compute[r].size()) continue;
+      finished = false;
+      const Action a = compute[r][next[r]];
+      if (!ready(r, a)) continue;
+      if (auto recv = needed_recv(r, a)) out[r].push_back(*recv);
+      out[r].push_back(a);
+      done[r].insert(k(a.stage, a.type, a.microbatch));
+      ++next[r];
+      progress = true;
+      if (a.type == T::kForward && a.stage + 1 < stages && owner[a.stage + 1] != r) {
+        out[r].push_back({a.stage, T::kSendF, a.microbatch});
+        inbox[owner[a.stage + 1]].insert(k(a.stage + 1, T::kRecvF, a.microbatch));
+      }
+      if ((a.type == T::kBackward || a.type == T::kBackwardInput) && a.stage > 0 && owner[a.stage - 1] != r) {
+        out[r].push_back({a.stage, T::kSendB, a.microbatch});
+        inbox[owner[a.stage - 1]].insert(k(a.stage - 1, T::kRecvB, a.microbatch));
+      }
+    }
+    if (finished) return out;
+    if (!progress) {
+      std::string stuck;
+      for (int r = 0; r < ranks; ++r)
+        if (next[r] < compute[r].size())
+          stuck += (stuck.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " at " +
+                   to_string(compute[r][next[r]]) + " (its input has not been produced)";
+      throw ScheduleError("the schedule deadlocks: " + stuck);
+    }
+  }
+}
+
+// After each stage's last backward (B or W), its REDUCE_GRAD (for FSDP stages).
+inline Program add_reduce_grad(const Program& program, int microbatches) {
+  Program out(program.size());
+  for (size_t r = 0; r < program.size(); ++r) {
+    std::map<int, int> count;
+    for (const auto& a : program[r]) {
+      out[r].push_back(a);
+      if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardWeight) &&
+          ++count[a.stage] == microbatches)
+        out[r].push_back({a.stage, ActionType::kReduceGrad, -1});
+    }
+  }
+  return out;
+}
+
+}  // namespace fsdpp::pipeline

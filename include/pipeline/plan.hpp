@@ -1,0 +1,43 @@
+#pragma once
+// From a schedule and a spec to a checked, lowered program: the path every schedule takes,
+// built-in or not, before any communication happens.
+
+#include <string>
+#include <vector>
+
+#include "pipeline/lowering.hpp"
+#include "pipeline/schedule.hpp"
+#include "pipeline/simulator.hpp"
+
+namespace fsdpp::pipeline {
+
+struct Plan {
+  ScheduleSpec spec;
+  Program compute;        // each rank's compute actions
+  std::vector<int> owner;  // stage -> rank
+  Program lowered;        // with sends and receives (and REDUCE_GRAD when asked)
+};
+
+// Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.
+inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, bool reduce_grad = false) {
+  schedule.check(spec);
+  Plan p;
+  p.spec = spec;
+  p.compute = schedule.compute_actions(spec);
+  if (static_cast<int>(p.compute.size()) != spec.pp)
+    throw ScheduleError(schedule.name() + ": " + std::to_string(p.compute.size()) + " ranks for pp " +
+                        std::to_string(spec.pp));
+  validate_compute(p.compute, spec.num_stages(), spec.microbatches);
+  p.owner = infer_stage_ranks(p.compute, spec.num_stages());
+  for (int s = 0; s < spec.num_stages(); ++s)
+    if (dynamic_cast<const TableSchedule*>(&schedule) == nullptr &&
+        p.owner[s] != stage_rank(schedule.layout(), s, spec.pp))
+      throw ScheduleError(schedule.name() + ": stage " + std::to_string(s) + " is on rank " +
+                          std::to_string(p.owner[s]) + ", not where its layout puts it");
+  p.lowered = add_send_recv(p.compute, p.owner);
+  if (reduce_grad) p.lowered = add_reduce_grad(p.lowered, spec.microbatches);
+  simulate(p.lowered, p.owner);  // proves the lowered program runs to the end
+  return p;
+}
+
+}  // namespace fsdpp::pipeline

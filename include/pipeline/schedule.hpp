@@ -1,0 +1,295 @@
+#pragma once
+// Schedules: given the pipeline size, stages per rank and microbatch count, each rank's ordered
+// compute actions (F, B, I, W). Built-ins and user schedules share one registry, so a schedule
+// written in C++ or loaded from a CSV action table runs through the same lowering, validator,
+// simulator and executor.
+//
+// A Schedule must provide:
+//   name()                       the registry name
+//   layout()                     which stages a rank holds (loop: r, r+p, ...; V: r and 2p-1-r)
+//   check(spec)                  throw ScheduleError when the spec is outside what it supports
+//   compute_actions(spec)        one list of compute actions per rank
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "pipeline/action.hpp"
+
+namespace fsdpp::pipeline {
+
+struct ScheduleSpec {
+  int pp = 2;               // pipeline ranks
+  int stages_per_rank = 1;  // v
+  int microbatches = 4;     // m
+  int num_stages() const { return pp * stages_per_rank; }
+};
+
+enum class Layout { kLoop, kV };
+
+// The rank that holds `stage`.
+inline int stage_rank(Layout layout, int stage, int pp) {
+  if (layout == Layout::kV) return stage < pp ? stage : 2 * pp - 1 - stage;
+  return stage % pp;
+}
+
+class Schedule {
+ public:
+  virtual ~Schedule() = default;
+  virtual std::string name() const = 0;
+  virtual Layout layout() const { return Layout::kLoop; }
+  virtual void check(const ScheduleSpec& spec) const {
+    if (spec.pp < 1 || spec.stages_per_rank < 1 || spec.microbatches < 1)
+      throw ScheduleError(name() + ": pp, stages per rank and microbatches must be positive");
+  }
+  virtual Program compute_actions(const ScheduleSpec& spec) const = 0;
+};
+
+using ScheduleFactory = std::function<std::unique_ptr<Schedule>()>;
+
+namespace detail {
+
+inline std::map<std::string, ScheduleFactory>& registry() {
+  static std::map<std::string, ScheduleFactory> r;
+  return r;
+}
+inline std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+}  // namespace detail
+
+// Registers (or replaces) a schedule under `name`.
+inline void register_schedule(const std::string& name, ScheduleFactory factory) {
+  std::lock_guard<std::mutex> lock(detail::registry_mutex());
+  detail::registry()[name] = std::move(factory);
+}
+
+void register_builtin_schedules();
+
+inline std::vector<std::string> schedule_names() {
+  register_builtin_schedules();
+  std::lock_guard<std::mutex> lock(detail::registry_mutex());
+  std::vector<std::string> out;
+  for (const auto& [k, v] : detail::registry()) out.push_back(k);
+  return out;
+}
+
+inline std::unique_ptr<Schedule> make_schedule(const std::string& name) {
+  register_builtin_schedules();
+  std::unique_lock<std::mutex> lock(detail::registry_mutex());
+  auto it = detail::registry().find(name);
+  if (it == detail::registry().end()) {
+    std::string known;
+    for (const auto& [k, v] : detail::registry()) known += (known.empty() ? "" : ", ") + k;
+    throw ScheduleError("unknown schedule '" + name + "' (known: " + known + ")");
+  }
+  auto factory = it->second;
+  lock.unlock();
+  return factory();
+}
+
+// ------------------------------------------------------------------ built-in schedules
+
+namespace detail {
+
+inline Action act(int stage, ActionType t, int mb) { return {stage, t, mb}; }
+
+}  // namespace detail
+
+// All forwards, then all backwards (one stage per rank).
+class GPipe : public Schedule {
+ public:
+  std::string name() const override { return "GPipe"; }
+  void check(const ScheduleSpec& s) const override {
+    Schedule::check(s);
+    if (s.stages_per_rank != 1) throw ScheduleError("GPipe: one stage per rank");
+  }
+  Program compute_actions(const ScheduleSpec& s) const override {
+    Program p(s.pp);
+    for (int r = 0; r < s.pp; ++r) {
+      for (int m = 0; m < s.microbatches; ++m) p[r].push_back(detail::act(r, ActionType::kForward, m));
+      for (int m = 0; m < s.microbatches; ++m) p[r].push_back(detail::act(r, ActionType::kBackward, m));
+    }
+    return p;
+  }
+};
+
+// Warm-up forwards (p - r of them), then alternate one backward and one forward, then drain.
+class OneFOneB : public Schedule {
+ public:
+  std::string name() const override { return "1F1B"; }
+  void check(const ScheduleSpec& s) const override {
+    Schedule::check(s);
+    if (s.stages_per_rank != 1) throw ScheduleError("1F1B: one stage per rank");
+    if (s.microbatches < s.pp)
+      throw ScheduleError("1F1B: needs at least as many microbatches (" + std::to_string(s.microbatches) +
+                          ") as pipeline ranks (" + std::to_string(s.pp) + ")");
+  }
+  Program compute_actions(const ScheduleSpec& s) const override {
+    Program p(s.pp);
+    for (int r = 0; r < s.pp; ++r) {
+      const int warmup = std::min(s.microbatches, s.pp - r);
+      int f = 0, b = 0;
+      while (f < warmup) p[r].push_back(detail::act(r, ActionType::kForward, f++));
+      while (b < s.microbatches) {
+        p[r].push_back(detail::act(r, ActionType::kBackward, b++));
+        if (f < s.microbatches) p[r].push_back(detail::act(r, ActionType::kForward, f++));
+      }
+    }
+    return p;
+  }
+};
+
+// Breadth-first over several stages per rank (stages r, r+p, ...): every forward of a stage, then
+// the next stage; backwards in reverse.
+class LoopedBFS : public Schedule {
+ public:
+  std::string name() const override { return "LoopedBFS"; }
+  Program compute_actions(const ScheduleSpec& s) const override {
+    Program p(s.pp);
+    const int v = s.stages_per_rank, m = s.microbatches;
+    for (int r = 0; r < s.pp; ++r) {
+      for (int c = 0; c < v; ++c)
+        for (int mb = 0; mb < m; ++mb) p[r].push_back(detail::act(c * s.pp + r, ActionType::kForward, mb));
+      for (int c = v - 1; c >= 0; --c)
+        for (int mb = m - 1; mb >= 0; --mb) p[r].push_back(detail::act(c * s.pp + r, ActionType::kBackward, mb));
+    }
+    return p;
+  }
+};
+
+// Megatron's interleaved 1F1B (depth-first over v stages per rank); with zero_bubble, PyTorch's
+// interleaved zero-bubble variant: I instead of B, and each rank defers its W by its rank index
+// to fill the drain bubble.
+class Interleaved1F1B : public Schedule {
+ public:
+  explicit Interleaved1F1B(bool zero_bubble = false) : zero_bubble_(zero_bubble) {}
+  std::string name() const override { return zero_bubble_ ? "InterleavedZeroBubble" : "Interleaved1F1B"; }
+  void check(const ScheduleSpec& s) const override {
+    Schedule::check(s);
+    const int rounds = std::max(1, s.microbatches / s.pp);
+    if (s.microbatches % rounds != 0)
+      throw ScheduleError(name() + ": microbatches (" + std::to_string(s.microbatches) +
+                          ") must be a multiple of " + std::to_string(rounds) +
+                          " (rounds of up to pp microbatches)");
+  }
+  Program compute_actions(const ScheduleSpec& s) const override {
+    Program p(s.pp);
+    const int v = s.stages_per_rank, m = s.microbatches, pp = s.pp;
+    const int rounds = std::max(1, m / pp), per_round = m / rounds, total = v * m;
+    auto fwd = [&](int k, int r) {
+      return detail::act(((k / per_round) % v) * pp + r, ActionType::kForward,
+                         (k / (per_round * v)) * per_round + k % per_round);
+    };
+    const ActionType back = zero_bubble_ ? ActionType::kBackwardInput : ActionType::kBackward;
+    auto bwd = [&](int k, int r) {
+      return detail::act((v - 1 - (k / per_round) % v) * pp + r, back,
+                         (k / (per_round * v)) * per_round + k % per_round);
+    };
+    for (int r = 0; r < pp; ++r) {
+      const int warmup = std::min((v - 1) * per_round + (zero_bubble_ ? 1 : 2) * (pp - 1 - r), total);
+      std::vector<Action> pending_w;
+      size_t next_w = 0;
+      auto after_backward = [&](int b, const Action& a) {
+        if (!zero_bubble_) return;
+        pending_w.push_back({a.stage, ActionType::kBackwardWeight, a.microbatch});
+        if (b >= r && next_w < pending_w.size()) p[r].push_back(pending_w[next_w++]);
+      };
+      int f = 0, b = 0;
+      while (f < warmup) p[r].push_back(fwd(f++, r));
+      while (b < total) {
+        if (f < total) p[r].push_back(fwd(f++, r));
+        const Action a = bwd(b, r);
+        p[r].push_back(a);
+        after_backward(b++, a);
+      }
+      while (next_w < pending_w.size()) p[r].push_back(pending_w[next_w++]);
+    }
+    return p;
+  }
+
+ private:
+  bool zero_bubble_;
+};
+
+// ZB-V: two stages per rank in a V (rank r holds stages r and 2p-1-r), with I/W split; zero bubble
+// when F, I and W cost the same.
+class ZBVZeroBubble : public Schedule {
+ public:
+  std::string name() const override { return "ZBVZeroBubble"; }
+  Layout layout() const override { return Layout::kV; }
+  void check(const ScheduleSpec& s) const override {
+    Schedule::check(s);
+    if (s.stages_per_rank != 2) throw ScheduleError("ZBVZeroBubble: exactly 2 stages per rank");
+  }
+  Program compute_actions(const ScheduleSpec& s) const override {
+    Program p(s.pp);
+    const int pp = s.pp, m = s.microbatches, n = std::max(2 * pp - 1, m);
+    for (int r = 0; r < pp; ++r) {
+      const int c0 = r, c1 = 2 * pp - 1 - r;
+      int f0 = 0, f1 = 0, i0 = 0, i1 = 0, w0 = 0, w1 = 0;
+      auto& out = p[r];
+      auto emit = [&](int stage, ActionType t, int& counter) {
+        const int mb = counter++;
+        if (mb < m) out.push_back({stage, t, mb});  // the V is built for n; extra microbatches vanish
+      };
+      using T = ActionType;
+      for (int k = 0; k < 2 * (pp - r) - 1; ++k) emit(c0, T::kForward, f0);
+      for (int k = 0; k < r; ++k) emit(c1, T::kForward, f1), emit(c0, T::kForward, f0);
+      for (int k = 0; k < pp - r; ++k)
+        emit(c1, T::kForward, f1), emit(c1, T::kBackwardInput, i1), emit(c1, T::kBackwardWeight, w1);
+      while (f1 < f0 || f0 < n) {
+        if (f0 < n) emit(c0, T::kForward, f0);
+        emit(c0, T::kBackwardInput, i0), emit(c0, T::kBackwardWeight, w0);
+        emit(c1, T::kForward, f1), emit(c1, T::kBackwardInput, i1), emit(c1, T::kBackwardWeight, w1);
+      }
+      for (int k = 0; k < r; ++k) emit(c0, T::kBackwardInput, i0), emit(c1, T::kBackwardInput, i1);
+      for (int k = 0; k < pp - r; ++k) emit(c0, T::kBackwardInput, i0), emit(c0, T::kBackwardWeight, w0);
+      while (w1 < n) emit(c1, T::kBackwardWeight, w1);
+      while (w0 < n) emit(c0, T::kBackwardWeight, w0);
+    }
+    return p;
+  }
+};
+
+// A schedule read from a CSV action table (one row per rank). The layout is taken from where
+// each stage appears; the spec must match the table.
+class TableSchedule : public Schedule {
+ public:
+  TableSchedule(std::string name, Program program) : name_(std::move(name)), program_(std::move(program)) {}
+  std::string name() const override { return name_; }
+  Program compute_actions(const ScheduleSpec& s) const override {
+    if (static_cast<int>(program_.size()) != s.pp)
+      throw ScheduleError(name_ + ": the table has " + std::to_string(program_.size()) +
+                          " rows but pp is " + std::to_string(s.pp));
+    return program_;
+  }
+
+ private:
+  std::string name_;
+  Program program_;
+};
+
+inline void register_builtin_schedules() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    auto add = [](const std::string& name, ScheduleFactory f) {
+      std::lock_guard<std::mutex> lock(detail::registry_mutex());
+      detail::registry().emplace(name, std::move(f));  // never replaces a user's schedule
+    };
+    add("GPipe", [] { return std::make_unique<GPipe>(); });
+    add("1F1B", [] { return std::make_unique<OneFOneB>(); });
+    add("LoopedBFS", [] { return std::make_unique<LoopedBFS>(); });
+    add("Interleaved1F1B", [] { return std::make_unique<Interleaved1F1B>(false); });
+    add("InterleavedZeroBubble", [] { return std::make_unique<Interleaved1F1B>(true); });
+    add("ZBVZeroBubble", [] { return std::make_unique<ZBVZeroBubble>(); });
+  });
+}
+
+}  // namespace fsdpp::pipeline

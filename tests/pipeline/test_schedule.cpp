@@ -1,0 +1,178 @@
+// Schedules as data: text form, built-ins, lowering, validation and simulation.
+#include <doctest/doctest.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "pipeline/plan.hpp"
+
+using namespace fsdpp::pipeline;
+
+namespace {
+
+std::string joined(const std::vector<Action>& actions) {
+  std::string s;
+  for (const auto& a : actions) s += (s.empty() ? "" : " ") + to_string(a);
+  return s;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ScheduleError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+Program from_csv(const std::string& text) {
+  std::istringstream in(text);
+  return parse_csv(in);
+}
+
+}  // namespace
+
+TEST_CASE("actions print and parse losslessly, in PyTorch's notation") {
+  for (const std::string s : {"0F1", "2I1", "0W3", "0B3", "1UNSHARD", "3RESHARD", "2SEND_B2", "1RECV_F1",
+                              "0REDUCE_GRAD", "12SEND_F345", "7RECV_B0"})
+    CHECK(to_string(parse_action(s)) == s);
+  CHECK(error_of([] { parse_action("F1"); }).find("must start with a stage number") != std::string::npos);
+  CHECK(error_of([] { parse_action("0X1"); }).find("unknown type 'X'") != std::string::npos);
+  CHECK(error_of([] { parse_action("0F"); }).find("a microbatch number must follow F") != std::string::npos);
+  CHECK(error_of([] { parse_action("1UNSHARD2"); }).find("UNSHARD takes no microbatch") != std::string::npos);
+  // CSV errors carry the line and column of the bad cell.
+  const auto msg = error_of([] { from_csv("0F0,0B0\n1F0, 1Q0\n"); });
+  CHECK(msg.find("line 2, column 6: '1Q0'") != std::string::npos);
+}
+
+TEST_CASE("CSV round trip, with empty cells as idle slots") {
+  const auto p = from_csv("0F0,,0F1,0B0,0B1\n,1F0,1B0,1F1,1B1\n");
+  CHECK(joined(p[0]) == "0F0 0F1 0B0 0B1");
+  std::ostringstream out;
+  write_csv(out, p);
+  CHECK(from_csv(out.str()) == p);
+}
+
+TEST_CASE("built-in orders follow their published rules") {
+  // Rules as documented for PyTorch's schedules (shared/reference/pipeline-schedules.md, section 2).
+  auto order = [](const std::string& name, ScheduleSpec s, int rank) {
+    return joined(make_schedule(name)->compute_actions(s)[rank]);
+  };
+  CHECK(order("1F1B", {4, 1, 8}, 0) == "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7");
+  CHECK(order("Interleaved1F1B", {4, 2, 8}, 0) ==
+        "0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 0F6 4B0 0F7 4B1 4F4 4B2 4F5 4B3 4F6 0B0 4F7 0B1 "
+        "0B2 0B3 4B4 4B5 4B6 4B7 0B4 0B5 0B6 0B7");
+  CHECK(order("InterleavedZeroBubble", {4, 1, 8}, 1) ==
+        "1F0 1F1 1F2 1I0 1F3 1I1 1W0 1F4 1I2 1W1 1F5 1I3 1W2 1F6 1I4 1W3 1F7 1I5 1W4 1I6 1W5 1I7 1W6 1W7");
+  CHECK(order("ZBVZeroBubble", {2, 2, 4}, 1) ==
+        "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3");
+}
+
+TEST_CASE("every built-in is valid, lowers and runs for pp 2 and 4 and several microbatch counts") {
+  struct Case {
+    std::string name;
+    int v;
+  };
+  for (const auto& c : std::vector<Case>{{"GPipe", 1}, {"1F1B", 1}, {"LoopedBFS", 2}, {"Interleaved1F1B", 2},
+                                         {"InterleavedZeroBubble", 1}, {"InterleavedZeroBubble", 2},
+                                         {"ZBVZeroBubble", 2}})
+    for (int pp : {2, 4})
+      for (int m : {pp, 2 * pp, 2 * pp + 1}) {
+        const ScheduleSpec spec{pp, c.v, m};
+        auto s = make_schedule(c.name);
+        std::string why;
+        try {
+          s->check(spec);
+        } catch (const ScheduleError& e) {
+          why = e.what();
+        }
+        INFO(c.name << " pp=" << pp << " v=" << c.v << " m=" << m << " " << why);
+        if (!why.empty()) {  // only interleaved schedules refuse some odd counts, with a reason
+          CHECK(why.find("must be a multiple") != std::string::npos);
+          continue;
+        }
+        const auto plan = make_plan(*s, spec, /*reduce_grad=*/true);
+        int sends = 0, recvs = 0, reduces = 0;
+        for (const auto& rank : plan.lowered)
+          for (const auto& a : rank) {
+            sends += a.type == ActionType::kSendF || a.type == ActionType::kSendB;
+            recvs += a.type == ActionType::kRecvF || a.type == ActionType::kRecvB;
+            reduces += a.type == ActionType::kReduceGrad;
+          }
+        CHECK(sends == recvs);
+        CHECK(reduces == spec.num_stages());
+      }
+}
+
+TEST_CASE("simulated bubbles: (p-1)/(m+p-1) for GPipe and 1F1B, less for zero-bubble schedules") {
+  for (int pp : {2, 4})
+    for (int m : {pp, 2 * pp, 8}) {
+      for (const std::string name : {"GPipe", "1F1B"}) {
+        const auto plan = make_plan(*make_schedule(name), {pp, 1, m});
+        const auto sim = simulate(plan.lowered, plan.owner, Costs{1, 2, 1, 1, 0});
+        const double want = double(pp - 1) / (m + pp - 1);
+        for (int r = 0; r < pp; ++r) CHECK(sim.bubble[r] == doctest::Approx(want));
+        // GPipe keeps every microbatch's activations; 1F1B at most p - r on rank r.
+        for (int r = 0; r < pp; ++r)
+          CHECK(sim.peak_activations[r] == (name == "GPipe" ? m : std::min(m, pp - r)));
+      }
+    }
+  const Costs uniform{1, 2, 1, 1, 0};  // B = I + W
+  const auto one = make_plan(*make_schedule("1F1B"), {4, 1, 8});
+  const auto zb1 = make_plan(*make_schedule("InterleavedZeroBubble"), {4, 1, 8});
+  const auto zbv = make_plan(*make_schedule("ZBVZeroBubble"), {4, 2, 8});
+  const double b1 = simulate(one.lowered, one.owner, uniform).mean_bubble();
+  const double bz = simulate(zb1.lowered, zb1.owner, uniform).mean_bubble();
+  // ZB-V halves each stage: per-stage costs are half of a one-stage-per-rank model's.
+  const double bv = simulate(zbv.lowered, zbv.owner, Costs{0.5, 1, 0.5, 0.5, 0}).mean_bubble();
+  MESSAGE("pp=4 m=8 mean bubble: 1F1B " << b1 << ", ZB-H1 " << bz << ", ZB-V " << bv);
+  CHECK(bz < b1 * 0.7);
+  CHECK(bv < bz);
+}
+
+TEST_CASE("invalid schedules are rejected before any communication, naming the rank and action") {
+  auto plan_of = [](const std::string& csv, int m) {
+    TableSchedule t("custom", from_csv(csv));
+    return make_plan(t, {2, 1, m});
+  };
+  // Rank 1 wants microbatch 1 first, but rank 0 sends microbatch 0 first and waits for its gradient.
+  auto msg = error_of([&] { plan_of("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", 2); });
+  CHECK(msg.find("deadlocks") != std::string::npos);
+  CHECK(msg.find("rank 1 at 1F1") != std::string::npos);
+  msg = error_of([&] { plan_of("0F0,0F1,0B0,0B1\n1F0,1F1,1B0\n", 2); });
+  CHECK(msg.find("no backward for microbatch 1 of stage 1 (rank 1)") != std::string::npos);
+  msg = error_of([&] { plan_of("0F0,0I0,0W0\n1F0,1W0,1I0\n", 1); });
+  CHECK(msg.find("rank 1: 1W0 (W) comes before its input gradient 1I0") != std::string::npos);
+  msg = error_of([&] { plan_of("0F0,0B0\n1F0,0B0\n", 1); });
+  CHECK(msg.find("which rank 0 also runs") != std::string::npos);
+  msg = error_of([&] { plan_of("0F0,0B0,0F0\n1F0,1B0\n", 1); });
+  CHECK(msg.find("rank 0: 0F0 appears twice") != std::string::npos);
+}
+
+TEST_CASE("a custom schedule from a CSV file and one registered in C++ take the built-ins' path") {
+  std::ifstream f(FSDPP_TEST_DATA "/custom_1f1b.csv");
+  REQUIRE(f);
+  TableSchedule table("custom_1f1b", parse_csv(f));
+  const auto plan = make_plan(table, {2, 1, 4});
+  const auto sim = simulate(plan.lowered, plan.owner);
+  CHECK(sim.peak_activations[0] == 3);  // three warm-up forwards
+  CHECK(sim.makespan > 0);
+
+  struct Reversed : Schedule {  // GPipe with backwards in reverse microbatch order
+    std::string name() const override { return "Reversed"; }
+    Program compute_actions(const ScheduleSpec& s) const override {
+      Program p(s.pp);
+      for (int r = 0; r < s.pp; ++r) {
+        for (int m = 0; m < s.microbatches; ++m) p[r].push_back({r, ActionType::kForward, m});
+        for (int m = s.microbatches - 1; m >= 0; --m) p[r].push_back({r, ActionType::kBackward, m});
+      }
+      return p;
+    }
+  };
+  register_schedule("Reversed", [] { return std::make_unique<Reversed>(); });
+  const auto names = schedule_names();
+  CHECK(std::find(names.begin(), names.end(), "Reversed") != names.end());
+  const auto rp = make_plan(*make_schedule("Reversed"), {3, 1, 5});
+  CHECK(rp.lowered.size() == 3);
+  CHECK(error_of([] { make_schedule("Nope"); }).find("unknown schedule 'Nope' (known: 1F1B,") != std::string::npos);
+}
