@@ -1,0 +1,76 @@
+#pragma once
+// Executor: runs one rank's part of a lowered schedule (pipeline/plan.hpp) on real stages.
+//
+// A stage is a function from its input activation to its output (the last stage's output goes
+// through the loss). Every stage boundary cuts the autograd graph: a stage's input is a fresh
+// leaf, its backward sends that leaf's gradient upstream. Backward can run whole (B) or split (I
+// for the input gradient, retaining the graph; W later for the weights), with the same result.
+//
+// Communication: each directed edge between two pipeline ranks gets its own two-rank communicator,
+// created and connected in the constructor (collective over `pp`). Receive buffers are allocated
+// when their RECV action runs, which the lowering places right before the consuming computation.
+// Sends are asynchronous and waited at the end of the step.
+//
+// Loss: the loss of each microbatch is divided by the number of microbatches, so that the
+// accumulated gradients equal those of the mean loss over the whole batch (for equal microbatches,
+// the same as an unpipelined step).
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "dist/comm.hpp"
+#include "pipeline/plan.hpp"
+
+namespace fsdpp::pipeline {
+
+struct PipelineStage {
+  int index = 0;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::vector<at::Tensor> parameters;  // for the weight-gradient half (W) of a split backward
+};
+
+struct ExecutorOptions {
+  std::vector<int64_t> activation_shape;  // every stage's input and output, per microbatch
+  at::ScalarType activation_dtype = at::kFloat;
+};
+
+struct ExecutorStats {
+  int peak_recv_buffers = 0;  // live receive buffers, at most
+  int recv_buffers_allocated = 0;
+  int sends = 0;
+};
+
+class PipelineExecutor {
+ public:
+  // `pp` has one rank per pipeline rank of the plan; `stages` are this rank's stages.
+  PipelineExecutor(Plan plan, dist::Comm pp, std::vector<PipelineStage> stages,
+                   std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> loss,
+                   ExecutorOptions options);
+
+  // One step over all microbatches: `inputs[mb]` feed the first stage, `targets[mb]` the loss
+  // (only the ranks holding those stages read them). Returns the sum of the microbatch losses on
+  // the rank holding the last stage, 0 elsewhere. Gradients accumulate into the parameters.
+  double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
+
+  const ExecutorStats& stats() const { return stats_; }
+
+ private:
+  struct Slot;  // per (stage, microbatch) state during a step
+  dist::Comm& edge(int from, int to);
+  Slot& slot(int stage, int mb);
+
+  Plan plan_;
+  dist::Comm pp_;
+  std::map<int, PipelineStage> stages_;
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss_;
+  ExecutorOptions options_;
+  std::map<std::pair<int, int>, dist::Comm> edges_;  // (from rank, to rank) -> two-rank comm
+  std::map<std::pair<int, int>, std::shared_ptr<Slot>> slots_;
+  ExecutorStats stats_;
+};
+
+}  // namespace fsdpp::pipeline

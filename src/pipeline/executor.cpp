@@ -1,0 +1,168 @@
+#include "pipeline/executor.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <set>
+
+namespace fsdpp::pipeline {
+
+struct PipelineExecutor::Slot {
+  at::Tensor input;        // leaf for stages > 0
+  at::Tensor output;       // stage output, or the scaled loss on the last stage
+  at::Tensor grad_output;  // gradient of `output` (undefined for the loss)
+  at::Tensor grad_input;   // gradient of `input`, for the previous stage
+  at::Tensor recv_f, recv_b;
+  std::optional<dist::Work> recv_f_work, recv_b_work;
+};
+
+namespace {
+
+// Tags keep messages of different microbatches and directions apart on one edge.
+uint32_t tag(int mb, bool backward) { return static_cast<uint32_t>(mb) * 2 + (backward ? 1 : 0); }
+
+}  // namespace
+
+PipelineExecutor::PipelineExecutor(Plan plan, dist::Comm pp, std::vector<PipelineStage> stages,
+                                   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss,
+                                   ExecutorOptions options)
+    : plan_(std::move(plan)), pp_(std::move(pp)), loss_(std::move(loss)), options_(std::move(options)) {
+  if (pp_.size() != plan_.spec.pp)
+    throw ScheduleError(fmt::format("executor: the plan has {} pipeline ranks but the communicator {}",
+                                    plan_.spec.pp, pp_.size()));
+  for (auto& s : stages) {
+    if (s.index < 0 || s.index >= plan_.spec.num_stages() || plan_.owner[s.index] != pp_.rank())
+      throw ScheduleError(fmt::format("executor: rank {} was given stage {}, which the plan puts on rank {}",
+                                      pp_.rank(), s.index,
+                                      s.index >= 0 && s.index < plan_.spec.num_stages() ? plan_.owner[s.index] : -1));
+    stages_[s.index] = std::move(s);
+  }
+  for (int s = 0; s < plan_.spec.num_stages(); ++s)
+    if (plan_.owner[s] == pp_.rank() && !stages_.count(s))
+      throw ScheduleError(fmt::format("executor: rank {} holds stage {} in the plan but was not given it",
+                                      pp_.rank(), s));
+  // One communicator per directed edge, in the same order on every rank (each split is
+  // collective over pp).
+  std::set<std::pair<int, int>> edges;
+  for (int s = 0; s + 1 < plan_.spec.num_stages(); ++s) {
+    const int a = plan_.owner[s], b = plan_.owner[s + 1];
+    if (a != b) edges.insert({a, b}), edges.insert({b, a});
+  }
+  for (const auto& [from, to] : edges) {
+    const bool member = pp_.rank() == from || pp_.rank() == to;
+    auto c = pp_.split(member ? 0 : -1, pp_.rank() == from ? 0 : 1);
+    if (member) edges_[{from, to}] = std::move(c);
+  }
+}
+
+dist::Comm& PipelineExecutor::edge(int from, int to) { return edges_.at({from, to}); }
+
+PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb) {
+  auto& p = slots_[{stage, mb}];
+  if (!p) p = std::make_shared<Slot>();
+  return *p;
+}
+
+double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+  const int me = pp_.rank(), last = plan_.spec.num_stages() - 1, m = plan_.spec.microbatches;
+  const auto act_options = at::TensorOptions().dtype(options_.activation_dtype);
+  std::vector<dist::Work> sends;
+  int live_buffers = 0;
+  double loss_sum = 0;
+  slots_.clear();
+  auto new_buffer = [&] {
+    ++stats_.recv_buffers_allocated;
+    stats_.peak_recv_buffers = std::max(stats_.peak_recv_buffers, ++live_buffers);
+    return at::empty(options_.activation_shape, act_options);
+  };
+  using T = ActionType;
+  for (const Action& a : plan_.lowered[me]) {
+    const int s = a.stage, mb = a.microbatch;
+    switch (a.type) {
+      case T::kRecvF: {
+        auto& sl = slot(s, mb);
+        sl.recv_f = new_buffer();
+        sl.recv_f_work = edge(plan_.owner[s - 1], me).recv(sl.recv_f, 0, tag(mb, false));
+        break;
+      }
+      case T::kRecvB: {
+        auto& sl = slot(s, mb);
+        sl.recv_b = new_buffer();
+        sl.recv_b_work = edge(plan_.owner[s + 1], me).recv(sl.recv_b, 0, tag(mb, true));
+        break;
+      }
+      case T::kForward: {
+        auto& sl = slot(s, mb);
+        at::Tensor x;
+        if (s == 0) {
+          x = inputs.at(mb);
+        } else if (sl.recv_f.defined()) {
+          sl.recv_f_work->wait();
+          x = sl.recv_f;
+          sl.recv_f = at::Tensor();
+          --live_buffers;
+        } else {
+          x = slot(s - 1, mb).output.detach();  // the previous stage runs on this rank
+        }
+        sl.input = s == 0 ? x : x.detach().requires_grad_(true);
+        at::Tensor out = stages_.at(s).forward(sl.input);
+        if (s == last) {
+          out = loss_(out, targets.at(mb)) / m;
+          loss_sum += out.item<double>();
+        }
+        sl.output = out;
+        break;
+      }
+      case T::kSendF:
+        sends.push_back(edge(me, plan_.owner[s + 1]).send(slot(s, mb).output.detach().contiguous(), 1, tag(mb, false)));
+        ++stats_.sends;
+        break;
+      case T::kBackward:
+      case T::kBackwardInput: {
+        auto& sl = slot(s, mb);
+        if (s < last) {
+          if (sl.recv_b.defined()) {
+            sl.recv_b_work->wait();
+            sl.grad_output = sl.recv_b;
+            sl.recv_b = at::Tensor();
+            --live_buffers;
+          } else {
+            sl.grad_output = slot(s + 1, mb).grad_input;  // the next stage runs on this rank
+          }
+        }
+        const std::vector<at::Tensor> outs{sl.output};
+        const std::vector<at::Tensor> grads{sl.grad_output};
+        if (a.type == T::kBackward) {
+          std::vector<at::Tensor> wrt = stages_.at(s).parameters;
+          if (s > 0) wrt.push_back(sl.input);
+          torch::autograd::backward(outs, grads, /*retain_graph=*/false, /*create_graph=*/false, wrt);
+          if (s > 0) sl.grad_input = sl.input.grad();
+        } else if (s > 0) {
+          sl.grad_input = torch::autograd::grad(outs, {sl.input}, grads, /*retain_graph=*/true)[0];
+        }
+        break;
+      }
+      case T::kBackwardWeight: {
+        auto& sl = slot(s, mb);
+        torch::autograd::backward({sl.output}, {sl.grad_output}, /*retain_graph=*/false,
+                                  /*create_graph=*/false, stages_.at(s).parameters);
+        sl.output = sl.grad_output = at::Tensor();
+        break;
+      }
+      case T::kSendB:
+        sends.push_back(edge(me, plan_.owner[s - 1]).send(slot(s, mb).grad_input.contiguous(), 1, tag(mb, true)));
+        ++stats_.sends;
+        break;
+      case T::kUnshard:
+      case T::kReshard:
+      case T::kReduceGrad:
+        break;  // no FSDP stages in this executor
+    }
+  }
+  dist::wait_all(sends);
+  slots_.clear();
+  return loss_sum;
+}
+
+}  // namespace fsdpp::pipeline
