@@ -9,7 +9,9 @@
 // Communication: each directed edge between two pipeline ranks gets its own two-rank communicator,
 // created and connected in the constructor (collective over `pp`). Receive buffers are allocated
 // when their RECV action runs, which the lowering places right before the consuming computation.
-// Sends are asynchronous and waited at the end of the step.
+// Sends are asynchronous; with a budget (Plan::max_outstanding_sends) a send first waits for the
+// oldest in flight, which the plan's simulation has shown can never deadlock; the rest are waited
+// at the end of the step.
 //
 // Loss: the loss of each microbatch is divided by the number of microbatches, so that the
 // accumulated gradients equal those of the mean loss over the whole batch (for equal microbatches,
@@ -42,6 +44,7 @@ struct ExecutorStats {
   int peak_recv_buffers = 0;  // live receive buffers, at most
   int recv_buffers_allocated = 0;
   int sends = 0;
+  int peak_sends_in_flight = 0;
 };
 
 class PipelineExecutor {

@@ -2,6 +2,7 @@
 // Lowering: from each rank's compute actions to the program a rank executes, with the sends and
 // receives between stages on different ranks.
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -136,6 +137,16 @@ inline Program add_send_recv(const Program& compute, const std::vector<int>& own
       throw ScheduleError("the schedule deadlocks: " + stuck);
     }
   }
+}
+
+// Moves `recv` in `rank`'s program to position `to` (earlier): posting a receive sooner is always
+// allowed; it only keeps its buffer alive longer.
+inline void hoist_recv(Program& program, int rank, const Action& recv, size_t to) {
+  auto& p = program[rank];
+  auto it = std::find(p.begin(), p.end(), recv);
+  if (it == p.end() || static_cast<size_t>(it - p.begin()) <= to) return;
+  p.erase(it);
+  p.insert(p.begin() + to, recv);
 }
 
 // After each stage's last backward (B or W), its REDUCE_GRAD (for FSDP stages).

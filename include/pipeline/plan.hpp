@@ -16,10 +16,14 @@ struct Plan {
   Program compute;        // each rank's compute actions
   std::vector<int> owner;  // stage -> rank
   Program lowered;        // with sends and receives (and REDUCE_GRAD when asked)
+  int max_outstanding_sends = 0;  // 0: unlimited
 };
 
 // Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.
-inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, bool reduce_grad = false) {
+// With max_outstanding_sends > 0, a rank never has more sends in flight; the simulation proves
+// the budget cannot deadlock this schedule, or the plan is refused saying so.
+inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, bool reduce_grad = false,
+                      int max_outstanding_sends = 0) {
   schedule.check(spec);
   Plan p;
   p.spec = spec;
@@ -36,8 +40,20 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, bool r
                           std::to_string(p.owner[s]) + ", not where its layout puts it");
   p.lowered = add_send_recv(p.compute, p.owner);
   if (reduce_grad) p.lowered = add_reduce_grad(p.lowered, spec.microbatches);
-  simulate(p.lowered, p.owner);  // proves the lowered program runs to the end
-  return p;
+  p.max_outstanding_sends = max_outstanding_sends;
+  // Prove the lowered program runs to the end. Under a send budget, a send may wait for a receive
+  // its peer has not posted yet because the peer itself waits; then that receive is posted earlier
+  // (where the peer is stuck), which breaks the cycle at the cost of a longer-lived buffer.
+  for (int attempt = 0;; ++attempt) {
+    std::vector<BudgetBlocker> blockers;
+    try {
+      simulate(p.lowered, p.owner, {}, max_outstanding_sends, &blockers);
+      return p;
+    } catch (const ScheduleError&) {
+      if (blockers.empty() || attempt > 100000) throw;
+      for (const auto& b : blockers) hoist_recv(p.lowered, b.rank, b.recv, b.stuck_at);
+    }
+  }
 }
 
 }  // namespace fsdpp::pipeline

@@ -4,6 +4,10 @@
 #include <fmt/format.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <thread>
 #include <set>
 
 namespace fsdpp::pipeline {
@@ -67,8 +71,22 @@ PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb) {
 double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
   const int me = pp_.rank(), last = plan_.spec.num_stages() - 1, m = plan_.spec.microbatches;
   const auto act_options = at::TensorOptions().dtype(options_.activation_dtype);
-  std::vector<dist::Work> sends;
+  std::deque<dist::Work> sends;
   int live_buffers = 0;
+  auto send = [&](int to, const at::Tensor& t, uint32_t tg) {
+    const int budget = plan_.max_outstanding_sends;
+    // Wait for any send to finish, not the oldest: the plan's simulation guarantees only that
+    // some in-flight send will be received without this rank's help.
+    for (;;) {
+      sends.erase(std::remove_if(sends.begin(), sends.end(), [](const dist::Work& w) { return w.is_completed(); }),
+                  sends.end());
+      if (budget <= 0 || static_cast<int>(sends.size()) < budget) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    sends.push_back(edge(me, to).send(t, 1, tg));
+    ++stats_.sends;
+    stats_.peak_sends_in_flight = std::max(stats_.peak_sends_in_flight, static_cast<int>(sends.size()));
+  };
   double loss_sum = 0;
   slots_.clear();
   auto new_buffer = [&] {
@@ -115,8 +133,7 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
         break;
       }
       case T::kSendF:
-        sends.push_back(edge(me, plan_.owner[s + 1]).send(slot(s, mb).output.detach().contiguous(), 1, tag(mb, false)));
-        ++stats_.sends;
+        send(plan_.owner[s + 1], slot(s, mb).output.detach().contiguous(), tag(mb, false));
         break;
       case T::kBackward:
       case T::kBackwardInput: {
@@ -151,8 +168,7 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
         break;
       }
       case T::kSendB:
-        sends.push_back(edge(me, plan_.owner[s - 1]).send(slot(s, mb).grad_input.contiguous(), 1, tag(mb, true)));
-        ++stats_.sends;
+        send(plan_.owner[s - 1], slot(s, mb).grad_input.contiguous(), tag(mb, true));
         break;
       case T::kUnshard:
       case T::kReshard:
@@ -160,7 +176,7 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
         break;  // no FSDP stages in this executor
     }
   }
-  dist::wait_all(sends);
+  dist::wait_all({sends.begin(), sends.end()});
   slots_.clear();
   return loss_sum;
 }

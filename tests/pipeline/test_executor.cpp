@@ -102,6 +102,32 @@ TEST_CASE("every built-in schedule gives the unpipelined gradients (pp 2 and 4)"
       }
 }
 
+TEST_CASE("a send budget is never exceeded and changes no result") {
+  for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{{"1F1B", 1}, {"Interleaved1F1B", 2}, {"ZBVZeroBubble", 2}})
+    for (int budget : {1, 2}) {
+      const ScheduleSpec spec{4, v, 8};
+      const auto plan = make_plan(*make_schedule(name), spec, false, budget);
+      const auto want = reference_grads(spec.num_stages(), 8);
+      test::run_ranks(4, [&](dist::Comm& comm) {
+        Model model(spec.num_stages());
+        std::vector<PipelineStage> mine;
+        for (int s = 0; s < spec.num_stages(); ++s)
+          if (plan.owner[s] == comm.rank())
+            mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
+                            model.layers[s]->parameters()});
+        PipelineExecutor exec(plan, comm, mine,
+                              [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+                              {{kMicro, kDim}});
+        const auto b = make_batch(8);
+        exec.step(b.x, b.y);
+        INFO(name << " budget " << budget << " rank " << comm.rank());
+        CHECK(exec.stats().sends > 0);
+        CHECK(exec.stats().peak_sends_in_flight <= budget);
+        for (const auto& st : mine) CHECK(rel(model.layers[st.index]->weight.grad(), want[st.index][0]) < 1e-5);
+      });
+    }
+}
+
 TEST_CASE("5 AdamW steps of 1F1B at pp 4 match unpipelined training; two runs are bitwise equal") {
   const int pp = 4, m = 8;
   const auto plan = make_plan(*make_schedule("1F1B"), {pp, 1, m});

@@ -22,6 +22,7 @@
 #include <gloo/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -147,7 +148,6 @@ class GlooComm : public CommImpl {
                                   rank, size, config.bind_address, e.what()));
     }
     worker_ = std::thread([this] { run_worker(); });
-    p2p_thread_ = std::thread([this] { run_p2p(); });
   }
 
   ~GlooComm() override {
@@ -157,12 +157,8 @@ class GlooComm : public CommImpl {
     }
     cv_.notify_all();
     worker_.join();
-    {
-      std::lock_guard<std::mutex> lock(p2p_mu_);
-      p2p_stopping_ = true;
-    }
-    p2p_cv_.notify_all();
-    p2p_thread_.join();
+    std::lock_guard<std::mutex> lock(waiters_mu_);
+    for (auto& w : waiters_) w.thread.join();
   }
 
   int rank() const override { return rank_; }
@@ -399,26 +395,15 @@ class GlooComm : public CommImpl {
               buf->send(peer, slot, 0, t.nbytes());
             else
               buf->recv(peer, slot, 0, t.nbytes());
-            {
-              std::lock_guard<std::mutex> lock(p2p_mu_);
-              p2p_queue_.push_back({std::move(buf), is_send, state});
-            }
-            p2p_cv_.notify_one();
+            start_waiter({std::move(buf), is_send, state});
             return false;
           }});
     return Work(state);
   }
 
-  void run_p2p() {
-    for (;;) {
-      P2p op;
-      {
-        std::unique_lock<std::mutex> lock(p2p_mu_);
-        p2p_cv_.wait(lock, [&] { return p2p_stopping_ || !p2p_queue_.empty(); });
-        if (p2p_queue_.empty()) return;
-        op = std::move(p2p_queue_.front());
-        p2p_queue_.pop_front();
-      }
+  void start_waiter(P2p op) {
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    std::thread thread([this, op = std::move(op), done]() mutable {
       try {
         if (op.is_send)
           op.buffer->waitSend(config_.timeout);
@@ -429,7 +414,18 @@ class GlooComm : public CommImpl {
         note_failure(op.state->what, std::current_exception());
         op.state->finish(std::current_exception());
       }
+      done->store(true);
+    });
+    std::lock_guard<std::mutex> lock(waiters_mu_);
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->done->load()) {
+        it->thread.join();
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
     }
+    waiters_.push_back({std::move(thread), std::move(done)});
   }
 
   // Ring reduce-scatter over gloo's transport. At step s rank r sends its partial sum of chunk
@@ -494,11 +490,12 @@ class GlooComm : public CommImpl {
   std::exception_ptr broken_;  // touched only by the worker thread
   std::thread worker_;
 
-  std::mutex p2p_mu_;
-  std::condition_variable p2p_cv_;
-  std::deque<P2p> p2p_queue_;
-  bool p2p_stopping_ = false;
-  std::thread p2p_thread_;
+  struct Waiter {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::mutex waiters_mu_;
+  std::vector<Waiter> waiters_;
 };
 
 }  // namespace
