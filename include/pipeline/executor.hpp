@@ -13,6 +13,10 @@
 // oldest in flight, which the plan's simulation has shown can never deadlock; the rest are waited
 // at the end of the step.
 //
+// FSDP stages: gradients accumulate unsharded over the microbatches (no communication), and
+// REDUCE_GRAD issues the stage's reduce-scatters asynchronously; they are waited at the next
+// REDUCE_GRAD or at the end of the step, overlapping the backward of other stages.
+//
 // Loss: the loss of each microbatch is divided by the number of microbatches, so that the
 // accumulated gradients equal those of the mean loss over the whole batch (for equal microbatches,
 // the same as an unpipelined step).
@@ -25,6 +29,7 @@
 #include <vector>
 
 #include "dist/comm.hpp"
+#include "fsdp/fully_shard.hpp"
 #include "pipeline/plan.hpp"
 
 namespace fsdpp::pipeline {
@@ -33,6 +38,10 @@ struct PipelineStage {
   int index = 0;
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<at::Tensor> parameters;  // for the weight-gradient half (W) of a split backward
+  // Set when the stage's module is sharded with fully_shard (over the data-parallel group): the
+  // plan's UNSHARD / RESHARD / REDUCE_GRAD actions then drive it, and its gradients are reduced
+  // once per step, after the stage's last backward.
+  fsdp::UnitHolder* fsdp = nullptr;
 };
 
 struct ExecutorOptions {

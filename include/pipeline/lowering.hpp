@@ -112,6 +112,12 @@ inline Program add_send_recv(const Program& compute, const std::vector<int>& own
       if (next[r] >= compute[r].size()) continue;
       finished = false;
       const Action a = compute[r][next[r]];
+      if (!is_compute(a.type)) {  // UNSHARD / RESHARD: no data dependency
+        out[r].push_back(a);
+        ++next[r];
+        progress = true;
+        continue;
+      }
       if (!ready(r, a)) continue;
       if (auto recv = needed_recv(r, a)) out[r].push_back(*recv);
       out[r].push_back(a);
@@ -139,6 +145,39 @@ inline Program add_send_recv(const Program& compute, const std::vector<int>& own
   }
 }
 
+// For FSDP stages: before each compute action, the stages of the next `max_active_stages`
+// distinct stages this rank computes are unsharded (UNSHARD issued ahead of use, so a rank's
+// unshards are spread over its start-up bubble), and stages that fell out of that window are
+// resharded; everything still unsharded is resharded at the end.
+inline Program add_unshard_reshard(const Program& compute, int max_active_stages = 3) {
+  Program out(compute.size());
+  for (size_t r = 0; r < compute.size(); ++r) {
+    const auto& p = compute[r];
+    std::vector<int> active;
+    for (size_t i = 0; i < p.size(); ++i) {
+      std::vector<int> window;
+      for (size_t j = i; j < p.size() && static_cast<int>(window.size()) < max_active_stages; ++j)
+        if (std::find(window.begin(), window.end(), p[j].stage) == window.end()) window.push_back(p[j].stage);
+      for (auto it = active.begin(); it != active.end();) {
+        if (std::find(window.begin(), window.end(), *it) == window.end()) {
+          out[r].push_back({*it, ActionType::kReshard, -1});
+          it = active.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (int s : window)
+        if (std::find(active.begin(), active.end(), s) == active.end()) {
+          out[r].push_back({s, ActionType::kUnshard, -1});
+          active.push_back(s);
+        }
+      out[r].push_back(p[i]);
+    }
+    for (int s : active) out[r].push_back({s, ActionType::kReshard, -1});
+  }
+  return out;
+}
+
 // Moves `recv` in `rank`'s program to position `to` (earlier): posting a receive sooner is always
 // allowed; it only keeps its buffer alive longer.
 inline void hoist_recv(Program& program, int rank, const Action& recv, size_t to) {
@@ -150,15 +189,21 @@ inline void hoist_recv(Program& program, int rank, const Action& recv, size_t to
 }
 
 // After each stage's last backward (B or W), its REDUCE_GRAD (for FSDP stages).
+// The input gradient's send, when it directly follows, goes first: it is on the critical path.
 inline Program add_reduce_grad(const Program& program, int microbatches) {
   Program out(program.size());
   for (size_t r = 0; r < program.size(); ++r) {
     std::map<int, int> count;
-    for (const auto& a : program[r]) {
+    const auto& p = program[r];
+    for (size_t i = 0; i < p.size(); ++i) {
+      const auto& a = p[i];
       out[r].push_back(a);
       if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardWeight) &&
-          ++count[a.stage] == microbatches)
+          ++count[a.stage] == microbatches) {
+        if (i + 1 < p.size() && p[i + 1].type == ActionType::kSendB && p[i + 1].stage == a.stage)
+          out[r].push_back(p[++i]);
         out[r].push_back({a.stage, ActionType::kReduceGrad, -1});
+      }
     }
   }
   return out;

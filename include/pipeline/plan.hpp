@@ -22,7 +22,9 @@ struct Plan {
 // Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.
 // With max_outstanding_sends > 0, a rank never has more sends in flight; the simulation proves
 // the budget cannot deadlock this schedule, or the plan is refused saying so.
-inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, bool reduce_grad = false,
+// `fsdp_stages` adds UNSHARD/RESHARD around each stage's use and REDUCE_GRAD after its last
+// backward.
+inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, bool fsdp_stages = false,
                       int max_outstanding_sends = 0) {
   schedule.check(spec);
   Plan p;
@@ -38,8 +40,8 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, bool r
         p.owner[s] != stage_rank(schedule.layout(), s, spec.pp))
       throw ScheduleError(schedule.name() + ": stage " + std::to_string(s) + " is on rank " +
                           std::to_string(p.owner[s]) + ", not where its layout puts it");
-  p.lowered = add_send_recv(p.compute, p.owner);
-  if (reduce_grad) p.lowered = add_reduce_grad(p.lowered, spec.microbatches);
+  p.lowered = add_send_recv(fsdp_stages ? add_unshard_reshard(p.compute) : p.compute, p.owner);
+  if (fsdp_stages) p.lowered = add_reduce_grad(p.lowered, spec.microbatches);
   p.max_outstanding_sends = max_outstanding_sends;
   // Prove the lowered program runs to the end. Under a send budget, a send may wait for a receive
   // its peer has not posted yet because the peer itself waits; then that receive is posted earlier

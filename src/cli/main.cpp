@@ -89,7 +89,8 @@ int demo_worker(int64_t max_bytes) {
 
 struct ShowOptions {
   std::string schedule, csv, out = "schedule";
-  int pp = 2, stages_per_rank = 1, microbatches = 4;
+  int pp = 2, stages_per_rank = 1, microbatches = 4, max_outstanding_sends = 0;
+  bool fsdp = false;
   std::vector<double> costs{1, 2, 1, 1};
 };
 
@@ -109,9 +110,9 @@ int schedule_show(const ShowOptions& o) {
     schedule = make_schedule(o.schedule);
   }
   const ScheduleSpec spec{o.pp, o.stages_per_rank, o.microbatches};
-  const auto plan = make_plan(*schedule, spec, /*reduce_grad=*/true);
+  const auto plan = make_plan(*schedule, spec, o.fsdp, o.max_outstanding_sends);
   const Costs costs{o.costs[0], o.costs[1], o.costs[2], o.costs[3], 0};
-  const auto sim = simulate(plan.lowered, plan.owner, costs);
+  const auto sim = simulate(plan.lowered, plan.owner, costs, o.max_outstanding_sends);
   const std::string title = fmt::format("{} pp={} stages/rank={} microbatches={}", schedule->name(),
                                         spec.pp, spec.stages_per_rank, spec.microbatches);
   std::cout << title << " (costs F=" << costs.forward << " B=" << costs.backward
@@ -172,6 +173,9 @@ int main(int argc, char** argv) {
   cmd_show->add_option("--stages-per-rank", show.stages_per_rank, "stages per rank")->check(CLI::Range(1, 64));
   cmd_show->add_option("--costs", show.costs, "costs of F,B,I,W (default 1,2,1,1)")->expected(4)->delimiter(',');
   cmd_show->add_option("--out", show.out, "prefix of the files written (default: schedule)");
+  cmd_show->add_option("--max-outstanding-sends", show.max_outstanding_sends,
+                       "sends in flight per rank, at most (0: unlimited)")->check(CLI::NonNegativeNumber);
+  cmd_show->add_flag("--fsdp", show.fsdp, "stages are sharded: add UNSHARD, RESHARD and REDUCE_GRAD");
 
   CLI11_PARSE(app, argc, argv);
   try {

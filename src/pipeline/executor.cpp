@@ -95,6 +95,20 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
     return at::empty(options_.activation_shape, act_options);
   };
   using T = ActionType;
+  std::vector<fsdp::Unit*> reducing;  // units whose reduce-scatter is in flight
+  auto finish_reduces = [&] {
+    for (auto* u : reducing) u->group().finish_reduce();
+    reducing.clear();
+  };
+  for (auto& [index, st] : stages_)
+    if (st.fsdp) {
+      st.fsdp->fsdp_unit().set_requires_gradient_sync(false);
+      st.fsdp->fsdp_unit().set_reshard_after_backward(false);
+    }
+  auto units_of = [&](int s) {
+    auto* holder = stages_.at(s).fsdp;
+    return holder ? holder->fsdp_unit().tree_units() : std::vector<fsdp::Unit*>{};
+  };
   for (const Action& a : plan_.lowered[me]) {
     const int s = a.stage, mb = a.microbatch;
     switch (a.type) {
@@ -171,11 +185,21 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
         send(plan_.owner[s - 1], slot(s, mb).grad_input.contiguous(), tag(mb, true));
         break;
       case T::kUnshard:
+        for (auto* u : units_of(s)) u->group().unshard_async();  // waited where forward needs it
+        break;
       case T::kReshard:
+        for (auto* u : units_of(s)) u->group().reshard();
+        break;
       case T::kReduceGrad:
-        break;  // no FSDP stages in this executor
+        finish_reduces();
+        for (auto* u : units_of(s)) {
+          u->group().reduce_grads_async();
+          reducing.push_back(u);
+        }
+        break;
     }
   }
+  finish_reduces();
   dist::wait_all({sends.begin(), sends.end()});
   slots_.clear();
   return loss_sum;

@@ -91,17 +91,30 @@ TEST_CASE("every built-in is valid, lowers and runs for pp 2 and 4 and several m
           CHECK(why.find("must be a multiple") != std::string::npos);
           continue;
         }
-        const auto plan = make_plan(*s, spec, /*reduce_grad=*/true);
-        int sends = 0, recvs = 0, reduces = 0;
+        const auto plan = make_plan(*s, spec, /*fsdp_stages=*/true);
+        int sends = 0, recvs = 0, reduces = 0, unshards = 0, reshards = 0;
         for (const auto& rank : plan.lowered)
           for (const auto& a : rank) {
             sends += a.type == ActionType::kSendF || a.type == ActionType::kSendB;
             recvs += a.type == ActionType::kRecvF || a.type == ActionType::kRecvB;
             reduces += a.type == ActionType::kReduceGrad;
+            unshards += a.type == ActionType::kUnshard;
+            reshards += a.type == ActionType::kReshard;
           }
         CHECK(sends == recvs);
         CHECK(reduces == spec.num_stages());
+        CHECK(unshards == reshards);
+        CHECK(unshards >= spec.num_stages());
       }
+}
+
+TEST_CASE("UNSHARD/RESHARD keep a window of stages gathered, as PyTorch's lowering does") {
+  Program compute = {{parse_action("0F0"), parse_action("0F1"), parse_action("1F0"), parse_action("1F1"),
+                      parse_action("1B0"), parse_action("1B1"), parse_action("0B0"), parse_action("0B1")}};
+  CHECK(joined(add_unshard_reshard(compute, 3)[0]) ==
+        "0UNSHARD 1UNSHARD 0F0 0F1 1F0 1F1 1B0 1B1 1RESHARD 0B0 0B1 0RESHARD");
+  CHECK(joined(add_unshard_reshard(compute, 1)[0]) ==
+        "0UNSHARD 0F0 0F1 0RESHARD 1UNSHARD 1F0 1F1 1B0 1B1 1RESHARD 0UNSHARD 0B0 0B1 0RESHARD");
 }
 
 TEST_CASE("simulated bubbles: (p-1)/(m+p-1) for GPipe and 1F1B, less for zero-bubble schedules") {
