@@ -20,11 +20,15 @@ namespace fsdpp::pipeline {
 
 struct Costs {
   double forward = 1, backward = 2, backward_input = 1, backward_weight = 1, comm = 0;
-  double of(ActionType t) const {
+  // The first stage has no input to differentiate: with this set, its B costs B - I and its I
+  // nothing, as in the executor.
+  bool first_stage_skips_input_grad = false;
+  double of(ActionType t, int stage = 1) const {
+    const bool skip = first_stage_skips_input_grad && stage == 0;
     switch (t) {
       case ActionType::kForward: return forward;
-      case ActionType::kBackward: return backward;
-      case ActionType::kBackwardInput: return backward_input;
+      case ActionType::kBackward: return skip ? backward - backward_input : backward;
+      case ActionType::kBackwardInput: return skip ? 0 : backward_input;
       case ActionType::kBackwardWeight: return backward_weight;
       default: return 0;
     }
@@ -160,7 +164,7 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
             t = std::max(t, sent.at(in->second) + costs.comm);
             --live_buf[r];
           }
-          const double d = costs.of(a.type);
+          const double d = costs.of(a.type, a.stage);
           res.spans[r].push_back({a, t, t + d});
           t += d;
           res.busy[r] += d;
