@@ -1,6 +1,8 @@
 // The executor runs every built-in schedule on real stages over Gloo and gives the gradients of
 // the unpipelined model.
 #include <torch/nn/modules/linear.h>
+
+#include <fstream>
 #include <torch/optim/adamw.h>
 
 #include "dist/mesh.hpp"
@@ -60,7 +62,75 @@ double rel(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-TEST_CASE("every built-in schedule gives the unpipelined gradients (pp 2 and 4)") {
+namespace {
+
+// 5 AdamW steps of the unpipelined model on the whole batch: its parameters afterwards.
+std::vector<std::vector<at::Tensor>> reference_params(int stages, int m) {
+  Model ref(stages);
+  std::vector<at::Tensor> all;
+  for (auto& l : ref.layers)
+    for (auto& p : l->parameters()) all.push_back(p);
+  torch::optim::AdamW opt(all, torch::optim::AdamWOptions(1e-2));
+  const auto b = make_batch(m);
+  for (int step = 0; step < 5; ++step) {
+    opt.zero_grad();
+    auto h = at::cat(b.x);
+    for (int s = 0; s < stages; ++s) h = ref.stage(s, h);
+    at::mse_loss(h, at::cat(b.y)).backward();
+    opt.step();
+  }
+  std::vector<std::vector<at::Tensor>> out;
+  for (auto& l : ref.layers) out.push_back({l->weight.detach().clone(), l->bias.detach().clone()});
+  return out;
+}
+
+// Runs `plan` on threads over Gloo: checks the first step's gradients against `grads`, then the
+// parameters after 5 AdamW steps against `params`, and the executor's buffer counters.
+void check_pipelined(const Plan& plan, const std::vector<std::vector<at::Tensor>>& grads,
+                     const std::vector<std::vector<at::Tensor>>& params, const std::string& what) {
+  const int stages = plan.spec.num_stages(), m = plan.spec.microbatches;
+  test::run_ranks(plan.spec.pp, [&](dist::Comm& comm) {
+    Model model(stages);
+    std::vector<PipelineStage> mine;
+    std::vector<at::Tensor> mine_params;
+    for (int s = 0; s < stages; ++s)
+      if (plan.owner[s] == comm.rank()) {
+        mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); }, model.layers[s]->parameters()});
+        for (auto& p : model.layers[s]->parameters()) mine_params.push_back(p);
+      }
+    PipelineExecutor exec(plan, comm, mine,
+                          [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+                          {{kMicro, kDim}});
+    torch::optim::AdamW opt(mine_params, torch::optim::AdamWOptions(1e-2));
+    const auto b = make_batch(m);
+    for (int step = 0; step < 5; ++step) {
+      opt.zero_grad();
+      exec.step(b.x, b.y);
+      if (step == 0)
+        for (const auto& st : mine) {
+          INFO(what << " stage " << st.index << " gradients");
+          CHECK(rel(model.layers[st.index]->weight.grad(), grads[st.index][0]) < 1e-5);
+          CHECK(rel(model.layers[st.index]->bias.grad(), grads[st.index][1]) < 1e-5);
+        }
+      opt.step();
+    }
+    for (const auto& st : mine) {
+      INFO(what << " stage " << st.index << " after 5 AdamW steps");
+      CHECK(rel(model.layers[st.index]->weight, params[st.index][0]) < 1e-5);
+      CHECK(rel(model.layers[st.index]->bias, params[st.index][1]) < 1e-5);
+    }
+    // Receive buffers: one allocated per RECV action when it runs, never more live than simulated.
+    int recvs = 0;
+    for (const auto& a : plan.lowered[comm.rank()])
+      recvs += a.type == ActionType::kRecvF || a.type == ActionType::kRecvB;
+    CHECK(exec.stats().recv_buffers_allocated == 5 * recvs);
+    CHECK(exec.stats().peak_recv_buffers <= simulate(plan.lowered, plan.owner).peak_recv_buffers[comm.rank()]);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("every built-in schedule trains like the unpipelined model (pp 2 and 4)") {
   struct Case {
     std::string name;
     int v;
@@ -76,31 +146,17 @@ TEST_CASE("every built-in schedule gives the unpipelined gradients (pp 2 and 4)"
         } catch (const ScheduleError&) {
           continue;  // e.g. interleaved schedules refuse some microbatch counts (tested elsewhere)
         }
-        const auto plan = make_plan(*schedule, spec);
-        const int stages = spec.num_stages();
-        const auto want = reference_grads(stages, m);
-        test::run_ranks(pp, [&](dist::Comm& comm) {
-          Model model(stages);
-          std::vector<PipelineStage> mine;
-          for (int s = 0; s < stages; ++s)
-            if (plan.owner[s] == comm.rank())
-              mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
-                              model.layers[s]->parameters()});
-          PipelineExecutor exec(plan, comm, mine,
-                                [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                                {{kMicro, kDim}});
-          const auto b = make_batch(m);
-          exec.step(b.x, b.y);
-          for (const auto& st : mine) {
-            INFO(c.name << " pp=" << pp << " m=" << m << " stage " << st.index);
-            CHECK(rel(model.layers[st.index]->weight.grad(), want[st.index][0]) < 1e-5);
-            CHECK(rel(model.layers[st.index]->bias.grad(), want[st.index][1]) < 1e-5);
-          }
-          // Buffers are allocated per receive and never more are live than the simulator says.
-          const auto sim = simulate(plan.lowered, plan.owner);
-          CHECK(exec.stats().peak_recv_buffers <= sim.peak_recv_buffers[comm.rank()]);
-        });
+        check_pipelined(make_plan(*schedule, spec), reference_grads(spec.num_stages(), m),
+                        reference_params(spec.num_stages(), m),
+                        c.name + " pp=" + std::to_string(pp) + " m=" + std::to_string(m));
       }
+}
+
+TEST_CASE("a custom schedule from a CSV file in tests/ runs end to end and matches") {
+  std::ifstream f(FSDPP_TEST_DATA "/custom_1f1b.csv");
+  REQUIRE(f);
+  TableSchedule table("custom_1f1b", parse_csv(f));
+  check_pipelined(make_plan(table, {2, 1, 4}), reference_grads(2, 4), reference_params(2, 4), "custom_1f1b.csv");
 }
 
 TEST_CASE("a send budget is never exceeded and changes no result") {
@@ -190,10 +246,13 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
   auto g = at::detail::createCPUGenerator(9);
   std::vector<at::Tensor> xs, ys;
   for (int i = 0; i < m; ++i) xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
-  for (const std::string name : {"1F1B", "GPipe"}) {
-    const auto plan = make_plan(*make_schedule(name), {pp, 1, m}, /*fsdp_stages=*/true, /*max_outstanding_sends=*/2);
+  for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{
+           {"GPipe", 1}, {"1F1B", 1}, {"Interleaved1F1B", 2}, {"LoopedBFS", 2}, {"InterleavedZeroBubble", 1},
+           {"ZBVZeroBubble", 2}}) {
+    const auto plan = make_plan(*make_schedule(name), {pp, v, m}, /*fsdp_stages=*/true, /*max_outstanding_sends=*/2);
+    const int stages = pp * v;
     // Reference: 3 AdamW steps on the whole batch, one process, no sharding.
-    Model ref(pp);
+    Model ref(stages);
     std::vector<at::Tensor> all;
     for (auto& l : ref.layers)
       for (auto& p : l->parameters()) all.push_back(p);
@@ -202,7 +261,7 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
     for (int step = 0; step < 3; ++step) {
       ropt.zero_grad();
       auto h = at::cat(xs);
-      for (int s = 0; s < pp; ++s) h = ref.stage(s, h);
+      for (int s = 0; s < stages; ++s) h = ref.stage(s, h);
       auto loss = at::mse_loss(h, at::cat(ys));
       loss.backward();
       ropt.step();
@@ -210,18 +269,28 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
     }
     test::run_ranks(pp * dp, [&](dist::Comm& world) {
       dist::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
-      const int s = mesh.coord("pp"), d = mesh.coord("dp");
-      Model model(pp);
-      auto unit = fsdp::fully_shard(model.layers[s].ptr(), mesh.comm("dp"));
-      const bool last = s == pp - 1;
-      PipelineExecutor exec(plan, mesh.comm("pp"),
-                            {{s, [&unit, last](const at::Tensor& x) { auto y = unit->forward(x); return last ? y : at::tanh(y); },
-                              model.layers[s]->parameters(), unit.ptr().get()}},
+      const int d = mesh.coord("dp");
+      Model model(stages);
+      std::vector<fsdp::FullyShard<torch::nn::LinearImpl>> units;
+      std::vector<PipelineStage> mine;
+      std::vector<at::Tensor> sharded;
+      units.reserve(stages);
+      for (int s = 0; s < stages; ++s)
+        if (plan.owner[s] == mesh.coord("pp")) {
+          units.push_back(fsdp::fully_shard(model.layers[s].ptr(), mesh.comm("dp")));
+          auto* unit = units.back().ptr().get();
+          const bool last = s == stages - 1;
+          mine.push_back({s, [unit, last](const at::Tensor& x) { auto y = unit->forward(x); return last ? y : at::tanh(y); },
+                          model.layers[s]->parameters(), unit});
+          for (auto& p : unit->sharded_parameters()) sharded.push_back(p);
+        }
+      PipelineExecutor exec(plan, mesh.comm("pp"), mine,
                             [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
                             {{rows / dp, kDim}});
+      const bool last = plan.owner[stages - 1] == mesh.coord("pp");
       std::vector<at::Tensor> lx, ly;
       for (int i = 0; i < m; ++i) lx.push_back(xs[i].narrow(0, d * rows / dp, rows / dp)), ly.push_back(ys[i].narrow(0, d * rows / dp, rows / dp));
-      torch::optim::AdamW opt(unit->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::optim::AdamW opt(sharded, torch::optim::AdamWOptions(1e-2));
       for (int step = 0; step < 3; ++step) {
         opt.zero_grad();
         auto loss = at::full({1}, exec.step(lx, ly), at::kDouble);
@@ -232,10 +301,17 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
           CHECK(std::abs(loss.item<double>() - want_loss[step]) <= 1e-5 * want_loss[step]);
         }
       }
-      for (const auto& [pname, full] : fsdp::full_state_dict(*unit.ptr())) {
-        INFO(name << " stage " << s << " " << pname);
-        CHECK(rel(full, ref.layers[s]->named_parameters()[pname]) < 1e-5);
-      }
+      for (auto& unit : units)
+        for (const auto& [pname, full] : fsdp::full_state_dict(*unit.ptr())) {
+          INFO(name << " " << pname);
+          bool matched = false;  // find the stage whose layer this unit wraps
+          for (int t = 0; t < stages; ++t)
+            if (model.layers[t].ptr().get() == &unit->inner()) {
+              CHECK(rel(full, ref.layers[t]->named_parameters()[pname]) < 1e-5);
+              matched = true;
+            }
+          CHECK(matched);
+        }
     });
   }
 }
