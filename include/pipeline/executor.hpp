@@ -9,6 +9,8 @@
 // Communication: each directed edge between two pipeline ranks gets its own two-rank communicator,
 // created and connected in the constructor (collective over `pp`). Receive buffers are allocated
 // when their RECV action runs, which the lowering places right before the consuming computation.
+// A forward output gives up its storage once its send is issued (the send, and autograd where the
+// producing op saved it, keep what they need); backward only needs its shape and autograd edge.
 // Sends are asynchronous; with a budget (Plan::max_outstanding_sends) a send first waits for the
 // oldest in flight, which the plan's simulation has shown can never deadlock; the rest are waited
 // at the end of the step.
@@ -54,6 +56,7 @@ struct ExecutorStats {
   int recv_buffers_allocated = 0;
   int sends = 0;
   int peak_sends_in_flight = 0;
+  int outputs_released = 0;  // forward outputs whose storage was given up after their send
 };
 
 class PipelineExecutor {

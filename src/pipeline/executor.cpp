@@ -1,6 +1,7 @@
 #include "pipeline/executor.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/native/Resize.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -22,6 +23,17 @@ struct PipelineExecutor::Slot {
 };
 
 namespace {
+
+// After its send is issued, a forward output's own reference to its storage is dropped: the send
+// holds the bytes until they are out, autograd holds them only if the producing op saved its
+// output, and backward needs no more than the tensor's shape and autograd edge.
+void release_storage(at::Tensor& output) {
+  if (!output.device().is_cpu()) return;
+  auto shell = at::empty(output.sizes(), output.options());
+  at::native::resize_bytes_cpu(shell.storage().unsafeGetStorageImpl(), 0);
+  at::NoGradGuard no_grad;
+  output.set_data(shell);
+}
 
 // Tags keep messages of different microbatches and directions apart on one edge.
 uint32_t tag(int mb, bool backward) { return static_cast<uint32_t>(mb) * 2 + (backward ? 1 : 0); }
@@ -148,6 +160,8 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
       }
       case T::kSendF:
         send(plan_.owner[s + 1], slot(s, mb).output.detach().contiguous(), tag(mb, false));
+        release_storage(slot(s, mb).output);
+        ++stats_.outputs_released;
         break;
       case T::kBackward:
       case T::kBackwardInput: {

@@ -124,6 +124,9 @@ void check_pipelined(const Plan& plan, const std::vector<std::vector<at::Tensor>
     for (const auto& a : plan.lowered[comm.rank()])
       recvs += a.type == ActionType::kRecvF || a.type == ActionType::kRecvB;
     CHECK(exec.stats().recv_buffers_allocated == 5 * recvs);
+    int send_f = 0;
+    for (const auto& a : plan.lowered[comm.rank()]) send_f += a.type == ActionType::kSendF;
+    CHECK(exec.stats().outputs_released == 5 * send_f);
     CHECK(exec.stats().peak_recv_buffers <= simulate(plan.lowered, plan.owner).peak_recv_buffers[comm.rank()]);
   });
 }
