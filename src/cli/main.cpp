@@ -13,6 +13,7 @@
 #include "dist/launch.hpp"
 #include "fsdpp/blas.hpp"
 #include "pipeline/plan.hpp"
+#include "pipeline/table.hpp"
 #include "pipeline/visualize.hpp"
 
 namespace {
@@ -99,13 +100,7 @@ int schedule_show(const ShowOptions& o) {
   using namespace fsdpp::pipeline;
   std::unique_ptr<Schedule> schedule;
   if (!o.csv.empty()) {
-    std::ifstream f(o.csv);
-    if (!f) throw std::runtime_error("cannot read " + o.csv);
-    try {
-      schedule = std::make_unique<TableSchedule>(o.csv, parse_csv(f));
-    } catch (const ScheduleError& e) {
-      throw ScheduleError(o.csv + ": " + e.what());
-    }
+    schedule = std::make_unique<TableSchedule>(o.csv, load_table(o.csv));
   } else {
     schedule = make_schedule(o.schedule);
   }
@@ -166,7 +161,8 @@ int main(int argc, char** argv) {
   auto* cmd_show = cmd_schedule->add_subcommand(
       "show", "validate and simulate a schedule; print its timeline and bubble, write SVG and trace");
   auto* by_name = cmd_show->add_option("--schedule", show.schedule, "a registered schedule, e.g. 1F1B");
-  auto* by_csv = cmd_show->add_option("--csv", show.csv, "a CSV action table, one row per rank");
+  auto* by_csv = cmd_show->add_option("--csv,--table", show.csv,
+                                      "an action table: CSV (one row per rank) or JSON ({\"ranks\": [[...], ...]})");
   by_name->excludes(by_csv);
   cmd_show->add_option("--pp", show.pp, "pipeline ranks")->check(CLI::Range(1, 1024));
   cmd_show->add_option("--microbatches", show.microbatches, "microbatches per step")->check(CLI::Range(1, 100000));

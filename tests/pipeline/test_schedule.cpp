@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "pipeline/plan.hpp"
+#include "pipeline/table.hpp"
 
 using namespace fsdpp::pipeline;
 
@@ -43,6 +44,20 @@ TEST_CASE("actions print and parse losslessly, in PyTorch's notation") {
   // CSV errors carry the line and column of the bad cell.
   const auto msg = error_of([] { from_csv("0F0,0B0\n1F0, 1Q0\n"); });
   CHECK(msg.find("line 2, column 6: '1Q0'") != std::string::npos);
+}
+
+TEST_CASE("JSON action tables, with errors naming the JSON path") {
+  std::istringstream ok(R"({"ranks": [["0F0", null, "0B0"], ["1F0", "1B0"]]})");
+  const auto p = parse_json_table(ok);
+  CHECK(joined(p[0]) == "0F0 0B0");
+  CHECK(joined(p[1]) == "1F0 1B0");
+  std::istringstream bad(R"({"ranks": [["0F0"], ["1F0", "1Z0"]]})");
+  CHECK(error_of([&] { parse_json_table(bad); }).find("/ranks/1/1: '1Z0' is not an action") != std::string::npos);
+  std::istringstream broken("{\"ranks\": [");
+  CHECK(error_of([&] { parse_json_table(broken); }).find("not valid JSON") != std::string::npos);
+  const auto path = std::string(FSDPP_TEST_DATA) + "/custom_1f1b.csv";
+  CHECK(load_table(path) == load_table(path));  // CSV by extension
+  CHECK(error_of([] { load_table("/nonexistent/x.json"); }).find("cannot read /nonexistent/x.json") != std::string::npos);
 }
 
 TEST_CASE("CSV round trip, with empty cells as idle slots") {
