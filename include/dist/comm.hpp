@@ -21,6 +21,7 @@
 namespace fsdpp::dist {
 
 class Comm;
+class FlightRecorder;
 
 namespace detail {
 
@@ -52,7 +53,8 @@ class CommImpl {
 class Comm {
  public:
   Comm() = default;  // not a member of any group (what split returns for a negative color)
-  explicit Comm(std::shared_ptr<detail::CommImpl> impl) : impl_(std::move(impl)) {}
+  // `name` identifies the communicator in flight records ("world", "world/split0.1").
+  explicit Comm(std::shared_ptr<detail::CommImpl> impl, const std::string& name = "comm");
 
   explicit operator bool() const { return impl_ != nullptr; }
   int rank() const;
@@ -78,10 +80,14 @@ class Comm {
   // The backend behind this communicator, for decorators (for example one that counts operations:
   // Comm(std::make_shared<Counting>(comm.impl_ptr()))).
   const std::shared_ptr<detail::CommImpl>& impl_ptr() const { return impl_; }
+  // This communicator's flight recorder (dist/flight_recorder.hpp); null for an empty Comm.
+  const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }
 
  private:
   detail::CommImpl& impl() const;
+  Work recorded(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, Work work);
   std::shared_ptr<detail::CommImpl> impl_;
+  std::shared_ptr<FlightRecorder> recorder_;
 };
 
 }  // namespace fsdpp::dist

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <memory>
@@ -27,6 +28,7 @@ struct WorkState {
       std::lock_guard<std::mutex> lock(mu);
       error = std::move(failure);
       done = true;
+      finished_at = std::chrono::system_clock::now();
       tensors.clear();
     }
     cv.notify_all();
@@ -38,6 +40,7 @@ struct WorkState {
   bool done = false;
   std::exception_ptr error;
   std::vector<at::Tensor> tensors;  // kept alive while the operation runs
+  std::chrono::system_clock::time_point finished_at;
 };
 
 }  // namespace detail
@@ -64,6 +67,8 @@ class Work {
     std::lock_guard<std::mutex> lock(state_->mu);
     return state_->done;
   }
+
+  const std::shared_ptr<detail::WorkState>& state() const { return state_; }
 
   const std::string& description() const {
     static const std::string kEmpty = "empty work";

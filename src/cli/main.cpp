@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "dist/flight_recorder.hpp"
 #include "dist/init.hpp"
 #include "dist/launch.hpp"
 #include "fsdpp/blas.hpp"
@@ -173,12 +174,23 @@ int main(int argc, char** argv) {
                        "sends in flight per rank, at most (0: unlimited)")->check(CLI::NonNegativeNumber);
   cmd_show->add_flag("--fsdp", show.fsdp, "stages are sharded: add UNSHARD, RESHARD and REDUCE_GRAD");
 
+  std::string fr_dir;
+  auto* cmd_fr = app.add_subcommand("fr", "flight records");
+  cmd_fr->require_subcommand(1);
+  auto* cmd_analyze = cmd_fr->add_subcommand("analyze", "name the rank and operation behind a hang or a mismatch");
+  cmd_analyze->add_option("dir", fr_dir, "directory of rank*.json flight records")->required();
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (cmd_launch->parsed()) {
       launch.master_port = static_cast<uint16_t>(master_port);
       launch.prefix_output = !no_prefix;
       return run_launch(launch);
+    }
+    if (cmd_analyze->parsed()) {
+      bool found = false;
+      std::cout << dist::analyze_flight_records(fr_dir, &found);
+      return 0;
     }
     if (cmd_show->parsed()) {
       if (show.schedule.empty() && show.csv.empty())

@@ -2,6 +2,8 @@
 // the backend. Backends may assume what is checked here.
 #include "dist/comm.hpp"
 
+#include "dist/flight_recorder.hpp"
+
 #include <fmt/format.h>
 
 #include <numeric>
@@ -80,6 +82,15 @@ class Checker {
 
 }  // namespace
 
+Comm::Comm(std::shared_ptr<detail::CommImpl> impl, const std::string& name) : impl_(std::move(impl)) {
+  if (impl_) recorder_ = detail::make_recorder(name, impl_->rank(), impl_->size());
+}
+
+Work Comm::recorded(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, Work work) {
+  if (recorder_) recorder_->record(op, in, out, peer, work);
+  return work;
+}
+
 detail::CommImpl& Comm::impl() const {
   if (!impl_) throw CommError("use of an empty Comm (this rank is not a member of that group)");
   return *impl_;
@@ -103,7 +114,7 @@ Work Comm::all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOpti
     if (opts.counts[rank()] != in.numel())
       c.fail("counts[{}] is {} but in has {} elements", rank(), opts.counts[rank()], in.numel());
   }
-  return impl().all_gather(out, in, opts);
+  return recorded("all_gather", &in, &out, -1, impl().all_gather(out, in, opts));
 }
 
 Work Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceScatterOptions opts) {
@@ -115,21 +126,21 @@ Work Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceSca
   if (in.numel() != size() * out.numel())
     c.fail("in has {} elements, expected {} ranks x {} = {}", in.numel(), size(), out.numel(),
            size() * out.numel());
-  return impl().reduce_scatter(out, in, opts);
+  return recorded("reduce_scatter", &in, &out, -1, impl().reduce_scatter(out, in, opts));
 }
 
 Work Comm::all_reduce(const at::Tensor& t, AllReduceOptions opts) {
   Checker c(*this, "all_reduce");
   c.tensor(t, "tensor");
   c.reduction(opts.op, t);
-  return impl().all_reduce(t, opts);
+  return recorded("all_reduce", &t, &t, -1, impl().all_reduce(t, opts));
 }
 
 Work Comm::broadcast(const at::Tensor& t, BroadcastOptions opts) {
   Checker c(*this, "broadcast");
   c.tensor(t, "tensor");
   c.peer(opts.root, "root");
-  return impl().broadcast(t, opts);
+  return recorded("broadcast", &t, &t, -1, impl().broadcast(t, opts));
 }
 
 Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptions opts) {
@@ -149,7 +160,7 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptio
     c.splits(opts.in_splits, in.numel(), "in_splits");
     c.splits(opts.out_splits, out.numel(), "out_splits");
   }
-  return impl().all_to_all(out, in, opts);
+  return recorded("all_to_all", &in, &out, -1, impl().all_to_all(out, in, opts));
 }
 
 Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) {
@@ -157,7 +168,7 @@ Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) {
   c.tensor(t, "tensor");
   c.peer(dst, "destination");
   if (dst == rank()) c.fail("send to self (rank {}) is not supported", dst);
-  return impl().send(t, dst, tag);
+  return recorded("send", &t, nullptr, dst, impl().send(t, dst, tag));
 }
 
 Work Comm::recv(const at::Tensor& t, int src, uint32_t tag) {
@@ -165,11 +176,15 @@ Work Comm::recv(const at::Tensor& t, int src, uint32_t tag) {
   c.tensor(t, "tensor");
   c.peer(src, "source");
   if (src == rank()) c.fail("receive from self (rank {}) is not supported", src);
-  return impl().recv(t, src, tag);
+  return recorded("recv", nullptr, &t, src, impl().recv(t, src, tag));
 }
 
-Work Comm::barrier() { return impl().barrier(); }
+Work Comm::barrier() { return recorded("barrier", nullptr, nullptr, -1, impl().barrier()); }
 
-Comm Comm::split(int color, int key) const { return Comm(impl().split(color, key)); }
+Comm Comm::split(int color, int key) const {
+  // Every rank splits in the same order, so the counter names the same child everywhere.
+  const std::string child = recorder_ ? recorder_->child_name(color) : "split";
+  return Comm(impl().split(color, key), child);
+}
 
 }  // namespace fsdpp::dist

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "backend.hpp"
+#include "dist/flight_recorder.hpp"
 
 namespace fsdpp::dist {
 
@@ -179,11 +180,24 @@ Comm init_from_env(const InitOptions& options) {
     throw CommError(fmt::format("rank {} of {}: {}", env.rank, env.world_size, e.what()));
   }
   const auto config = backend_config(options, env.master_addr);
-  auto world = make_prefix_store("fsdpp/world", std::move(store));
+  auto world = make_prefix_store("fsdpp/world", store);
   detail::join(*world, env.rank, env.world_size, options.timeout);
-  return Comm(options.backend == Backend::kNccl
-                  ? detail::make_nccl_comm(world, env.rank, env.world_size, config)
-                  : detail::make_gloo_comm(world, env.rank, env.world_size, config));
+  Comm comm(options.backend == Backend::kNccl
+                ? detail::make_nccl_comm(world, env.rank, env.world_size, config)
+                : detail::make_gloo_comm(world, env.rank, env.world_size, config),
+            "world");
+  if (const char* t = std::getenv("FSDPP_WATCHDOG_TIMEOUT_S"); t && *t) {
+    WatchdogOptions w;
+    w.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::atof(t) * 1000));
+    w.dump_dir = env_or("FSDPP_FR_DUMP_DIR", w.dump_dir);
+    w.rank = env.rank;
+    // A connection of its own: the watchdog polls the store from its thread.
+    TcpStoreOptions wo = so;
+    wo.is_server = false;
+    w.store = make_prefix_store("fsdpp/fr", make_tcp_store(wo));
+    start_watchdog(w);
+  }
+  return comm;
 }
 
 Comm connect(std::shared_ptr<Store> store, int rank, int size, const InitOptions& options) {
@@ -193,7 +207,8 @@ Comm connect(std::shared_ptr<Store> store, int rank, int size, const InitOptions
   detail::join(*store, rank, size, options.timeout);
   return Comm(options.backend == Backend::kNccl
                   ? detail::make_nccl_comm(store, rank, size, config)
-                  : detail::make_gloo_comm(store, rank, size, config));
+                  : detail::make_gloo_comm(store, rank, size, config),
+              "world");
 }
 
 bool has_backend(Backend backend) {

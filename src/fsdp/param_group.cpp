@@ -1,5 +1,7 @@
 #include "fsdp/param_group.hpp"
 
+#include "dist/flight_recorder.hpp"
+
 #include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
 #include <fmt/format.h>
@@ -234,12 +236,14 @@ void ParamGroup::unshard_async() {
   resize_storage(gather_buf_, gather_buf_.numel());
   if (group_shard_.defined()) {
     // After reshard_to_group: the buffer is split in N contiguous pieces, one per group member.
+    dist::OpLabel op_label("fsdp group all_gather " + label_);
     gather_work_ = group_comm_.all_gather(gather_buf_, group_shard_);
     group_shard_ = at::Tensor();
     return;
   }
   for (const auto& q : params_)
     if (q.copy_in.defined()) copy_block(q.copy_in, q.padded);  // casts to the compute dtype
+  dist::OpLabel op_label("fsdp all_gather " + label_);
   gather_work_ = comm_.all_gather(gather_buf_, gather_slot_);
 }
 
@@ -319,6 +323,7 @@ void ParamGroup::reduce_grads_async() {
       q.grad_acc = at::Tensor();
     }
   }
+  dist::OpLabel op_label("fsdp reduce_scatter " + label_);
   reduce_work_ = comm_.reduce_scatter(reduce_out_, reduce_in_.view(-1), {dist::ReduceOp::kAvg});
 }
 

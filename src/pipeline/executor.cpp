@@ -1,5 +1,7 @@
 #include "pipeline/executor.hpp"
 
+#include "dist/flight_recorder.hpp"
+
 #include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
 #include <fmt/format.h>
@@ -123,6 +125,7 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
   };
   for (const Action& a : plan_.lowered[me]) {
     const int s = a.stage, mb = a.microbatch;
+    dist::OpLabel op_label("pp " + to_string(a));
     switch (a.type) {
       case T::kRecvF: {
         auto& sl = slot(s, mb);

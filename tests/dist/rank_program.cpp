@@ -4,6 +4,7 @@
 //   exit CODE RANK      RANK exits with CODE after init; the others block in a receive from it
 //   kill RANK           RANK kills itself with SIGKILL; the others block likewise
 //   sleep               every rank prints "ready" and sleeps (for Ctrl-C and orphan tests)
+//   hang RANK           labelled all_gathers; RANK skips the second one (a fault to diagnose)
 // Extra arguments are ignored; tests pass a unique token to find stray processes afterwards.
 // FSDPP_TEST_TIMEOUT_MS sets the rendezvous timeout.
 #include <ATen/ATen.h>
@@ -15,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "dist/flight_recorder.hpp"
 #include "dist/init.hpp"
 
 using namespace fsdpp;
@@ -78,6 +80,17 @@ int main(int argc, char** argv) {
         return std::atoi(argv[2]);
       }
       block_on(comm, victim);
+      return 0;
+    }
+    if (mode == "hang") {
+      const int skipper = std::atoi(argv[2]);
+      for (int i = 0; i < 3; ++i) {
+        if (i == 1 && comm.rank() == skipper) continue;
+        dist::OpLabel label("fsdp all_gather layers." + std::to_string(i));
+        auto out = at::empty({comm.size() * 4});
+        comm.all_gather(out, at::ones({4})).wait();
+      }
+      comm.barrier().wait();
       return 0;
     }
     if (mode == "sleep") {

@@ -180,3 +180,24 @@ TEST_CASE("fsdpp schedule show: timeline, bubble and files for a valid schedule;
   CHECK(r.output.find("rank 1 at 1F1") != std::string::npos);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("a rank that skips an all_gather: every rank dumps its flight records and the analysis names it") {
+  const auto dir = std::filesystem::temp_directory_path() / (unique_token() + "-fr");
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = run("env FSDPP_WATCHDOG_TIMEOUT_S=1 FSDPP_FR_DUMP_DIR=" + dir.string() +
+                     " FSDPP_TEST_TIMEOUT_MS=6000 " + kLaunch + " --nproc 4 -- " + kRank + " hang 1");
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(r.output);
+  CHECK(r.status != 0);
+  CHECK(secs < 6 + 10);  // the operation timeout, plus the launcher's grace
+  for (int rank = 0; rank < 4; ++rank) CHECK(std::filesystem::exists(dir / ("rank" + std::to_string(rank) + ".json")));
+  CHECK(r.output.find("fsdpp watchdog: rank 0:") != std::string::npos);
+  const auto a = run(std::string(FSDPP_BIN) + " fr analyze " + dir.string());
+  INFO(a.output);
+  CHECK(a.status == 0);
+  // Rank 1's all_gather of layers.2 met the others' layers.1: the first disagreement.
+  CHECK(a.output.find("at operation 1, rank(s) 1 issued all_gather Float in=4 out=16 ('fsdp all_gather layers.2') "
+                      "where rank(s) 0, 2, 3 issued all_gather Float in=4 out=16 ('fsdp all_gather layers.1')") !=
+        std::string::npos);
+  std::filesystem::remove_all(dir);
+}

@@ -1,0 +1,68 @@
+// Flight records: what is recorded, and the analysis that names a culprit.
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "dist/flight_recorder.hpp"
+#include "dist/ranks.hpp"
+
+using namespace fsdpp;
+
+TEST_CASE("operations are recorded with sequence, sizes, label and state") {
+  test::run_ranks(2, [](dist::Comm& comm) {
+    {
+      dist::OpLabel label("fsdp all_gather layers.0");
+      comm.all_gather(at::empty({6}), at::ones({3})).wait();
+    }
+    comm.all_reduce(at::ones({5}, at::kDouble)).wait();
+    auto sub = comm.split(0, comm.rank());
+    sub.barrier().wait();
+    const auto j = nlohmann::json::parse(comm.recorder()->to_json());
+    CHECK(j["comm"] == "world");
+    REQUIRE(j["entries"].size() == 2);
+    CHECK(j["entries"][0]["op"] == "all_gather");
+    CHECK(j["entries"][0]["in"] == 3);
+    CHECK(j["entries"][0]["out"] == 6);
+    CHECK(j["entries"][0]["label"] == "fsdp all_gather layers.0");
+    CHECK(j["entries"][0]["state"] == "completed");
+    CHECK(j["entries"][1]["dtype"] == "Double");
+    CHECK(j["entries"][1]["seq"] == 1);
+    CHECK(nlohmann::json::parse(sub.recorder()->to_json())["comm"] == "world/split0.0");
+  });
+}
+
+namespace {
+
+void write_dump(const std::string& dir, int rank, const std::vector<std::pair<std::string, int64_t>>& ops) {
+  nlohmann::json entries = nlohmann::json::array();
+  int64_t seq = 0;
+  for (const auto& [label, n] : ops)
+    entries.push_back({{"seq", seq++}, {"op", "all_gather"}, {"dtype", "Float"}, {"in", n}, {"out", 4 * n},
+                       {"peer", -1}, {"label", label}, {"state", "completed"}, {"issued_us", 0}});
+  nlohmann::json d = {{"rank", rank}, {"comms", {{{"comm", "world"}, {"rank", rank}, {"size", 4}, {"entries", entries}}}}};
+  std::ofstream(dir + "/rank" + std::to_string(rank) + ".json") << d.dump();
+}
+
+}  // namespace
+
+TEST_CASE("analysis names the rank that skipped an operation, or both sides of a mismatch") {
+  const auto dir = test::fresh_store_path() + "-fr";
+  std::filesystem::create_directories(dir);
+  for (int r = 0; r < 4; ++r)
+    write_dump(dir, r, r == 1 ? std::vector<std::pair<std::string, int64_t>>{{"layers.0", 8}}
+                              : std::vector<std::pair<std::string, int64_t>>{{"layers.0", 8}, {"layers.1", 8}});
+  bool found = false;
+  auto report = dist::analyze_flight_records(dir, &found);
+  INFO(report);
+  CHECK(found);
+  CHECK(report.find("rank(s) 1 never issued operation 1, which rank(s) 0, 2, 3 issued: all_gather Float in=8 out=32 ('layers.1')") !=
+        std::string::npos);
+  for (int r = 0; r < 4; ++r) write_dump(dir, r, {{"layers.0", r == 2 ? 9 : 8}});
+  report = dist::analyze_flight_records(dir, &found);
+  CHECK(report.find("at operation 0, rank(s) 2 issued all_gather Float in=9 out=36 ('layers.0') where rank(s) 0, 1, 3 issued all_gather Float in=8") !=
+        std::string::npos);
+  for (int r = 0; r < 4; ++r) write_dump(dir, r, {{"layers.0", 8}});
+  report = dist::analyze_flight_records(dir, &found);
+  CHECK_FALSE(found);
+  CHECK(report.find("no disagreement") != std::string::npos);
+  std::filesystem::remove_all(dir);
+}
