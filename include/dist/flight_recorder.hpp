@@ -32,13 +32,16 @@ class Store;
 class OpLabel {
  public:
   explicit OpLabel(std::string label);
+  // Borrows `label`, which must outlive this object (no copy, for hot paths).
+  explicit OpLabel(const std::string* label);
   ~OpLabel();
   OpLabel(const OpLabel&) = delete;
   OpLabel& operator=(const OpLabel&) = delete;
   static const std::string& current();
 
  private:
-  std::string previous_;
+  std::string owned_;
+  const std::string* previous_;
 };
 
 struct FlightEntry {

@@ -117,6 +117,7 @@ class ParamGroup {
 
   dist::Comm comm_;
   std::string label_;
+  std::string gather_label_, reduce_label_;  // flight-recorder labels of this unit's collectives
   std::vector<Param> params_;
   int64_t gather_slot_bytes_ = 0;
   int64_t reduce_slot_numel_ = 0;

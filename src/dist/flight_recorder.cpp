@@ -17,7 +17,8 @@ namespace fsdpp::dist {
 
 namespace {
 
-thread_local std::string t_label;
+const std::string kNoLabel;
+thread_local const std::string* t_label = &kNoLabel;
 
 int64_t micros(std::chrono::system_clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
@@ -46,9 +47,10 @@ size_t capacity_from_env() {
 
 }  // namespace
 
-OpLabel::OpLabel(std::string label) : previous_(std::move(t_label)) { t_label = std::move(label); }
-OpLabel::~OpLabel() { t_label = std::move(previous_); }
-const std::string& OpLabel::current() { return t_label; }
+OpLabel::OpLabel(std::string label) : owned_(std::move(label)), previous_(t_label) { t_label = &owned_; }
+OpLabel::OpLabel(const std::string* label) : previous_(t_label) { t_label = label; }
+OpLabel::~OpLabel() { t_label = previous_; }
+const std::string& OpLabel::current() { return *t_label; }
 
 FlightRecorder::FlightRecorder(std::string name, int rank, int size, size_t capacity)
     : name_(std::move(name)), rank_(rank), size_(size), capacity_(capacity) {}

@@ -70,7 +70,10 @@ void zero_block(const at::Tensor& t) {
 
 ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const MixedPrecisionPolicy& mp,
                        std::string label, int post_forward_group)
-    : comm_(std::move(comm)), label_(std::move(label)) {
+    : comm_(std::move(comm)),
+      label_(std::move(label)),
+      gather_label_("fsdp all_gather " + label_),
+      reduce_label_("fsdp reduce_scatter " + label_) {
   const int64_t n = comm_.size(), rank = comm_.rank();
   std::optional<at::ScalarType> widest_grad;
   for (auto& spec : specs) {
@@ -243,7 +246,7 @@ void ParamGroup::unshard_async() {
   }
   for (const auto& q : params_)
     if (q.copy_in.defined()) copy_block(q.copy_in, q.padded);  // casts to the compute dtype
-  dist::OpLabel op_label("fsdp all_gather " + label_);
+  dist::OpLabel op_label(&gather_label_);
   gather_work_ = comm_.all_gather(gather_buf_, gather_slot_);
 }
 
@@ -323,7 +326,7 @@ void ParamGroup::reduce_grads_async() {
       q.grad_acc = at::Tensor();
     }
   }
-  dist::OpLabel op_label("fsdp reduce_scatter " + label_);
+  dist::OpLabel op_label(&reduce_label_);
   reduce_work_ = comm_.reduce_scatter(reduce_out_, reduce_in_.view(-1), {dist::ReduceOp::kAvg});
 }
 
