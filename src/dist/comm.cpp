@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <numeric>
 
 namespace fsdpp::dist {
@@ -83,7 +85,46 @@ class Checker {
 }  // namespace
 
 Comm::Comm(std::shared_ptr<detail::CommImpl> impl, const std::string& name) : impl_(std::move(impl)) {
-  if (impl_) recorder_ = detail::make_recorder(name, impl_->rank(), impl_->size());
+  if (!impl_) return;
+  recorder_ = detail::make_recorder(name, impl_->rank(), impl_->size());
+  const char* env = std::getenv("FSDPP_CHECK_COLLECTIVES");
+  check_ = std::make_shared<bool>(env && std::string(env) == "1");
+}
+
+void Comm::set_consistency_check(bool on) {
+  impl();
+  *check_ = on;
+}
+
+namespace {
+
+const char* kOpNames[] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "barrier"};
+
+std::string describe_fingerprint(const int64_t* f) {
+  std::string s = kOpNames[f[0]];
+  if (f[0] != 5) s += fmt::format(" {} in={} out={}", c10::toString(static_cast<at::ScalarType>(f[1])), f[2], f[3]);
+  if (f[0] == 3) s += fmt::format(" root={}", f[4]);
+  return s;
+}
+
+}  // namespace
+
+// Runs on the caller's thread, before the collective is queued: the check is itself a collective
+// on the same communicator, so ranks that lost step meet in it and see each other's intent.
+void Comm::check_consistency(int op, const at::Tensor* in, const at::Tensor* out, int64_t extra) {
+  if (!check_ || !*check_ || size() == 1) return;
+  const at::Tensor* t = in ? in : out;
+  auto mine = at::tensor({int64_t{op}, t ? static_cast<int64_t>(t->scalar_type()) : -1, in ? in->numel() : 0,
+                          out ? out->numel() : 0, extra},
+                         at::kLong);
+  auto all = at::empty({size() * 5}, at::kLong);
+  impl().all_gather(all, mine, {}).wait();
+  const auto* f = all.data_ptr<int64_t>();
+  const auto* m = mine.data_ptr<int64_t>();
+  for (int r = 0; r < size(); ++r)
+    if (!std::equal(m, m + 5, f + 5 * r))
+      throw CommError(fmt::format("rank {}/{} consistency check failed: this rank issues {}, rank {} issues {}",
+                                  rank(), size(), describe_fingerprint(m), r, describe_fingerprint(f + 5 * r)));
 }
 
 Work Comm::recorded(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, Work work) {
@@ -114,6 +155,7 @@ Work Comm::all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOpti
     if (opts.counts[rank()] != in.numel())
       c.fail("counts[{}] is {} but in has {} elements", rank(), opts.counts[rank()], in.numel());
   }
+  check_consistency(0, &in, &out, 0);
   return recorded("all_gather", &in, &out, -1, impl().all_gather(out, in, opts));
 }
 
@@ -126,6 +168,7 @@ Work Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceSca
   if (in.numel() != size() * out.numel())
     c.fail("in has {} elements, expected {} ranks x {} = {}", in.numel(), size(), out.numel(),
            size() * out.numel());
+  check_consistency(1, &in, &out, static_cast<int64_t>(opts.op));
   return recorded("reduce_scatter", &in, &out, -1, impl().reduce_scatter(out, in, opts));
 }
 
@@ -133,6 +176,7 @@ Work Comm::all_reduce(const at::Tensor& t, AllReduceOptions opts) {
   Checker c(*this, "all_reduce");
   c.tensor(t, "tensor");
   c.reduction(opts.op, t);
+  check_consistency(2, &t, &t, static_cast<int64_t>(opts.op));
   return recorded("all_reduce", &t, &t, -1, impl().all_reduce(t, opts));
 }
 
@@ -140,6 +184,7 @@ Work Comm::broadcast(const at::Tensor& t, BroadcastOptions opts) {
   Checker c(*this, "broadcast");
   c.tensor(t, "tensor");
   c.peer(opts.root, "root");
+  check_consistency(3, &t, &t, opts.root);
   return recorded("broadcast", &t, &t, -1, impl().broadcast(t, opts));
 }
 
@@ -160,6 +205,7 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptio
     c.splits(opts.in_splits, in.numel(), "in_splits");
     c.splits(opts.out_splits, out.numel(), "out_splits");
   }
+  check_consistency(4, &in, &out, 0);
   return recorded("all_to_all", &in, &out, -1, impl().all_to_all(out, in, opts));
 }
 
@@ -179,7 +225,10 @@ Work Comm::recv(const at::Tensor& t, int src, uint32_t tag) {
   return recorded("recv", nullptr, &t, src, impl().recv(t, src, tag));
 }
 
-Work Comm::barrier() { return recorded("barrier", nullptr, nullptr, -1, impl().barrier()); }
+Work Comm::barrier() {
+  check_consistency(5, nullptr, nullptr, 0);
+  return recorded("barrier", nullptr, nullptr, -1, impl().barrier());
+}
 
 Comm Comm::split(int color, int key) const {
   // Every rank splits in the same order, so the counter names the same child everywhere.

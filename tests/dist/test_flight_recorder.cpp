@@ -66,3 +66,27 @@ TEST_CASE("analysis names the rank that skipped an operation, or both sides of a
   CHECK(report.find("no disagreement") != std::string::npos);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("consistency check: ranks issuing different collectives fail at once, naming both sides") {
+  test::run_ranks(3, [](dist::Comm& comm) {
+    comm.set_consistency_check(true);
+    auto t = at::ones({4});
+    comm.all_reduce(t).wait();  // the same everywhere: passes
+    CHECK(t[0].item<float>() == 3);
+    std::string msg;
+    try {
+      // Rank 2 gathers 5 elements where the others gather 4.
+      const int64_t n = comm.rank() == 2 ? 5 : 4;
+      comm.all_gather(at::empty({3 * n}), at::ones({n})).wait();
+    } catch (const dist::CommError& e) {
+      msg = e.what();
+    }
+    INFO(msg);
+    if (comm.rank() == 2)
+      CHECK(msg.find("this rank issues all_gather Float in=5 out=15, rank 0 issues all_gather Float in=4 out=12") != std::string::npos);
+    else
+      CHECK(msg.find("this rank issues all_gather Float in=4 out=12, rank 2 issues all_gather Float in=5 out=15") != std::string::npos);
+    // Nothing was sent: the communicator still works.
+    comm.barrier().wait();
+  });
+}
