@@ -98,7 +98,6 @@ class Unit {
   void set_backward_prefetch(std::vector<Unit*> units) { backward_prefetch_ = std::move(units); }
 
   ParamGroup& group();
-  const FullyShardOptions& options() const { return options_; }
   // The units of this unit's tree (just this one before a root adopts it).
   std::vector<Unit*> tree_units() const;
   dist::Comm& comm() { return comm_; }
