@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs the main job: an all-reduce check and bandwidth table
-# across local ranks over Gloo.
-#   scripts/main.sh [fsdpp demo options, e.g. --nproc 4]
+# Installs what is missing, builds, and runs the main job: trains the default recipe (a small MoE
+# language model on the fortunes corpus, 2 data-parallel ranks) into runs/moe-small.
+#   scripts/main.sh [key=value overrides and fsdpp run options, e.g. train.steps=200]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh build
-exec build/fsdpp demo "$@"
+exec build/fsdpp run recipes/moe-small.json --overwrite "$@"

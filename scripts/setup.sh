@@ -9,6 +9,8 @@ packages=(
   libopenblas0-pthread            # Debian's LibTorch calls libblas.so.3; without this it is reference BLAS
   libeigen3-dev libfmt-dev nlohmann-json3-dev doctest-dev libcli11-dev
   iproute2 procps                 # network namespaces for the two-node test; ps for orphan checks
+  fortunes                        # the default training corpus (/usr/share/games/fortunes)
+  python3                         # an independent safetensors reader in the tests
 )
 if [[ "${FSDPP_SETUP_BENCH:-0}" == 1 ]]; then
   packages+=(python3-torch)       # PyTorch's own Gloo process group and DDP, as a baseline

@@ -77,6 +77,10 @@ class FlightRecorder {
 // Writes every live recorder of this process to <dir>/rank<world_rank>.json. Returns the path.
 std::string dump_flight_records(const std::string& dir, int world_rank);
 
+// Every live recorder of this process as a JSON array, in the format dump_flight_records writes
+// (operations with their labels and issue / completion times, in microseconds since the epoch).
+std::string flight_records_json();
+
 // Reads every rank's dump in `dir` and names the culprit: the first sequence number, on some
 // communicator, at which a rank issued nothing or something different from the others. Returns a
 // report for people; `found` says whether a culprit was named.

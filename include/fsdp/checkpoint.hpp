@@ -1,11 +1,16 @@
 #pragma once
 // Sharded checkpoints of a fully_shard model (and of AdamW's state for it), loadable at any world
-// size. Each rank writes its rows of every parameter to <dir>/rank<r>.pt with an index
-// <dir>/rank<r>.json (name, global shape, first row, row count, dtype); loading reads every index
-// and takes the rows this rank now owns, wherever they were saved. Files are written under a
-// temporary name and renamed, so a crash never leaves a half-written file under the final name.
+// size. Each rank writes its rows of every parameter to <dir>/rank<r>.safetensors (tensor "<name>",
+// and "<name>.exp_avg" / "<name>.exp_avg_sq" for the optimizer) with an index <dir>/rank<r>.json
+// (name, global shape, first row, row count, dtype, optimizer step); loading reads every index and
+// takes the rows this rank now owns, wherever they were saved. Files are written under a temporary
+// name and renamed, so a crash never leaves a half-written file under the final name.
+
+#include <ATen/core/Tensor.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "fsdp/fully_shard.hpp"
 
@@ -20,5 +25,17 @@ void save_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW*
 
 // Throws naming the directory, file or parameter when something is missing or inconsistent.
 void load_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW* optimizer = nullptr);
+
+// The same for a model made of several sharded roots (pipeline stages): `shards` are this rank's,
+// from all of its roots; `rank` of `world` names the files. Neither synchronises.
+void save_shards(const std::vector<Shard>& shards, int rank, int world, const std::string& dir,
+                 torch::optim::AdamW* optimizer = nullptr);
+// The roots must be resharded (their sharded parameters are written).
+void load_shards(const std::vector<Shard>& shards, const std::string& dir,
+                 torch::optim::AdamW* optimizer = nullptr);
+
+// Every parameter in full, assembled from all ranks' files of a checkpoint, in index order. One
+// process; throws naming the file or parameter when rows are missing or inconsistent.
+std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::string& dir);
 
 }  // namespace fsdpp::fsdp

@@ -72,6 +72,7 @@ class PipelineExecutor {
   double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
 
   const ExecutorStats& stats() const { return stats_; }
+  const Plan& plan() const { return plan_; }
 
  private:
   struct Slot;  // per (stage, microbatch) state during a step

@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <climits>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 
@@ -16,6 +17,7 @@
 #include "pipeline/plan.hpp"
 #include "pipeline/table.hpp"
 #include "pipeline/visualize.hpp"
+#include "train/trainer.hpp"
 
 namespace {
 
@@ -127,6 +129,96 @@ int schedule_show(const ShowOptions& o) {
   return 0;
 }
 
+// Where bundled recipes and configs live: FSDPP_HOME, next to the source tree of this build, the
+// install prefix's share/fsdpp, or the working directory.
+std::vector<std::filesystem::path> resource_roots() {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> roots;
+  if (const char* h = std::getenv("FSDPP_HOME")) roots.emplace_back(h);
+  const fs::path exe_dir = fs::path(self_exe()).parent_path();
+  for (const auto& p : {exe_dir / "..", exe_dir / ".." / "share" / "fsdpp", fs::current_path()})
+    if (fs::is_directory(p / "recipes")) roots.push_back(fs::weakly_canonical(p));
+  std::vector<fs::path> unique;
+  for (const auto& r : roots)
+    if (std::find(unique.begin(), unique.end(), r) == unique.end()) unique.push_back(r);
+  return unique;
+}
+
+int list_bundled() {
+  namespace fs = std::filesystem;
+  const auto roots = resource_roots();
+  if (roots.empty()) {
+    std::cout << "no recipes found (looked next to the fsdpp binary, in share/fsdpp and in the working directory; "
+                 "set FSDPP_HOME to the source tree)\n";
+    return 1;
+  }
+  for (const char* kind : {"recipes", "configs"}) {
+    std::cout << kind << ":\n";
+    for (const auto& root : roots) {
+      std::vector<fs::path> files;
+      if (!fs::is_directory(root / kind)) continue;
+      for (const auto& e : fs::directory_iterator(root / kind))
+        if (e.path().extension() == ".json") files.push_back(e.path());
+      std::sort(files.begin(), files.end());
+      for (const auto& f : files) {
+        std::string about;
+        try {
+          std::ifstream in(f);
+          const auto j = nlohmann::json::parse(in);
+          if (std::string(kind) == "recipes") {
+            about = j.value("description", "");
+            const auto r = train::load_recipe(f.string());
+            about += fmt::format("{}dp {} x pp {}, {} steps", about.empty() ? "" : "; ", r.parallel.dp, r.parallel.pp, r.train.steps);
+          } else {
+            const auto c = train::parse_model_config(j, f.string());
+            about = fmt::format("{:.2f}M parameters, {} layers, dim {}, {} experts top-{}", c.parameter_count() / 1e6,
+                                c.layers, c.dim, c.experts, c.top_k);
+          }
+        } catch (const std::exception& e) {
+          about = fmt::format("INVALID: {}", e.what());
+        }
+        std::cout << fmt::format("  {:<44} {}\n", fs::relative(f, fs::current_path()).string(), about);
+      }
+    }
+  }
+  return 0;
+}
+
+struct RunArgs {
+  std::string recipe;
+  std::vector<std::string> overrides;
+  int nproc = 0;
+  train::RunOptions options;
+  int64_t stop_after = 0;
+};
+
+int run_recipe(RunArgs& a) {
+  if (a.stop_after > 0) a.options.stop_after = a.stop_after;
+  if (dist::launched_by_launcher()) {
+    auto world = dist::init_from_env();
+    const auto recipe = train::load_recipe(a.recipe, a.overrides, world.size());
+    train::run_training(recipe, world, a.options);
+    return 0;
+  }
+  // Check everything before any rank starts.
+  const auto recipe = train::load_recipe(a.recipe, a.overrides, a.nproc > 0 ? std::optional<int>(a.nproc) : std::nullopt);
+  const auto latest = train::latest_checkpoint(recipe.output_dir());
+  if (a.options.resume && !latest)
+    throw std::runtime_error(fmt::format("--resume: no checkpoint under {}/checkpoints to resume from", recipe.output_dir()));
+  if (!a.options.resume && latest && !a.options.overwrite)
+    throw std::runtime_error(fmt::format("{} already holds checkpoints; pass --resume to continue that run or "
+                                         "--overwrite to start afresh", recipe.output_dir()));
+  dist::LaunchOptions o;
+  o.nproc = recipe.world_size();
+  o.command = {self_exe(), "run", a.recipe};
+  for (const auto& ov : a.overrides) o.command.push_back(ov);
+  if (a.options.resume) o.command.push_back("--resume");
+  if (a.options.overwrite) o.command.push_back("--overwrite");
+  if (a.options.trace) o.command.push_back("--trace");
+  if (a.stop_after > 0) o.command.insert(o.command.end(), {"--stop-after", std::to_string(a.stop_after)});
+  return run_launch(o);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -180,12 +272,76 @@ int main(int argc, char** argv) {
   auto* cmd_analyze = cmd_fr->add_subcommand("analyze", "name the rank and operation behind a hang or a mismatch");
   cmd_analyze->add_option("dir", fr_dir, "directory of rank*.json flight records")->required();
 
+  RunArgs run;
+  auto* cmd_run = app.add_subcommand("run", "train a recipe: fsdpp run recipes/moe-small.json [key=value ...]");
+  cmd_run->add_option("recipe", run.recipe, "recipe file (JSON)")->required()->check(CLI::ExistingFile);
+  cmd_run->add_option("overrides", run.overrides, "dotted overrides, for example optim.lr=1e-3 train.steps=100");
+  cmd_run->add_option("--nproc", run.nproc, "ranks to start (must equal dp x pp; default dp x pp)")->check(CLI::PositiveNumber);
+  cmd_run->add_flag("--resume", run.options.resume, "continue from the latest checkpoint in the output directory");
+  cmd_run->add_flag("--overwrite", run.options.overwrite, "start afresh even if the output directory holds checkpoints");
+  cmd_run->add_flag("--trace", run.options.trace, "write trace.json: compute and communication of a few steps, all ranks");
+  cmd_run->add_option("--stop-after", run.stop_after, "stop after this many steps (with a checkpoint), as if interrupted")
+      ->check(CLI::PositiveNumber);
+  run.options.trace_steps = 3;
+
+  std::string validate_recipe;
+  std::vector<std::string> validate_overrides;
+  int validate_world = 0;
+  auto* cmd_validate = app.add_subcommand("validate", "check a recipe without running it");
+  cmd_validate->add_option("recipe", validate_recipe, "recipe file (JSON)")->required();
+  cmd_validate->add_option("overrides", validate_overrides, "dotted overrides, as for run");
+  cmd_validate->add_option("--nproc", validate_world, "the world size it will run at")->check(CLI::PositiveNumber);
+
+  auto* cmd_ls = app.add_subcommand("ls", "list the bundled recipes and model configs");
+
+  std::string gen_path, gen_prompt = "";
+  train::SampleOptions sample;
+  auto* cmd_generate = app.add_subcommand("generate", "sample text from a trained model");
+  cmd_generate->add_option("checkpoint", gen_path, "run directory, checkpoint directory or consolidated .safetensors")
+      ->required()->check(CLI::ExistingPath);
+  cmd_generate->add_option("--prompt", gen_prompt, "text to continue");
+  cmd_generate->add_option("--bytes", sample.max_new_bytes, "bytes to generate")->check(CLI::Range(1, 100000));
+  cmd_generate->add_option("--temperature", sample.temperature, "0: greedy")->check(CLI::Range(0.0, 10.0));
+  cmd_generate->add_option("--top-k", sample.top_k, "sample among the k likeliest bytes (0: all)")->check(CLI::Range(0, 256));
+  cmd_generate->add_option("--seed", sample.seed, "sampling seed");
+
+  std::string ckpt_in, ckpt_out;
+  auto* cmd_ckpt = app.add_subcommand("ckpt", "checkpoints");
+  cmd_ckpt->require_subcommand(1);
+  auto* cmd_consolidate = cmd_ckpt->add_subcommand(
+      "consolidate", "write one safetensors file of full parameters (PyTorch / Hugging Face names and loaders)");
+  cmd_consolidate->add_option("checkpoint", ckpt_in, "run directory (its latest checkpoint) or checkpoint directory")
+      ->required()->check(CLI::ExistingDirectory);
+  cmd_consolidate->add_option("-o,--output", ckpt_out, "output file (default: <checkpoint>/model.safetensors)");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (cmd_launch->parsed()) {
       launch.master_port = static_cast<uint16_t>(master_port);
       launch.prefix_output = !no_prefix;
       return run_launch(launch);
+    }
+    if (cmd_run->parsed()) return run_recipe(run);
+    if (cmd_validate->parsed()) {
+      const auto r = train::load_recipe(validate_recipe, validate_overrides,
+                                        validate_world > 0 ? std::optional<int>(validate_world) : std::nullopt);
+      std::cout << fmt::format("{}: valid ({:.2f}M-parameter model, dp {} x pp {} = {} ranks, {} steps of {} sequences)\n",
+                               validate_recipe, r.model.parameter_count() / 1e6, r.parallel.dp, r.parallel.pp,
+                               r.world_size(), r.train.steps, r.train.global_batch);
+      return 0;
+    }
+    if (cmd_ls->parsed()) return list_bundled();
+    if (cmd_generate->parsed()) {
+      auto model = train::load_model(gen_path);
+      std::cout << gen_prompt << train::generate(*model, gen_prompt, sample) << std::endl;
+      return 0;
+    }
+    if (cmd_consolidate->parsed()) {
+      namespace fs = std::filesystem;
+      const auto out = ckpt_out.empty() ? "" : ckpt_out;
+      const auto dir = train::consolidate_checkpoint(ckpt_in, out.empty() ? (fs::path(ckpt_in) / "model.safetensors").string() : out);
+      std::cout << fmt::format("wrote {} from {}\n", out.empty() ? (fs::path(ckpt_in) / "model.safetensors").string() : out, dir);
+      return 0;
     }
     if (cmd_analyze->parsed()) {
       bool found = false;
@@ -204,6 +360,9 @@ int main(int argc, char** argv) {
       o.command = {self_exe(), "demo", "--max-mib", std::to_string(demo_max_mib)};
       return run_launch(o);
     }
+  } catch (const train::RecipeError& e) {
+    std::cerr << "fsdpp: invalid recipe: " << e.what() << "\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "fsdpp: error: " << e.what() << "\n";
     return 1;

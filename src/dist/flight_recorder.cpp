@@ -121,10 +121,15 @@ std::shared_ptr<FlightRecorder> make_recorder(const std::string& name, int rank,
 
 }  // namespace detail
 
-std::string dump_flight_records(const std::string& dir, int world_rank) {
-  std::filesystem::create_directories(dir);
+std::string flight_records_json() {
   nlohmann::json comms = nlohmann::json::array();
   for (const auto& r : live_recorders()) comms.push_back(nlohmann::json::parse(r->to_json()));
+  return comms.dump();
+}
+
+std::string dump_flight_records(const std::string& dir, int world_rank) {
+  std::filesystem::create_directories(dir);
+  const auto comms = nlohmann::json::parse(flight_records_json());
   const auto path = (std::filesystem::path(dir) / fmt::format("rank{}.json", world_rank)).string();
   {
     std::ofstream f(path + ".tmp");

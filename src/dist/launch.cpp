@@ -86,7 +86,8 @@ void forward(Rank& r, int stream, const char* data, size_t n, bool prefix, bool 
   const std::string tag = prefix ? fmt::format("[rank{}]: ", r.global_rank) : "";
   std::string out;
   size_t start = 0, nl;
-  while ((nl = buf.find('\n', start)) != std::string::npos) {
+  // A carriage return ends a segment too, so that progress bars redrawn in place pass through.
+  while ((nl = buf.find_first_of("\n\r", start)) != std::string::npos) {
     out += tag;
     out.append(buf, start, nl - start + 1);
     start = nl + 1;
@@ -167,6 +168,8 @@ std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& add
   env.push_back(fmt::format("WORLD_SIZE={}", world));
   env.push_back(fmt::format("LOCAL_RANK={}", local_rank));
   env.push_back(fmt::format("LOCAL_WORLD_SIZE={}", o.nproc));
+  // The ranks' output reaches a terminal through the launcher's pipes; tell them whether it does.
+  if (!std::getenv("FSDPP_STDOUT_TTY")) env.push_back(fmt::format("FSDPP_STDOUT_TTY={}", isatty(STDOUT_FILENO) ? 1 : 0));
   env.push_back(fmt::format("GROUP_RANK={}", o.node_rank));
   env.push_back("MASTER_ADDR=" + addr);
   env.push_back(fmt::format("MASTER_PORT={}", port));

@@ -1,11 +1,14 @@
 #include "fsdp/checkpoint.hpp"
 
+#include "fsdpp/safetensors.hpp"
+
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <torch/optim/adamw.h>
-#include <torch/serialize.h>
 
 #include <filesystem>
+#include <map>
+#include <optional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -17,6 +20,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+
+constexpr const char* kFormat = "fsdpp-sharded-2";
 
 // The optimizer keys its state by the parameter's TensorImpl; LibTorch 1.13 spells the key as a
 // string, later versions may use the pointer itself.
@@ -39,72 +44,98 @@ torch::optim::AdamWParamState* adam_state(torch::optim::AdamW& opt, const at::Te
 }
 
 struct Saved {
+  std::string file;
   json index;
-  std::vector<at::Tensor> tensors;
+  SafetensorsFile data;
+  const at::Tensor& tensor(const std::string& name) const {
+    const at::Tensor* t = data.find(name);
+    if (!t) throw std::runtime_error(fmt::format("checkpoint: tensor '{}' is missing from {}", name, file));
+    return *t;
+  }
 };
+
+json read_json(const fs::path& path) {
+  std::ifstream f(path);
+  if (!f) throw std::runtime_error(fmt::format("checkpoint: {} is missing", path.string()));
+  try {
+    return json::parse(f);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(fmt::format("checkpoint: {} is not valid JSON: {}", path.string(), e.what()));
+  }
+}
+
+// Every rank's index and tensors, checked for the fields loading relies on.
+std::vector<Saved> read_all(const std::string& dir) {
+  const json first = read_json(fs::path(dir) / "rank0.json");
+  if (first.value("format", "") != kFormat)
+    throw std::runtime_error(fmt::format("checkpoint: {}/rank0.json is not a {} index", dir, kFormat));
+  const int world = first.at("world_size").get<int>();
+  if (world < 1 || world > 1 << 16)
+    throw std::runtime_error(fmt::format("checkpoint: {}/rank0.json has world_size {}", dir, world));
+  std::vector<Saved> saved(world);
+  for (int r = 0; r < world; ++r) {
+    auto& sv = saved[r];
+    sv.index = r == 0 ? first : read_json(fs::path(dir) / fmt::format("rank{}.json", r));
+    sv.file = (fs::path(dir) / fmt::format("rank{}.safetensors", r)).string();
+    sv.data = read_safetensors(sv.file);
+    for (const auto& e : sv.index.at("entries")) {
+      const auto& t = sv.tensor(e.at("name").get<std::string>());
+      const auto shape = e.at("shape").get<std::vector<int64_t>>();
+      const int64_t rows = e.at("rows"), offset = e.at("row_offset");
+      if (shape.empty() || offset < 0 || rows < 0 || offset + rows > shape[0] || t.dim() != int64_t(shape.size()) ||
+          t.size(0) != rows)
+        throw std::runtime_error(fmt::format("checkpoint: entry '{}' of {} does not match its tensor",
+                                             e.at("name").get<std::string>(), sv.file));
+    }
+  }
+  return saved;
+}
 
 }  // namespace
 
-void save_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW* optimizer) {
-  auto& comm = root.fsdp_unit().comm();
+void save_shards(const std::vector<Shard>& shards, int rank, int world, const std::string& dir,
+                 torch::optim::AdamW* optimizer) {
   fs::create_directories(dir);
   json entries = json::array();
-  std::vector<at::Tensor> tensors;
-  for (const auto& s : shards(root)) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& s : shards) {
     json e = {{"name", s.name},
               {"shape", s.info.global_shape},
               {"row_offset", s.info.row_offset},
               {"rows", s.info.local_rows},
-              {"dtype", c10::toString(s.param.scalar_type())},
-              {"param", tensors.size()}};
-    tensors.push_back(s.param.detach());
+              {"dtype", c10::toString(s.param.scalar_type())}};
+    tensors.emplace_back(s.name, s.param.detach());
     if (optimizer)
       if (auto* st = adam_state(*optimizer, s.param)) {
         e["step"] = st->step();
-        e["exp_avg"] = tensors.size();
-        tensors.push_back(st->exp_avg());
-        e["exp_avg_sq"] = tensors.size();
-        tensors.push_back(st->exp_avg_sq());
+        tensors.emplace_back(s.name + ".exp_avg", st->exp_avg());
+        tensors.emplace_back(s.name + ".exp_avg_sq", st->exp_avg_sq());
       }
     entries.push_back(std::move(e));
   }
-  const json index = {{"format", "fsdpp-sharded-1"},
-                      {"world_size", comm.size()},
-                      {"rank", comm.rank()},
-                      {"entries", entries}};
-  const auto base = fs::path(dir) / fmt::format("rank{}", comm.rank());
-  torch::save(tensors, base.string() + ".pt.tmp");
+  const json index = {{"format", kFormat}, {"world_size", world}, {"rank", rank}, {"entries", entries}};
+  const auto base = fs::path(dir) / fmt::format("rank{}", rank);
+  write_safetensors(base.string() + ".safetensors.tmp", tensors, {{"format", kFormat}});
   {
     std::ofstream f(base.string() + ".json.tmp");
     f << index.dump(1);
-    if (!f) throw std::runtime_error("save_sharded: cannot write " + base.string() + ".json.tmp");
+    f.flush();
+    if (!f) throw std::runtime_error("checkpoint: cannot write " + base.string() + ".json.tmp");
   }
-  fs::rename(base.string() + ".pt.tmp", base.string() + ".pt");
+  fs::rename(base.string() + ".safetensors.tmp", base.string() + ".safetensors");
   fs::rename(base.string() + ".json.tmp", base.string() + ".json");
+}
+
+void save_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW* optimizer) {
+  auto& comm = root.fsdp_unit().comm();
+  save_shards(shards(root), comm.rank(), comm.size(), dir, optimizer);
   comm.barrier().wait();  // the checkpoint is complete when every rank's files are in place
 }
 
-void load_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW* optimizer) {
-  auto read_index = [&](int r) {
-    const auto path = fs::path(dir) / fmt::format("rank{}.json", r);
-    std::ifstream f(path);
-    if (!f) throw std::runtime_error(fmt::format("load_sharded: {} is missing", path.string()));
-    try {
-      return json::parse(f);
-    } catch (const json::exception& e) {
-      throw std::runtime_error(fmt::format("load_sharded: {} is not valid JSON: {}", path.string(), e.what()));
-    }
-  };
-  const json first = read_index(0);
-  const int saved_world = first.at("world_size").get<int>();
-  std::vector<Saved> saved(saved_world);
-  for (int r = 0; r < saved_world; ++r) {
-    saved[r].index = r == 0 ? first : read_index(r);
-    torch::load(saved[r].tensors, (fs::path(dir) / fmt::format("rank{}.pt", r)).string());
-  }
+void load_shards(const std::vector<Shard>& shards, const std::string& dir, torch::optim::AdamW* optimizer) {
+  const auto saved = read_all(dir);
   at::NoGradGuard no_grad;
-  root.fsdp_unit().reshard();
-  for (const auto& s : shards(root)) {
+  for (const auto& s : shards) {
     const int64_t lo = s.info.row_offset, hi = lo + s.info.local_rows;
     int64_t covered = 0;
     std::optional<int64_t> step;
@@ -119,27 +150,24 @@ void load_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW*
         if (e.at("name") != s.name) continue;
         found = true;
         if (e.at("shape").get<std::vector<int64_t>>() != s.info.global_shape)
-          throw std::runtime_error(fmt::format("load_sharded: '{}' has shape {} in {} but [{}] in the model",
+          throw std::runtime_error(fmt::format("checkpoint: '{}' has shape {} in {} but [{}] in the model",
                                                s.name, e.at("shape").dump(), dir,
                                                fmt::join(s.info.global_shape, ", ")));
         const int64_t elo = e.at("row_offset"), ehi = elo + e.at("rows").get<int64_t>();
         const int64_t a = std::max(lo, elo), b = std::min(hi, ehi);
         if (a >= b) continue;
-        auto take = [&](const char* key) {
-          return sv.tensors.at(e.at(key).get<size_t>()).narrow(0, a - elo, b - a);
-        };
-        s.param.narrow(0, a - lo, b - a).copy_(take("param"));
+        auto take = [&](const std::string& key) { return sv.tensor(key).narrow(0, a - elo, b - a); };
+        s.param.narrow(0, a - lo, b - a).copy_(take(s.name));
         covered += b - a;
         if (optimizer && e.contains("step")) {
           step = e.at("step").get<int64_t>();
-          exp_avg.narrow(0, a - lo, b - a).copy_(take("exp_avg"));
-          exp_avg_sq.narrow(0, a - lo, b - a).copy_(take("exp_avg_sq"));
+          exp_avg.narrow(0, a - lo, b - a).copy_(take(s.name + ".exp_avg"));
+          exp_avg_sq.narrow(0, a - lo, b - a).copy_(take(s.name + ".exp_avg_sq"));
         }
       }
-    if (!found) throw std::runtime_error(fmt::format("load_sharded: '{}' is not in {}", s.name, dir));
+    if (!found) throw std::runtime_error(fmt::format("checkpoint: '{}' is not in {}", s.name, dir));
     if (covered != s.info.local_rows)
-      throw std::runtime_error(fmt::format("load_sharded: rows {}..{} of '{}' are not all in {}",
-                                           lo, hi, s.name, dir));
+      throw std::runtime_error(fmt::format("checkpoint: rows {}..{} of '{}' are not all in {}", lo, hi, s.name, dir));
     if (optimizer && step) {
       auto st = std::make_unique<torch::optim::AdamWParamState>();
       st->step(*step);
@@ -149,6 +177,38 @@ void load_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW*
       state[state_key(state, s.param)] = std::move(st);
     }
   }
+}
+
+void load_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW* optimizer) {
+  root.fsdp_unit().reshard();
+  load_shards(shards(root), dir, optimizer);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::string& dir) {
+  const auto saved = read_all(dir);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::map<std::string, size_t> where;
+  std::map<std::string, int64_t> covered;
+  for (const auto& sv : saved)
+    for (const auto& e : sv.index.at("entries")) {
+      const auto name = e.at("name").get<std::string>();
+      const auto& rows = sv.tensor(name);
+      const auto shape = e.at("shape").get<std::vector<int64_t>>();
+      auto it = where.find(name);
+      if (it == where.end()) {
+        it = where.emplace(name, out.size()).first;
+        out.emplace_back(name, at::empty(shape, rows.options()));
+      }
+      auto& full = out[it->second].second;
+      if (full.sizes().vec() != shape || full.scalar_type() != rows.scalar_type())
+        throw std::runtime_error(fmt::format("checkpoint: '{}' differs in shape or dtype between ranks in {}", name, dir));
+      full.narrow(0, e.at("row_offset").get<int64_t>(), rows.size(0)).copy_(rows);
+      covered[name] += rows.size(0);
+    }
+  for (const auto& [name, t] : out)
+    if (covered[name] != t.size(0))
+      throw std::runtime_error(fmt::format("checkpoint: {} of {} rows of '{}' are in {}", covered[name], t.size(0), name, dir));
+  return out;
 }
 
 }  // namespace fsdpp::fsdp

@@ -1,0 +1,34 @@
+#pragma once
+// The safetensors file format (https://huggingface.co/docs/safetensors): an 8-byte little-endian
+// header length N, N bytes of JSON ({"name": {"dtype": "F32", "shape": [...], "data_offsets":
+// [begin, end]}, ..., "__metadata__": {string: string}}), then the tensors' bytes, row-major,
+// little-endian, offsets relative to the end of the header. Files written here are read by
+// PyTorch's and Hugging Face's safetensors loaders, and files they write are read here.
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdpp {
+
+struct SafetensorsFile {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;  // in file order
+  std::map<std::string, std::string> metadata;
+  const at::Tensor* find(const std::string& name) const;
+};
+
+// Writes `path` directly (callers that need atomicity write a temporary name and rename). CPU
+// tensors of any dtype safetensors names (F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL); names must be
+// unique and must not be "__metadata__".
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
+// Reads a whole file. Every inconsistency (truncated file, header past the end, bad JSON, unknown
+// dtype, offsets out of range, overlapping or mis-sized tensors) throws std::runtime_error naming
+// the file and, where there is one, the tensor.
+SafetensorsFile read_safetensors(const std::string& path);
+
+}  // namespace fsdpp

@@ -1,0 +1,133 @@
+#pragma once
+// Recipes: one JSON file says everything about a training run. Sections map to option structs:
+//
+//   {
+//     "name": "moe-small",
+//     "model": "../configs/moe-small.json"   (a path, relative to the recipe, or an inline object),
+//     "data": {"source": "fortunes", "seq_len": 128, "val_fraction": 0.05},
+//     "parallel": {"dp": 2, "pp": 1, "schedule": "1F1B", "microbatches": 1, "stages_per_rank": 1,
+//                  "max_outstanding_sends": 0},
+//     "precision": {"param_dtype": "float32", "reduce_dtype": "float32",
+//                   "overrides": [{"match": "*.router.gate.weight", "param_dtype": "float32"}]},
+//     "optim": {"lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 50, "weight_decay": 0.1,
+//               "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "grad_clip": 1.0},
+//     "train": {"steps": 600, "global_batch": 32, "grad_accum": 1, "seed": 1234},
+//     "eval": {"interval": 100, "batches": 8},
+//     "checkpoint": {"interval": 0, "keep": 2},
+//     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"}
+//   }
+//
+// Every key has a default; validate() reports every problem at once, each naming the JSON path and
+// the rule ("optim.lr: must be > 0, got -1"; "optim.lrr: unknown key, did you mean 'lr'?").
+
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "models/moe.hpp"
+
+namespace fsdpp::train {
+
+// All of a recipe's problems, one per line in what().
+class RecipeError : public std::invalid_argument {
+ public:
+  RecipeError(std::string source, std::vector<std::string> problems);
+  const std::vector<std::string>& problems() const { return problems_; }
+
+ private:
+  std::vector<std::string> problems_;
+};
+
+struct DataOptions {
+  std::string source = "fortunes";  // fortunes | files | synthetic
+  std::vector<std::string> paths;   // files or directories (source "files")
+  int64_t seq_len = 128;
+  double val_fraction = 0.05;
+  int64_t synthetic_bytes = 1 << 20;
+};
+
+struct ParallelOptions {
+  int dp = 1, pp = 1;
+  std::string schedule = "1F1B";  // a registered name, or a .csv / .json action table
+  int microbatches = 1;           // per pipeline step (pp > 1)
+  int stages_per_rank = 1;
+  int max_outstanding_sends = 0;  // 0: unlimited
+};
+
+struct DtypeOverride {
+  std::string match;
+  std::optional<std::string> param_dtype, grad_dtype;
+};
+
+struct PrecisionOptions {
+  std::string param_dtype = "float32";
+  std::string reduce_dtype = "float32";
+  std::vector<DtypeOverride> overrides;
+};
+
+struct OptimOptions {
+  double lr = 3e-3, min_lr_ratio = 0.1, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  int64_t warmup_steps = 50;
+  double grad_clip = 1.0;  // 0: off
+};
+
+struct TrainOptions {
+  int64_t steps = 600, global_batch = 32, grad_accum = 1, seed = 1234;
+};
+
+struct EvalOptions {
+  int64_t interval = 100, batches = 8;  // interval 0: only at the end
+};
+
+struct CheckpointOptions {
+  int64_t interval = 0;  // 0: only at the end
+  int64_t keep = 2;
+};
+
+struct LoggingOptions {
+  int64_t interval = 10;
+  std::string metrics = "rank0";  // rank0 | all | none
+  bool plot = true;
+  std::string output_dir = "runs/{name}";
+};
+
+struct Recipe {
+  std::string name;
+  std::string source;  // file path, for messages
+  models::MoEConfig model;
+  DataOptions data;
+  ParallelOptions parallel;
+  PrecisionOptions precision;
+  OptimOptions optim;
+  TrainOptions train;
+  EvalOptions eval;
+  CheckpointOptions checkpoint;
+  LoggingOptions logging;
+  nlohmann::json resolved;  // the recipe after overrides, with the model inline
+
+  std::string output_dir() const;  // logging.output_dir with {name} filled in
+  int world_size() const { return parallel.dp * parallel.pp; }
+  // Sequences each dp rank processes per forward (microbatch).
+  int64_t micro_batch() const;
+};
+
+// Reads and validates a recipe file, after applying `overrides` ("optim.lr=1e-3": the value is
+// JSON when it parses as JSON, else a string). `world_size`, when known (launched, or --nproc),
+// must equal dp x pp. Throws RecipeError.
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {},
+                   std::optional<int> world_size = std::nullopt);
+
+// The same for a JSON value; relative model paths resolve against `base_dir`.
+Recipe parse_recipe(nlohmann::json j, const std::string& source, const std::string& base_dir,
+                    const std::vector<std::string>& overrides = {}, std::optional<int> world_size = std::nullopt);
+
+// A model config file or object; throws RecipeError.
+models::MoEConfig parse_model_config(const nlohmann::json& j, const std::string& source);
+nlohmann::json to_json(const models::MoEConfig& c);
+
+// Levenshtein distance, for "did you mean" suggestions.
+size_t edit_distance(const std::string& a, const std::string& b);
+
+}  // namespace fsdpp::train

@@ -1,0 +1,284 @@
+#include "models/moe.hpp"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+namespace fsdpp::models {
+
+namespace {
+
+// Identity on x whose backward also gives `aux` the gradient `scale`: the auxiliary losses join
+// the training loss wherever the layer runs (see the top of moe.hpp).
+struct AttachAuxLoss : torch::autograd::Function<AttachAuxLoss> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, at::Tensor aux,
+                            double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["aux_dtype"] = static_cast<int64_t>(aux.scalar_type());
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["aux_dtype"].toInt());
+    return {grads[0], at::full({}, scale, at::TensorOptions().dtype(dtype)), at::Tensor()};
+  }
+};
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const auto half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+void init_normal(at::Tensor& w, double std) {
+  at::NoGradGuard g;
+  w.normal_(0.0, std);
+}
+
+}  // namespace
+
+int64_t MoEConfig::parameter_count() const {
+  const int64_t attn = 4 * dim * dim;
+  const int64_t dense = 3 * dim * ffn_hidden;
+  const int64_t moe = dim * experts + experts * 3 * dim * expert_hidden + (shared_expert ? 3 * dim * expert_hidden : 0);
+  int64_t n = 2 * vocab_size * dim + dim;
+  for (int64_t i = 0; i < layers; ++i) n += attn + 2 * dim + (is_moe_layer(i) ? moe : dense);
+  return n;
+}
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
+  weight = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  // Normalise in float32 whatever the compute dtype; the result takes the input's dtype.
+  const auto xf = x.to(at::kFloat);
+  const auto y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return (y * weight.to(at::kFloat)).to(x.scalar_type());
+}
+
+AttentionImpl::AttentionImpl(const MoEConfig& c) : heads(c.heads), rope_theta(c.rope_theta) {
+  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
+  out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.dim).bias(false)));
+  init_normal(qkv->weight, c.init_std);
+  init_normal(out->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x) {
+  const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
+  auto q_k_v = qkv(x).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
+  auto q = q_k_v[0], k = q_k_v[1], v = q_k_v[2];
+  {
+    const auto f = at::TensorOptions().dtype(at::kFloat).device(x.device());
+    const auto inv_freq = at::pow(rope_theta, -at::arange(0, hd, 2, f) / double(hd));
+    const auto angles = at::outer(at::arange(T, f), inv_freq);  // [T, hd/2]
+    const auto cos = at::cat({angles.cos(), angles.cos()}, -1).to(x.scalar_type());
+    const auto sin = at::cat({angles.sin(), angles.sin()}, -1).to(x.scalar_type());
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+  }
+  auto att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
+  const auto mask = at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
+  att = at::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()).to(at::kFloat), -1)
+            .to(x.scalar_type());
+  return out(at::matmul(att, v).transpose(1, 2).reshape({B, T, D}));
+}
+
+SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden) {
+  auto lin = [](int64_t i, int64_t o) { return torch::nn::Linear(torch::nn::LinearOptions(i, o).bias(false)); };
+  w1 = register_module("w1", lin(dim, hidden));
+  w3 = register_module("w3", lin(dim, hidden));
+  w2 = register_module("w2", lin(hidden, dim));
+}
+
+at::Tensor SwiGLUImpl::forward(const at::Tensor& x) { return w2(at::silu(w1(x)) * w3(x)); }
+
+ExpertsImpl::ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden) {
+  w1 = register_parameter("w1", at::empty({experts, hidden, dim}));
+  w3 = register_parameter("w3", at::empty({experts, hidden, dim}));
+  w2 = register_parameter("w2", at::empty({experts, dim, hidden}));
+}
+
+at::Tensor ExpertsImpl::forward_one(int64_t e, const at::Tensor& x) {
+  const auto h = at::silu(at::matmul(x, w1[e].t())) * at::matmul(x, w3[e].t());
+  return at::matmul(h, w2[e].t());
+}
+
+at::Tensor ExpertsImpl::forward_batched(const at::Tensor& x) {
+  const auto h = at::silu(at::bmm(x, w1.transpose(1, 2))) * at::bmm(x, w3.transpose(1, 2));
+  return at::bmm(h, w2.transpose(1, 2));
+}
+
+RouterImpl::RouterImpl(int64_t dim, int64_t experts) {
+  gate = register_module("gate", torch::nn::Linear(torch::nn::LinearOptions(dim, experts).bias(false)));
+}
+
+MoEImpl::MoEImpl(const MoEConfig& c, std::shared_ptr<RouterStats> s) : config(c), stats(std::move(s)) {
+  router = register_module("router", Router(c.dim, c.experts));
+  experts = register_module("experts", Experts(c.experts, c.dim, c.expert_hidden));
+  init_normal(router->gate->weight, c.init_std);
+  init_normal(experts->w1, c.init_std);
+  init_normal(experts->w3, c.init_std);
+  init_normal(experts->w2, c.init_std / std::sqrt(2.0 * double(c.layers)));
+  if (c.shared_expert) {
+    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden));
+    init_normal(shared->w1->weight, c.init_std);
+    init_normal(shared->w3->weight, c.init_std);
+    init_normal(shared->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
+  }
+}
+
+Routing MoEImpl::route(const at::Tensor& flat) const {
+  Routing r;
+  // The gate runs in its own parameter's dtype (float32 under the usual mixed-precision recipe),
+  // so that near-ties between experts are decided the same way whatever the compute dtype.
+  const auto& gw = router->gate->weight;
+  r.logits = at::matmul(flat.to(gw.scalar_type()), gw.t()).to(at::kFloat);
+  r.scores = config.score == "sigmoid" ? at::sigmoid(r.logits) : at::softmax(r.logits, -1);
+  auto [w, idx] = at::topk(r.scores, config.top_k, -1);
+  if (config.normalize_top_k && (config.top_k > 1 || config.score == "sigmoid"))
+    w = w / w.sum(-1, /*keepdim=*/true);
+  r.weights = w;
+  r.experts = idx;
+  const int64_t T = flat.size(0), E = config.experts;
+  // f_e: share of the T*k assignments that went to e (not differentiable); P_e: mean score of e,
+  // scores normalised to sum to 1 per token.
+  const auto counts = at::bincount(idx.reshape(-1), {}, E).to(at::kFloat);
+  const auto f = counts / double(T * config.top_k);
+  const auto probs = config.score == "sigmoid" ? r.scores / r.scores.sum(-1, true) : r.scores;
+  r.aux_loss = double(E) * (f * probs.mean(0)).sum();
+  r.z_loss = at::logsumexp(r.logits, -1).pow(2).mean();
+  return r;
+}
+
+at::Tensor MoEImpl::forward(const at::Tensor& x) {
+  const auto shape = x.sizes().vec();
+  const auto flat = x.reshape({-1, x.size(-1)});
+  const int64_t T = flat.size(0), k = config.top_k, E = config.experts;
+  const Routing r = route(flat);
+  const auto weights = r.weights.to(x.scalar_type());
+  auto out = at::zeros_like(flat);
+  int64_t dropped = 0;
+  if (config.routing == "capacity") {
+    // Static shapes: assignments in priority order (every token's first choice, then the second
+    // ...), each takes the next free slot of its expert; the ones past capacity go to a spare row
+    // whose output is zero.
+    const int64_t C = static_cast<int64_t>(std::ceil(config.capacity_factor * double(T * k) / double(E)));
+    const auto e_flat = r.experts.t().reshape(-1);  // [k*T], k-major
+    const auto tok = at::arange(T, r.experts.options()).repeat({k});
+    const auto w_flat = weights.t().reshape(-1);
+    const auto one_hot = at::one_hot(e_flat, E);
+    const auto pos = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1);
+    const auto keep = pos < C;
+    const auto slots = at::where(keep, e_flat * C + pos, at::full_like(pos, E * C));
+    auto buffer = at::zeros({E * C + 1, flat.size(1)}, flat.options()).index_copy(0, slots, flat.index_select(0, tok));
+    auto y = experts->forward_batched(buffer.narrow(0, 0, E * C).view({E, C, -1})).reshape({E * C, -1});
+    y = at::cat({y, at::zeros({1, y.size(1)}, y.options())});
+    const auto w_kept = w_flat * keep.to(w_flat.scalar_type());
+    out = out.index_add(0, tok, y.index_select(0, slots) * w_kept.unsqueeze(1));
+    dropped = T * k - keep.sum().item<int64_t>();
+  } else {
+    // Dropless: group the assignments by expert and run each expert on exactly its rows.
+    const auto e_flat = r.experts.reshape(-1);  // [T*k], token-major
+    const auto tok = at::arange(T, r.experts.options()).repeat_interleave(k);
+    const auto w_flat = weights.reshape(-1);
+    const auto order = std::get<1>(at::sort(e_flat, /*stable=*/true, 0, false));
+    const auto counts = at::bincount(e_flat, {}, E).to(at::kCPU);
+    const auto* n = counts.data_ptr<int64_t>();
+    int64_t offset = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      if (n[e] == 0) continue;
+      const auto rows = order.narrow(0, offset, n[e]);
+      offset += n[e];
+      const auto t = tok.index_select(0, rows);
+      const auto y = experts->forward_one(e, flat.index_select(0, t)) * w_flat.index_select(0, rows).unsqueeze(1);
+      out = out.index_add(0, t, y);
+    }
+  }
+  if (shared) out = out + shared(flat);
+
+  stats->aux_loss += r.aux_loss.item<double>();
+  stats->z_loss += r.z_loss.item<double>();
+  stats->assignments += T * k;
+  stats->forwards += 1;
+  stats->dropped += dropped;
+  out = out.view(shape);
+  const auto aux = config.aux_loss_coef * r.aux_loss + config.z_loss_coef * r.z_loss;
+  if (at::GradMode::is_enabled() && aux.requires_grad())
+    out = AttachAuxLoss::apply(out, aux, stats->aux_grad_scale);
+  return out;
+}
+
+BlockImpl::BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterStats> stats) {
+  attn_norm = register_module("attn_norm", RMSNorm(c.dim, c.norm_eps));
+  attn = register_module("attn", Attention(c));
+  ffn_norm = register_module("ffn_norm", RMSNorm(c.dim, c.norm_eps));
+  if (c.is_moe_layer(index)) {
+    moe = register_module("moe", MoE(c, std::move(stats)));
+  } else {
+    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden));
+    init_normal(mlp->w1->weight, c.init_std);
+    init_normal(mlp->w3->weight, c.init_std);
+    init_normal(mlp->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
+  }
+}
+
+at::Tensor BlockImpl::forward(at::Tensor x) {
+  x = x + attn(attn_norm(x));
+  const auto h = ffn_norm(x);
+  return x + (moe ? moe(h) : mlp(h));
+}
+
+MoETransformerImpl::MoETransformerImpl(const MoEConfig& c)
+    : config_(c), stats_(std::make_shared<RouterStats>()), first_(0), last_(c.layers) {
+  embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.dim));
+  init_normal(embed->weight, c.init_std);
+  layers = register_module("layers", std::make_shared<torch::nn::Module>("Layers"));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    blocks_.emplace_back(Block(c, i, stats_));
+    layers->register_module(std::to_string(i), blocks_.back().ptr());
+  }
+  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
+  head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab_size).bias(false)));
+  init_normal(head->weight, c.init_std);
+}
+
+MoETransformerImpl::MoETransformerImpl(const MoETransformerImpl& full, int64_t first, int64_t last)
+    : config_(full.config_), stats_(std::make_shared<RouterStats>()), first_(first), last_(last) {
+  TORCH_CHECK(full.first_ == 0 && full.last_ == full.config_.layers,
+              "MoETransformer: a stage is cut from a full model");
+  TORCH_CHECK(0 <= first && first < last && last <= config_.layers, "MoETransformer: stage layers [",
+              first, ", ", last, ") are not within [0, ", config_.layers, ")");
+  if (first == 0) embed = register_module("embed", full.embed);
+  layers = register_module("layers", std::make_shared<torch::nn::Module>("Layers"));
+  for (int64_t i = first; i < last; ++i) {
+    blocks_.push_back(full.blocks_[i]);
+    layers->register_module(std::to_string(i), blocks_.back().ptr());
+    // The stage keeps its own router statistics.
+    if (auto& moe = blocks_.back()->inner().moe) moe->stats = stats_;
+  }
+  if (last == config_.layers) {
+    norm = register_module("norm", full.norm);
+    head = register_module("head", full.head);
+  }
+}
+
+at::Tensor MoETransformerImpl::forward(const at::Tensor& input) {
+  at::Tensor h = has_embedding() ? embed(input) : input;
+  if (!has_embedding()) {
+    // Hidden states arrive in float32 between stages; compute in the layers' dtype.
+    h = h.to(blocks_.front()->inner().attn->qkv->weight.scalar_type());
+  }
+  for (auto& b : blocks_) h = b->forward(h);
+  if (!has_head()) return h;
+  return head(norm(h)).to(at::kFloat);
+}
+
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  const auto V = logits.size(-1);
+  return at::nll_loss(at::log_softmax(logits.reshape({-1, V}).to(at::kFloat), -1), targets.reshape(-1));
+}
+
+}  // namespace fsdpp::models

@@ -1,0 +1,445 @@
+#include "train/recipe.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+
+#include "pipeline/plan.hpp"
+#include "pipeline/table.hpp"
+#include "train/data.hpp"
+
+namespace fsdpp::train {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string join_lines(const std::string& source, const std::vector<std::string>& problems) {
+  std::string s = fmt::format("{}: {} problem{}", source, problems.size(), problems.size() == 1 ? "" : "s");
+  for (const auto& p : problems) s += "\n  " + p;
+  return s;
+}
+
+std::string type_name(const json& v) {
+  if (v.is_number_integer()) return "an integer";
+  if (v.is_number()) return "a number";
+  if (v.is_string()) return "a string";
+  if (v.is_boolean()) return "a boolean";
+  if (v.is_array()) return "an array";
+  if (v.is_object()) return "an object";
+  return "null";
+}
+
+// Walks one JSON object, recording the keys it knows; problems go to a shared list, so one pass
+// reports everything.
+class Reader {
+ public:
+  Reader(const json* j, std::string path, std::vector<std::string>& problems,
+         std::shared_ptr<std::set<std::string>> all_paths = std::make_shared<std::set<std::string>>())
+      : j_(j), path_(std::move(path)), problems_(problems), all_paths_(std::move(all_paths)) {
+    if (j_ && !j_->is_object()) {
+      fail("", fmt::format("must be an object, got {}", type_name(*j_)));
+      j_ = nullptr;
+    }
+  }
+  ~Reader() { unknown_keys(); }
+
+  std::string at(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+  void fail(const std::string& key, const std::string& what) {
+    problems_.push_back(fmt::format("{}: {}", key.empty() ? path_ : at(key), what));
+  }
+  const json* find(const std::string& key) {
+    known_.insert(key);
+    all_paths_->insert(at(key));
+    if (!j_) return nullptr;
+    auto it = j_->find(key);
+    return it == j_->end() ? nullptr : &*it;
+  }
+  Reader section(const std::string& key) { return Reader(find(key), at(key), problems_, all_paths_); }
+
+  template <class Int>
+  void integer(const std::string& key, Int& out, int64_t lo, int64_t hi) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_number_integer()) return fail(key, fmt::format("must be an integer, got {}", type_name(*v)));
+    const int64_t x = v->get<int64_t>();
+    if (x < lo || x > hi) return fail(key, fmt::format("must be in [{}, {}], got {}", lo, hi, x));
+    out = static_cast<Int>(x);
+  }
+  // (lo, hi] when lo_open, else [lo, hi].
+  void number(const std::string& key, double& out, double lo, double hi, bool lo_open = false) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_number()) return fail(key, fmt::format("must be a number, got {}", type_name(*v)));
+    const double x = v->get<double>();
+    if ((lo_open ? x <= lo : x < lo) || x > hi)
+      return fail(key, fmt::format("must be in {}{}, {}], got {}", lo_open ? "(" : "[", lo, hi, x));
+    out = x;
+  }
+  void boolean(const std::string& key, bool& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_boolean()) return fail(key, fmt::format("must be true or false, got {}", type_name(*v)));
+    out = v->get<bool>();
+  }
+  void string(const std::string& key, std::string& out, const std::vector<std::string>& choices = {}) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_string()) return fail(key, fmt::format("must be a string, got {}", type_name(*v)));
+    const auto s = v->get<std::string>();
+    if (!choices.empty() && std::find(choices.begin(), choices.end(), s) == choices.end())
+      return fail(key, fmt::format("must be one of {}, got \"{}\"{}", fmt::join(choices, " | "), s, suggest(s, choices)));
+    out = s;
+  }
+  void strings(const std::string& key, std::vector<std::string>& out) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_array()) return fail(key, fmt::format("must be an array of strings, got {}", type_name(*v)));
+    out.clear();
+    for (size_t i = 0; i < v->size(); ++i) {
+      if (!(*v)[i].is_string()) return fail(fmt::format("{}[{}]", key, i), "must be a string");
+      out.push_back((*v)[i].get<std::string>());
+    }
+  }
+
+  static std::string suggest(const std::string& s, const std::vector<std::string>& options) {
+    // In half edits: a prefix either way ("drop" -> "dropless") counts as one and a half.
+    std::string best;
+    size_t best_d = 2 * (std::max<size_t>(2, s.size() / 3) + 1);
+    for (const auto& o : options) {
+      const bool prefix = !s.empty() && (o.rfind(s, 0) == 0 || s.rfind(o, 0) == 0);
+      const size_t d = std::min(2 * edit_distance(s, o), prefix ? size_t(3) : SIZE_MAX);
+      if (d < best_d) best_d = d, best = o;
+    }
+    return best.empty() ? "" : fmt::format(", did you mean '{}'?", best);
+  }
+
+ private:
+  void unknown_keys() {
+    if (!j_) return;
+    const std::vector<std::string> known(known_.begin(), known_.end());
+    for (const auto& [k, v] : j_->items()) {
+      if (known_.count(k)) continue;
+      std::string hint = suggest(k, known);
+      if (hint.empty())  // a key of another section?
+        for (const auto& p : *all_paths_)
+          if (p.size() > k.size() && p.ends_with("." + k) && p.rfind(path_, 0) == 0) {
+            hint = fmt::format(", did you mean '{}'?", p);
+            break;
+          }
+      fail(k, "unknown key" + hint);
+    }
+  }
+
+  const json* j_;
+  std::string path_;
+  std::vector<std::string>& problems_;
+  std::shared_ptr<std::set<std::string>> all_paths_;  // every path read so far, for hints
+  std::set<std::string> known_;
+};
+
+constexpr int64_t kBig = int64_t(1) << 40;
+const std::vector<std::string> kDtypes = {"float32", "bfloat16", "float16"};
+
+void read_model(Reader& r, models::MoEConfig& c) {
+  r.integer("vocab_size", c.vocab_size, 2, 1 << 20);
+  r.integer("dim", c.dim, 2, 1 << 16);
+  r.integer("layers", c.layers, 1, 1024);
+  r.integer("heads", c.heads, 1, 1024);
+  r.integer("max_seq_len", c.max_seq_len, 1, 1 << 20);
+  r.integer("ffn_hidden", c.ffn_hidden, 1, 1 << 20);
+  r.integer("dense_layers", c.dense_layers, 0, 1024);
+  r.integer("experts", c.experts, 0, 4096);
+  r.integer("top_k", c.top_k, 1, 4096);
+  r.integer("expert_hidden", c.expert_hidden, 1, 1 << 20);
+  r.boolean("shared_expert", c.shared_expert);
+  r.string("score", c.score, {"softmax", "sigmoid"});
+  r.boolean("normalize_top_k", c.normalize_top_k);
+  r.string("routing", c.routing, {"dropless", "capacity"});
+  r.number("capacity_factor", c.capacity_factor, 0, 1e6, /*lo_open=*/true);
+  r.number("aux_loss_coef", c.aux_loss_coef, 0, 1e6);
+  r.number("z_loss_coef", c.z_loss_coef, 0, 1e6);
+  r.number("rope_theta", c.rope_theta, 0, 1e12, true);
+  r.number("norm_eps", c.norm_eps, 0, 1, true);
+  r.number("init_std", c.init_std, 0, 10, true);
+  if (c.dim % c.heads != 0 || (c.dim / c.heads) % 2 != 0)
+    r.fail("heads", fmt::format("dim {} must split into {} heads of even size (rotary embeddings rotate pairs)", c.dim, c.heads));
+  if (c.experts > 0 && c.top_k > c.experts)
+    r.fail("top_k", fmt::format("must be at most experts ({}), got {}", c.experts, c.top_k));
+  if (c.dense_layers > c.layers)
+    r.fail("dense_layers", fmt::format("must be at most layers ({}), got {}", c.layers, c.dense_layers));
+}
+
+std::string resolve(const std::string& p, const std::string& base_dir) {
+  if (fs::path(p).is_absolute()) return p;
+  const auto rel = fs::path(base_dir) / p;
+  if (fs::exists(rel)) return rel.lexically_normal().string();
+  return p;  // relative to the working directory
+}
+
+json read_json_file(const std::string& path, const std::string& what) {
+  std::ifstream f(path);
+  if (!f) throw RecipeError(path, {fmt::format("cannot read this {} file", what)});
+  try {
+    return json::parse(f);
+  } catch (const json::parse_error& e) {
+    throw RecipeError(path, {fmt::format("not valid JSON: {}", e.what())});
+  }
+}
+
+void apply_override(json& j, const std::string& text, std::vector<std::string>& problems) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    problems.push_back(fmt::format("override '{}': expected key=value, for example optim.lr=1e-3", text));
+    return;
+  }
+  const std::string key = text.substr(0, eq), value = text.substr(eq + 1);
+  json parsed;
+  try {
+    parsed = json::parse(value);
+  } catch (const json::exception&) {
+    parsed = value;  // a bare word is a string
+  }
+  json* node = &j;
+  size_t start = 0;
+  std::string walked;
+  for (;;) {
+    const size_t dot = key.find('.', start);
+    const std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (part.empty()) {
+      problems.push_back(fmt::format("override '{}': empty key component", text));
+      return;
+    }
+    if (!node->is_object()) {
+      problems.push_back(fmt::format("override '{}': {} is not an object", text, walked));
+      return;
+    }
+    walked += (walked.empty() ? "" : ".") + part;
+    if (dot == std::string::npos) {
+      (*node)[part] = parsed;
+      return;
+    }
+    node = &(*node)[part];
+    if (node->is_null()) *node = json::object();
+    start = dot + 1;
+  }
+}
+
+}  // namespace
+
+RecipeError::RecipeError(std::string source, std::vector<std::string> problems)
+    : std::invalid_argument(join_lines(source, problems)), problems_(std::move(problems)) {}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string Recipe::output_dir() const {
+  std::string s = logging.output_dir;
+  for (size_t p; (p = s.find("{name}")) != std::string::npos;) s.replace(p, 6, name);
+  return s;
+}
+
+int64_t Recipe::micro_batch() const {
+  return train.global_batch / (parallel.dp * train.grad_accum * (parallel.pp > 1 ? parallel.microbatches : 1));
+}
+
+models::MoEConfig parse_model_config(const json& j, const std::string& source) {
+  std::vector<std::string> problems;
+  models::MoEConfig c;
+  {
+    Reader r(&j, "", problems);
+    read_model(r, c);
+  }
+  if (!problems.empty()) throw RecipeError(source, problems);
+  return c;
+}
+
+json to_json(const models::MoEConfig& c) {
+  return {{"vocab_size", c.vocab_size}, {"dim", c.dim}, {"layers", c.layers}, {"heads", c.heads},
+          {"max_seq_len", c.max_seq_len}, {"ffn_hidden", c.ffn_hidden}, {"dense_layers", c.dense_layers},
+          {"experts", c.experts}, {"top_k", c.top_k}, {"expert_hidden", c.expert_hidden},
+          {"shared_expert", c.shared_expert}, {"score", c.score}, {"normalize_top_k", c.normalize_top_k},
+          {"routing", c.routing}, {"capacity_factor", c.capacity_factor}, {"aux_loss_coef", c.aux_loss_coef},
+          {"z_loss_coef", c.z_loss_coef}, {"rope_theta", c.rope_theta}, {"norm_eps", c.norm_eps},
+          {"init_std", c.init_std}};
+}
+
+Recipe parse_recipe(json j, const std::string& source, const std::string& base_dir,
+                    const std::vector<std::string>& overrides, std::optional<int> world_size) {
+  std::vector<std::string> problems;
+  if (!j.is_object()) throw RecipeError(source, {fmt::format("a recipe is a JSON object, got {}", type_name(j))});
+  // A model given by path becomes inline, so that overrides such as model.dim=256 reach it.
+  if (j.contains("model") && j["model"].is_string()) {
+    const auto path = resolve(j["model"].get<std::string>(), base_dir);
+    j["model"] = read_json_file(path, "model config");
+  }
+  for (const auto& o : overrides) apply_override(j, o, problems);
+  if (!problems.empty()) throw RecipeError(source, problems);
+
+  Recipe rc;
+  rc.source = source;
+  rc.name = fs::path(source).stem().string();
+  {
+    Reader top(&j, "", problems);
+    top.string("name", rc.name);
+    std::string description;
+    top.string("description", description);
+    if (!j.contains("model")) top.fail("model", "missing: a model config path or object");
+    {
+      Reader m = top.section("model");
+      read_model(m, rc.model);
+    }
+    {
+      Reader d = top.section("data");
+      d.string("source", rc.data.source, {"fortunes", "files", "synthetic"});
+      d.strings("paths", rc.data.paths);
+      d.integer("seq_len", rc.data.seq_len, 2, 1 << 20);
+      d.number("val_fraction", rc.data.val_fraction, 0, 0.5, true);
+      d.integer("synthetic_bytes", rc.data.synthetic_bytes, 1024, kBig);
+      if (rc.data.seq_len > rc.model.max_seq_len)
+        d.fail("seq_len", fmt::format("must be at most model.max_seq_len ({}), got {}", rc.model.max_seq_len, rc.data.seq_len));
+      if (rc.data.source == "files" && rc.data.paths.empty()) d.fail("paths", "source \"files\" needs at least one path");
+      if (rc.data.source != "files" && !rc.data.paths.empty())
+        d.fail("paths", fmt::format("only read with source \"files\" (source is \"{}\")", rc.data.source));
+      for (auto& p : rc.data.paths) p = resolve(p, base_dir);
+    }
+    {
+      Reader p = top.section("parallel");
+      p.integer("dp", rc.parallel.dp, 1, 4096);
+      p.integer("pp", rc.parallel.pp, 1, 1024);
+      p.string("schedule", rc.parallel.schedule);
+      p.integer("microbatches", rc.parallel.microbatches, 1, 1 << 16);
+      p.integer("stages_per_rank", rc.parallel.stages_per_rank, 1, 64);
+      p.integer("max_outstanding_sends", rc.parallel.max_outstanding_sends, 0, 1 << 16);
+    }
+    {
+      Reader pr = top.section("precision");
+      pr.string("param_dtype", rc.precision.param_dtype, kDtypes);
+      pr.string("reduce_dtype", rc.precision.reduce_dtype, kDtypes);
+      if (const json* ov = pr.find("overrides")) {
+        if (!ov->is_array()) {
+          pr.fail("overrides", "must be an array of {\"match\": ..., \"param_dtype\": ..., \"grad_dtype\": ...}");
+        } else {
+          for (size_t i = 0; i < ov->size(); ++i) {
+            Reader o(&(*ov)[i], pr.at(fmt::format("overrides[{}]", i)), problems);  // own hints
+            DtypeOverride d;
+            o.string("match", d.match);
+            std::string pd, gd;
+            o.string("param_dtype", pd, kDtypes);
+            o.string("grad_dtype", gd, kDtypes);
+            if (d.match.empty()) o.fail("match", "missing: a glob on parameter names, for example \"*norm*\"");
+            if (!o.find("param_dtype") && !o.find("grad_dtype")) o.fail("", "needs param_dtype or grad_dtype");
+            if (!pd.empty()) d.param_dtype = pd;
+            if (!gd.empty()) d.grad_dtype = gd;
+            rc.precision.overrides.push_back(d);
+          }
+        }
+      }
+    }
+    {
+      Reader o = top.section("optim");
+      o.number("lr", rc.optim.lr, 0, 10, true);
+      o.number("min_lr_ratio", rc.optim.min_lr_ratio, 0, 1);
+      o.number("weight_decay", rc.optim.weight_decay, 0, 10);
+      o.number("beta1", rc.optim.beta1, 0, 0.999999);
+      o.number("beta2", rc.optim.beta2, 0, 0.999999);
+      o.number("eps", rc.optim.eps, 0, 1, true);
+      o.integer("warmup_steps", rc.optim.warmup_steps, 0, kBig);
+      o.number("grad_clip", rc.optim.grad_clip, 0, 1e9);
+    }
+    {
+      Reader t = top.section("train");
+      t.integer("steps", rc.train.steps, 1, kBig);
+      t.integer("global_batch", rc.train.global_batch, 1, kBig);
+      t.integer("grad_accum", rc.train.grad_accum, 1, 1 << 20);
+      t.integer("seed", rc.train.seed, 0, kBig);
+    }
+    {
+      Reader e = top.section("eval");
+      e.integer("interval", rc.eval.interval, 0, kBig);
+      e.integer("batches", rc.eval.batches, 1, 1 << 20);
+    }
+    {
+      Reader c = top.section("checkpoint");
+      c.integer("interval", rc.checkpoint.interval, 0, kBig);
+      c.integer("keep", rc.checkpoint.keep, 1, 1 << 20);
+    }
+    {
+      Reader l = top.section("logging");
+      l.integer("interval", rc.logging.interval, 1, kBig);
+      l.string("metrics", rc.logging.metrics, {"rank0", "all", "none"});
+      l.boolean("plot", rc.logging.plot);
+      l.string("output_dir", rc.logging.output_dir);
+      if (rc.logging.output_dir.empty()) l.fail("output_dir", "must not be empty");
+    }
+
+    // Layout: the rules that tie sections together.
+    const auto& par = rc.parallel;
+    if (world_size && *world_size != par.dp * par.pp)
+      top.fail("parallel", fmt::format("dp x pp = {} x {} = {} ranks, but the world has {}", par.dp, par.pp,
+                                       par.dp * par.pp, *world_size));
+    const int64_t per_step = int64_t(par.dp) * rc.train.grad_accum * (par.pp > 1 ? par.microbatches : 1);
+    if (rc.train.global_batch % per_step != 0)
+      top.fail("train.global_batch",
+               fmt::format("must be a multiple of dp x grad_accum{} = {}, got {}",
+                           par.pp > 1 ? " x parallel.microbatches" : "", per_step, rc.train.global_batch));
+    if (par.pp == 1 && par.microbatches != 1)
+      top.fail("parallel.microbatches", "only used with pp > 1 (use train.grad_accum to split the batch)");
+    if (par.pp == 1 && par.stages_per_rank != 1)
+      top.fail("parallel.stages_per_rank", "only used with pp > 1");
+    if (par.pp > 1) {
+      const int stages = par.pp * par.stages_per_rank;
+      if (stages > rc.model.layers)
+        top.fail("parallel", fmt::format("pp x stages_per_rank = {} stages, but the model has {} layers", stages,
+                                         rc.model.layers));
+      try {
+        const auto& s = par.schedule;
+        const bool table = s.size() > 4 && (s.ends_with(".csv") || s.ends_with(".json"));
+        std::unique_ptr<pipeline::Schedule> sched;
+        if (table) {
+          rc.parallel.schedule = resolve(s, base_dir);
+          sched = std::make_unique<pipeline::TableSchedule>(fs::path(s).stem().string(),
+                                                            pipeline::load_table(rc.parallel.schedule));
+        } else {
+          const auto names = pipeline::schedule_names();
+          if (std::find(names.begin(), names.end(), s) == names.end())
+            throw pipeline::ScheduleError(fmt::format("unknown schedule \"{}\" (known: {}){}", s, fmt::join(names, ", "),
+                                                      Reader::suggest(s, names)));
+          sched = pipeline::make_schedule(s);
+        }
+        pipeline::make_plan(*sched, {par.pp, par.stages_per_rank, par.microbatches}, true, par.max_outstanding_sends);
+      } catch (const std::exception& e) {
+        top.fail("parallel.schedule", e.what());
+      }
+    } else if (par.max_outstanding_sends != 0) {
+      top.fail("parallel.max_outstanding_sends", "only used with pp > 1");
+    }
+    if (rc.data.source == "fortunes" && !fs::is_directory(fortunes_dir()))
+      top.fail("data.source", fmt::format("the fortunes corpus is not at {} (install Debian's fortunes package: "
+                                          "bash scripts/setup.sh)", fortunes_dir()));
+  }
+  if (!problems.empty()) throw RecipeError(source, problems);
+  rc.resolved = std::move(j);
+  return rc;
+}
+
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides, std::optional<int> world_size) {
+  json j = read_json_file(path, "recipe");
+  return parse_recipe(std::move(j), path, fs::path(path).parent_path().string(), overrides, world_size);
+}
+
+}  // namespace fsdpp::train

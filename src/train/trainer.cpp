@@ -1,0 +1,641 @@
+#include "train/trainer.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/optim/adamw.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "dist/mesh.hpp"
+#include "fsdp/checkpoint.hpp"
+#include "fsdpp/safetensors.hpp"
+#include "pipeline/executor.hpp"
+#include "pipeline/table.hpp"
+#include "train/data.hpp"
+#include "train/report.hpp"
+
+namespace fsdpp::train {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+using Root = fsdp::FullyShard<models::MoETransformerImpl>;
+
+namespace {
+
+constexpr const char* kRunCheckpointFormat = "fsdpp-run-checkpoint-1";
+
+at::ScalarType dtype_of(const std::string& s) {
+  if (s == "bfloat16") return at::kBFloat16;
+  if (s == "float16") return at::kHalf;
+  return at::kFloat;
+}
+
+fsdp::FullyShardOptions shard_options(const PrecisionOptions& p) {
+  fsdp::FullyShardOptions o;
+  if (p.param_dtype != "float32") o.mp.param_dtype = dtype_of(p.param_dtype);
+  o.mp.reduce_dtype = dtype_of(p.reduce_dtype);
+  auto pick = [](std::vector<DtypeOverride> ovs, bool grad) -> fsdp::DtypeFn {
+    return [ovs, grad](const std::string& name, const at::Tensor&) -> std::optional<at::ScalarType> {
+      for (const auto& o : ovs) {
+        const auto& d = grad ? o.grad_dtype : o.param_dtype;
+        if (d && fsdp::glob_match(o.match, name)) return dtype_of(*d);
+      }
+      return std::nullopt;
+    };
+  };
+  if (!p.overrides.empty()) {
+    o.mp.param_dtype_override = pick(p.overrides, false);
+    o.mp.grad_dtype = pick(p.overrides, true);
+  }
+  return o;
+}
+
+// Linear warmup to lr, then cosine decay to lr * min_lr_ratio at the last step.
+double learning_rate(const OptimOptions& o, int64_t step, int64_t total) {
+  if (step < o.warmup_steps) return o.lr * double(step + 1) / double(o.warmup_steps);
+  const double progress = std::min(1.0, double(step - o.warmup_steps) / double(std::max<int64_t>(1, total - o.warmup_steps)));
+  return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
+}
+
+std::string step_dir_name(int64_t step) { return fmt::format("step-{:08}", step); }
+
+void write_text_atomically(const fs::path& path, const std::string& text) {
+  const auto tmp = path.string() + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << text;
+    f.flush();
+    if (!f) throw std::runtime_error(fmt::format("cannot write {}", tmp));
+  }
+  fs::rename(tmp, path);
+}
+
+json read_json(const fs::path& path) {
+  std::ifstream f(path);
+  if (!f) throw std::runtime_error(fmt::format("{} is missing", path.string()));
+  try {
+    return json::parse(f);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(fmt::format("{} is not valid JSON: {}", path.string(), e.what()));
+  }
+}
+
+bool stdout_is_terminal() {
+  if (const char* e = std::getenv("FSDPP_STDOUT_TTY")) return std::string(e) == "1";
+  return isatty(STDOUT_FILENO);
+}
+
+class Trainer {
+ public:
+  Trainer(const Recipe& r, dist::Comm world, const RunOptions& o)
+      : r_(r), o_(o), mesh_(std::move(world), {{"pp", r.parallel.pp}, {"dp", r.parallel.dp}}),
+        out_(r.output_dir()), rank_(mesh_.world().rank()),
+        progress_(r.train.steps, o.tty.value_or(stdout_is_terminal()), std::cout), tracer_(rank_) {}
+
+  RunResult run();
+
+ private:
+  dist::Comm& world() { return mesh_.world(); }
+  bool lead() const { return rank_ == 0; }
+  int dp_rank() const { return mesh_.coord("dp"); }
+  void log(const std::string& line) {
+    if (lead()) progress_.print(line);
+  }
+
+  void prepare_output();
+  void build();
+  double train_step(int64_t step);
+  double evaluate();
+  void save_checkpoint(int64_t step);
+  int64_t restore();
+  std::vector<fsdp::Shard> all_shards() {
+    std::vector<fsdp::Shard> out;
+    for (auto& root : roots_)
+      for (auto& s : fsdp::shards(*root.ptr())) out.push_back(std::move(s));
+    return out;
+  }
+  // Sums per-rank figures over the world, in one all-reduce.
+  std::vector<double> sum_over_world(std::vector<double> v) {
+    auto t = at::tensor(v, at::kDouble);
+    world().all_reduce(t).wait();
+    return {t.data_ptr<double>(), t.data_ptr<double>() + t.numel()};
+  }
+  void span(const std::string& name, const std::string& track, std::chrono::system_clock::time_point begin) {
+    tracer_.span(name, track, begin, std::chrono::system_clock::now());
+  }
+  void metric(const json& j) {
+    if (metrics_) *metrics_ << j.dump() << "\n" << std::flush;
+  }
+
+  const Recipe& r_;
+  RunOptions o_;
+  dist::DeviceMesh mesh_;
+  fs::path out_;
+  int rank_;
+  Progress progress_;
+  Tracer tracer_;
+
+  std::optional<TokenStream> train_data_, val_data_;
+  std::vector<Root> roots_;  // one per stage this rank holds (the whole model when pp = 1)
+  std::vector<int> stage_ids_;
+  std::optional<pipeline::PipelineExecutor> executor_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<std::ofstream> metrics_;
+  Series train_series_, val_series_;
+  double last_grad_norm_ = 0;
+  struct {
+    double aux_loss = 0, z_loss = 0, dropped = 0, lr = 0;
+  } last_stats_;
+};
+
+void Trainer::prepare_output() {
+  const auto latest = latest_checkpoint(out_.string());
+  if (o_.resume && !latest)
+    throw std::runtime_error(fmt::format("--resume: no checkpoint under {}/checkpoints to resume from", out_.string()));
+  if (!o_.resume && latest && !o_.overwrite)
+    throw std::runtime_error(fmt::format("{} already holds checkpoints (latest {}); pass --resume to continue that run "
+                                         "or --overwrite to start afresh",
+                                         out_.string(), fs::path(*latest).filename().string()));
+  if (lead()) {
+    if (!o_.resume && fs::exists(out_)) {
+      for (const char* p : {"checkpoints", "metrics", "trace", "loss.svg", "summary.json", "trace.json"}) fs::remove_all(out_ / p);
+    }
+    fs::create_directories(out_ / "metrics");
+    write_text_atomically(out_ / "recipe.json", r_.resolved.dump(2) + "\n");
+  }
+  world().barrier().wait();
+}
+
+void Trainer::build() {
+  const auto& c = r_.model;
+  const Corpus corpus = load_corpus(r_.data, static_cast<uint64_t>(r_.train.seed));
+  log(fmt::format("data: {}", corpus.description));
+  train_data_.emplace(corpus.train, r_.data.seq_len, static_cast<uint64_t>(r_.train.seed));
+  val_data_.emplace(corpus.val, r_.data.seq_len, 0, /*shuffle=*/false);
+
+  // Every rank builds the same full model from the seed, then keeps its part.
+  at::manual_seed(static_cast<uint64_t>(r_.train.seed));
+  auto full = models::MoETransformer(c);
+  const auto options = shard_options(r_.precision);
+  auto& dp = mesh_.comm("dp");
+  const auto& par = r_.parallel;
+  if (par.pp == 1) {
+    roots_.push_back(fsdp::fully_shard(full, dp, options));
+    stage_ids_.push_back(0);
+  } else {
+    std::unique_ptr<pipeline::Schedule> schedule;
+    const auto& s = par.schedule;
+    if (s.ends_with(".csv") || s.ends_with(".json"))
+      schedule = std::make_unique<pipeline::TableSchedule>(fs::path(s).stem().string(), pipeline::load_table(s));
+    else
+      schedule = pipeline::make_schedule(s);
+    auto plan = pipeline::make_plan(*schedule, {par.pp, par.stages_per_rank, par.microbatches}, true,
+                                    par.max_outstanding_sends);
+    const int stages = par.pp * par.stages_per_rank;
+    std::vector<pipeline::PipelineStage> mine;
+    roots_.reserve(stages);
+    for (int st = 0; st < stages; ++st) {
+      if (plan.owner[st] != mesh_.coord("pp")) continue;
+      const int64_t first = c.layers * st / stages, last = c.layers * (st + 1) / stages;
+      auto stage = models::MoETransformer(std::make_shared<models::MoETransformerImpl>(*full, first, last));
+      roots_.push_back(fsdp::fully_shard(stage, dp, options));
+      stage_ids_.push_back(st);
+      auto* root = roots_.back().ptr().get();
+      mine.push_back({st, [root](const at::Tensor& x) { return root->forward(x); }, root->parameters(), root});
+    }
+    const int64_t accum = r_.train.grad_accum;
+    pipeline::ExecutorOptions eo;
+    eo.activation_shape = {r_.micro_batch(), r_.data.seq_len, c.dim};
+    eo.activation_dtype = dtype_of(r_.precision.param_dtype);
+    executor_.emplace(std::move(plan), mesh_.comm("pp"), std::move(mine),
+                      [accum](const at::Tensor& logits, const at::Tensor& y) { return models::lm_loss(logits, y) / double(accum); },
+                      eo);
+  }
+  full = nullptr;  // parts of other stages
+
+  // No weight decay on vectors (norm weights).
+  std::vector<at::Tensor> decay, no_decay;
+  for (auto& s : all_shards()) {
+    (s.info.global_shape.size() >= 2 ? decay : no_decay).push_back(s.param);
+    params_.push_back(s.param);
+  }
+  auto opts = torch::optim::AdamWOptions(r_.optim.lr)
+                  .betas({r_.optim.beta1, r_.optim.beta2})
+                  .eps(r_.optim.eps)
+                  .weight_decay(r_.optim.weight_decay);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(opts));
+  auto nd = std::make_unique<torch::optim::AdamWOptions>(opts);
+  nd->weight_decay(0);
+  groups.emplace_back(no_decay, std::move(nd));
+  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), opts);
+  log(fmt::format("model: {:.2f}M parameters ({} layers, dim {}, {} experts top-{}, {} routing); dp {} x pp {}{}",
+                  double(c.parameter_count()) / 1e6, c.layers, c.dim, c.experts, c.top_k, c.routing, par.dp, par.pp,
+                  par.pp > 1 ? fmt::format(", schedule {} with {} microbatches", par.schedule, par.microbatches) : ""));
+}
+
+double Trainer::train_step(int64_t step) {
+  const int64_t B = r_.train.global_batch, mb = r_.micro_batch(), accum = r_.train.grad_accum;
+  const int64_t base = step * B + dp_rank() * (B / r_.parallel.dp);
+  for (auto& root : roots_) root->inner().router_stats().reset();
+  optimizer_->zero_grad();
+  double loss_sum = 0, losses = 0;
+  if (!executor_) {
+    auto& root = roots_.front();
+    root->inner().router_stats().aux_grad_scale = 1.0 / double(accum);
+    for (int64_t j = 0; j < accum; ++j) {
+      const auto batch = train_data_->samples(base + j * mb, mb);
+      root->set_requires_gradient_sync(j + 1 == accum);
+      auto b0 = std::chrono::system_clock::now();
+      const auto loss = models::lm_loss(root->forward(batch.narrow(1, 0, r_.data.seq_len)), batch.narrow(1, 1, r_.data.seq_len));
+      span("forward", "compute", b0);
+      b0 = std::chrono::system_clock::now();
+      (loss / double(accum)).backward();
+      span("backward", "compute", b0);
+      loss_sum += loss.item<double>();
+      losses += 1;
+    }
+  } else {
+    const int m = r_.parallel.microbatches;
+    for (auto& root : roots_) root->inner().router_stats().aux_grad_scale = 1.0 / double(accum * m);
+    const bool holds_last = stage_ids_.back() == r_.parallel.pp * r_.parallel.stages_per_rank - 1;
+    for (int64_t a = 0; a < accum; ++a) {
+      std::vector<at::Tensor> xs, ys;
+      for (int i = 0; i < m; ++i) {
+        const auto batch = train_data_->samples(base + (a * m + i) * mb, mb);
+        xs.push_back(batch.narrow(1, 0, r_.data.seq_len));
+        ys.push_back(batch.narrow(1, 1, r_.data.seq_len));
+      }
+      const auto b0 = std::chrono::system_clock::now();
+      const double mean_scaled = executor_->step(xs, ys);
+      span("pipeline step", "compute", b0);
+      if (holds_last) loss_sum += mean_scaled * double(accum) * m, losses += m;
+    }
+  }
+
+  // Clip by the norm over every shard of every rank.
+  auto c0 = std::chrono::system_clock::now();
+  double sq = 0;
+  for (auto& p : params_)
+    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+  double aux = 0, z = 0, forwards = 0, assigned = 0, dropped = 0;
+  for (auto& root : roots_) {
+    const auto& st = root->inner().router_stats();
+    aux += st.aux_loss, z += st.z_loss, forwards += double(st.forwards), assigned += double(st.assignments),
+        dropped += double(st.dropped);
+  }
+  const auto sums = sum_over_world({sq, loss_sum, losses, aux, z, forwards, assigned, dropped});
+  last_grad_norm_ = std::sqrt(sums[0]);
+  if (r_.optim.grad_clip > 0 && last_grad_norm_ > r_.optim.grad_clip) {
+    const double scale = r_.optim.grad_clip / (last_grad_norm_ + 1e-6);
+    at::NoGradGuard g;
+    for (auto& p : params_)
+      if (p.grad().defined()) p.grad().mul_(scale);
+  }
+  span("clip", "compute", c0);
+
+  const double lr = learning_rate(r_.optim, step, r_.train.steps);
+  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  c0 = std::chrono::system_clock::now();
+  optimizer_->step();
+  span("optimizer", "compute", c0);
+  last_stats_ = {sums[3] / std::max(1.0, sums[5]), sums[4] / std::max(1.0, sums[5]), sums[6] > 0 ? sums[7] / sums[6] : 0.0, lr};
+  return sums[1] / std::max(1.0, sums[2]);
+}
+
+double Trainer::evaluate() {
+  at::NoGradGuard no_grad;
+  const int64_t mb = r_.micro_batch(), T = r_.data.seq_len;
+  const int dp = r_.parallel.dp;
+  double loss_sum = 0, count = 0;
+  for (int64_t b = 0; b < r_.eval.batches; ++b) {
+    // The validation set in order; every rank its own slice of each batch.
+    const auto batch = val_data_->samples((b * dp + dp_rank()) * mb, mb);
+    const auto x = batch.narrow(1, 0, T), y = batch.narrow(1, 1, T);
+    if (!executor_) {
+      loss_sum += models::lm_loss(roots_.front()->forward(x), y).item<double>();
+      count += 1;
+      continue;
+    }
+    // Forward through the stages in order; activations cross ranks over the pipeline group.
+    const int stages = r_.parallel.pp * r_.parallel.stages_per_rank;
+    const auto& layout = executor_->plan().owner;
+    auto& pp = mesh_.comm("pp");
+    at::Tensor h;
+    for (int st = 0; st < stages; ++st) {
+      const auto it = std::find(stage_ids_.begin(), stage_ids_.end(), st);
+      if (it == stage_ids_.end()) continue;
+      if (st > 0 && layout[st - 1] != pp.rank()) {
+        h = at::empty({mb, T, r_.model.dim}, at::TensorOptions().dtype(dtype_of(r_.precision.param_dtype)));
+        pp.recv(h, layout[st - 1], static_cast<uint32_t>(st)).wait();
+      }
+      h = roots_[static_cast<size_t>(it - stage_ids_.begin())]->forward(st == 0 ? x : h);
+      if (st == stages - 1) {
+        loss_sum += models::lm_loss(h, y).item<double>();
+        count += 1;
+      } else if (layout[st + 1] != pp.rank()) {
+        pp.send(h.contiguous(), layout[st + 1], static_cast<uint32_t>(st + 1)).wait();
+      }
+    }
+  }
+  const auto sums = sum_over_world({loss_sum, count});
+  return sums[0] / std::max(1.0, sums[1]);
+}
+
+void Trainer::save_checkpoint(int64_t step) {
+  const auto t0 = Clock::now();
+  const fs::path dir = out_ / "checkpoints";
+  const fs::path tmp = dir / (".tmp-" + step_dir_name(step)), final_dir = dir / step_dir_name(step);
+  if (lead()) {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  }
+  world().barrier().wait();
+  fsdp::save_shards(all_shards(), rank_, world().size(), tmp.string(), optimizer_.get());
+  if (lead()) {
+    const json meta = {{"format", kRunCheckpointFormat}, {"step", step},           {"world_size", world().size()},
+                       {"dp", r_.parallel.dp},            {"pp", r_.parallel.pp}, {"model", to_json(r_.model)},
+                       {"recipe", r_.resolved},
+                       // The data order is a function of the seed; the position, of the step.
+                       {"data", {{"seed", r_.train.seed}, {"samples_consumed", step * r_.train.global_batch}}}};
+    write_text_atomically(tmp / "trainer.json", meta.dump(1) + "\n");
+  }
+  world().barrier().wait();  // every rank's files are in place
+  if (lead()) {
+    // Commit: the rename is atomic, and `latest` moves only after it.
+    const fs::path old = dir / (".old-" + step_dir_name(step));
+    fs::remove_all(old);
+    if (fs::exists(final_dir)) fs::rename(final_dir, old);
+    fs::rename(tmp, final_dir);
+    fs::remove_all(old);
+    write_text_atomically(dir / "latest", step_dir_name(step) + "\n");
+    std::vector<fs::path> done;
+    for (const auto& e : fs::directory_iterator(dir))
+      if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) done.push_back(e.path());
+    std::sort(done.begin(), done.end());
+    for (size_t i = 0; i + static_cast<size_t>(r_.checkpoint.keep) < done.size(); ++i) fs::remove_all(done[i]);
+    log(fmt::format("checkpoint: {} ({:.1f} s)", final_dir.string(),
+                    std::chrono::duration<double>(Clock::now() - t0).count()));
+  }
+  world().barrier().wait();
+}
+
+int64_t Trainer::restore() {
+  const auto dir = *latest_checkpoint(out_.string());
+  const json meta = read_json(fs::path(dir) / "trainer.json");
+  const json saved_model = meta.at("model"), now_model = to_json(r_.model);
+  for (const auto& [k, v] : now_model.items())
+    if (!saved_model.contains(k) || saved_model[k] != v)
+      throw std::runtime_error(fmt::format("--resume: {} was written with model.{} = {}, the recipe now says {}", dir, k,
+                                           saved_model.contains(k) ? saved_model[k].dump() : "nothing", v.dump()));
+  for (auto& root : roots_) root->reshard();
+  fsdp::load_shards(all_shards(), dir, optimizer_.get());
+  const int64_t step = meta.at("step");
+  log(fmt::format("resumed from {} (step {}, saved at dp {} x pp {})", dir, step, meta.value("dp", 0), meta.value("pp", 0)));
+  return step;
+}
+
+RunResult Trainer::run() {
+  prepare_output();
+  build();
+  int64_t step = o_.resume ? restore() : 0;
+
+  const bool write_metrics = r_.logging.metrics == "all" || (r_.logging.metrics == "rank0" && lead());
+  if (write_metrics) {
+    // On resume, keep the history up to the checkpoint; what came after it is redone.
+    const auto path = out_ / "metrics" / fmt::format("rank{}.jsonl", rank_);
+    std::vector<std::string> kept;
+    if (o_.resume && fs::exists(path)) {
+      std::ifstream in(path);
+      for (std::string line; std::getline(in, line);) {
+        try {
+          const auto j = json::parse(line);
+          if (j.value("step", int64_t(0)) > step) continue;
+          if (j.contains("loss")) train_series_.emplace_back(j["step"], j["loss"]);
+          if (j.contains("val_loss")) val_series_.emplace_back(j["step"], j["val_loss"]);
+          kept.push_back(line);
+        } catch (const json::exception&) {
+          // A line cut short by a crash.
+        }
+      }
+    }
+    metrics_ = std::make_unique<std::ofstream>(path, std::ios::trunc);
+    for (const auto& l : kept) *metrics_ << l << "\n";
+  }
+
+  const int64_t end = std::min(r_.train.steps, o_.stop_after.value_or(r_.train.steps));
+  const int64_t tokens_per_step = r_.train.global_batch * r_.data.seq_len;
+  const int64_t trace_from = std::min(step + 1, end - 1), trace_to = trace_from + o_.trace_steps;
+  std::chrono::system_clock::time_point trace_begin;
+  RunResult result;
+  result.output_dir = out_.string();
+  log(fmt::format("training: steps {}..{} of {}, {} sequences x {} bytes per step; output in {}", step + 1, end,
+                  r_.train.steps, r_.train.global_batch, r_.data.seq_len, out_.string()));
+
+  const auto run_start = Clock::now();
+  auto window_start = Clock::now();
+  int64_t window_steps = 0, steps_run = 0;
+  double tokens_per_s = 0;
+  double last_val = std::numeric_limits<double>::quiet_NaN();
+  while (step < end) {
+    if (o_.trace && step == trace_from) {
+      tracer_.set_active(true);
+      trace_begin = std::chrono::system_clock::now();
+    }
+    const auto s0 = std::chrono::system_clock::now();
+    const double loss = train_step(step);
+    span(fmt::format("step {}", step + 1), "steps", s0);
+    ++step, ++window_steps, ++steps_run;
+    result.losses.push_back(loss);
+    result.train_loss = loss;
+    if (!std::isfinite(loss))
+      throw std::runtime_error(fmt::format("step {}: the loss is {} (try a lower optim.lr or optim.grad_clip)", step, loss));
+
+    if (o_.trace && tracer_.active() && (step >= trace_to || step == end)) {
+      tracer_.add_communication(trace_begin, std::chrono::system_clock::now());
+      tracer_.set_active(false);
+      fs::create_directories(out_ / "trace");
+      tracer_.write((out_ / "trace" / fmt::format("rank{}.json", rank_)).string());
+      world().barrier().wait();
+      if (lead()) {
+        std::vector<std::string> parts;
+        for (int r = 0; r < world().size(); ++r) parts.push_back((out_ / "trace" / fmt::format("rank{}.json", r)).string());
+        Tracer::merge(parts, (out_ / "trace.json").string());
+        log(fmt::format("trace: {} (steps {}..{}; open in chrome://tracing or ui.perfetto.dev)",
+                        (out_ / "trace.json").string(), trace_from + 1, step));
+      }
+    }
+
+    const bool log_now = step % r_.logging.interval == 0 || step == end;
+    if (log_now) {
+      const double secs = std::chrono::duration<double>(Clock::now() - window_start).count();
+      tokens_per_s = double(window_steps * tokens_per_step) / std::max(secs, 1e-9);
+      window_start = Clock::now();
+      window_steps = 0;
+      train_series_.emplace_back(step, loss);
+      json m = {{"step", step}, {"loss", loss}, {"lr", last_stats_.lr}, {"grad_norm", last_grad_norm_},
+                {"tokens_per_s", tokens_per_s}, {"time_s", std::chrono::duration<double>(Clock::now() - run_start).count()}};
+      if (r_.model.experts > 0)
+        m.update({{"aux_loss", last_stats_.aux_loss}, {"z_loss", last_stats_.z_loss}, {"dropped_fraction", last_stats_.dropped}});
+      metric(m);
+      if (lead()) {
+        const double eta = double(end - step) * double(tokens_per_step) / std::max(tokens_per_s, 1e-9);
+        std::string extra = fmt::format("lr {:.2e}", last_stats_.lr);
+        if (r_.model.routing == "capacity") extra += fmt::format(" | dropped {:.1f}%", 100 * last_stats_.dropped);
+        progress_.update(step, loss, tokens_per_s, eta, extra);
+      }
+    }
+    const bool eval_now = (r_.eval.interval > 0 && step % r_.eval.interval == 0) || step == end;
+    if (eval_now) {
+      const auto e0 = std::chrono::system_clock::now();
+      last_val = evaluate();
+      span("eval", "steps", e0);
+      result.val_loss = last_val;
+      val_series_.emplace_back(step, last_val);
+      metric({{"step", step}, {"val_loss", last_val}});
+      log(fmt::format("step {}: validation loss {:.4f} nats/byte ({:.3f} bits/byte)", step, last_val, last_val / std::log(2.0)));
+      if (lead() && r_.logging.plot)
+        write_loss_svg((out_ / "loss.svg").string(), train_series_, val_series_,
+                       fmt::format("{}: loss (nats per byte)", r_.name));
+    }
+    if ((r_.checkpoint.interval > 0 && step % r_.checkpoint.interval == 0) || step == end) save_checkpoint(step);
+  }
+  progress_.finish();
+  result.steps_done = step;
+  result.seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
+  result.tokens_per_s = double(steps_run * tokens_per_step) / std::max(result.seconds, 1e-9);
+  if (lead()) {
+    const json summary = {{"recipe", r_.name},
+                          {"steps", step},
+                          {"steps_this_run", steps_run},
+                          {"seconds", result.seconds},
+                          {"tokens_per_s", result.tokens_per_s},
+                          {"train_loss", result.train_loss},
+                          {"val_loss", result.val_loss},
+                          {"dp", r_.parallel.dp},
+                          {"pp", r_.parallel.pp}};
+    write_text_atomically(out_ / "summary.json", summary.dump(1) + "\n");
+    std::cout << fmt::format("done: {} steps in {} ({:.1f}k tok/s); train loss {:.4f}, validation loss {:.4f} nats/byte\n"
+                             "outputs: {}/ (loss.svg, metrics/, checkpoints/{}, summary.json{})",
+                             steps_run, format_duration(result.seconds), result.tokens_per_s / 1e3, result.train_loss,
+                             result.val_loss, out_.string(), step_dir_name(step), o_.trace ? ", trace.json" : "")
+              << std::endl;
+  }
+  return result;
+}
+
+}  // namespace
+
+RunResult run_training(const Recipe& recipe, dist::Comm world, const RunOptions& options) {
+  if (world.size() != recipe.world_size())
+    throw std::invalid_argument(fmt::format("{}: parallel: dp x pp = {} ranks, but the world has {}", recipe.source,
+                                            recipe.world_size(), world.size()));
+  Trainer t(recipe, std::move(world), options);
+  return t.run();
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& output_dir) {
+  const fs::path dir = fs::path(output_dir) / "checkpoints";
+  std::ifstream f(dir / "latest");
+  std::string name;
+  if (f && std::getline(f, name) && fs::exists(dir / name / "trainer.json")) return (dir / name).string();
+  return std::nullopt;
+}
+
+namespace {
+
+// A checkpoint directory, given it or an output directory.
+std::string find_checkpoint(const std::string& path) {
+  if (fs::exists(fs::path(path) / "trainer.json")) return path;
+  if (auto latest = latest_checkpoint(path)) return *latest;
+  throw std::runtime_error(fmt::format("{} is neither a checkpoint (no trainer.json) nor a run directory with one", path));
+}
+
+}  // namespace
+
+std::string consolidate_checkpoint(const std::string& path, const std::string& output_file) {
+  const auto dir = find_checkpoint(path);
+  const json meta = read_json(fs::path(dir) / "trainer.json");
+  const auto full = fsdp::read_full_parameters(dir);
+  const auto tmp = output_file + ".tmp";
+  write_safetensors(tmp, full,
+                    {{"format", "pt"}, {"fsdpp.model_config", meta.at("model").dump()},
+                     {"fsdpp.step", std::to_string(meta.at("step").get<int64_t>())}});
+  fs::rename(tmp, output_file);
+  return dir;
+}
+
+models::MoETransformer load_model(const std::string& path) {
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  models::MoEConfig config;
+  if (fs::is_regular_file(path)) {
+    auto file = read_safetensors(path);
+    const auto it = file.metadata.find("fsdpp.model_config");
+    if (it == file.metadata.end())
+      throw std::runtime_error(fmt::format("{}: no fsdpp.model_config in its metadata (not written by fsdpp ckpt consolidate)", path));
+    config = parse_model_config(json::parse(it->second), path + " metadata");
+    state = std::move(file.tensors);
+  } else {
+    const auto dir = find_checkpoint(path);
+    config = parse_model_config(read_json(fs::path(dir) / "trainer.json").at("model"), dir + "/trainer.json");
+    state = fsdp::read_full_parameters(dir);
+  }
+  auto model = models::MoETransformer(config);
+  at::NoGradGuard g;
+  auto params = model->named_parameters();
+  std::set<std::string> seen;
+  for (const auto& [name, t] : state) {
+    auto* p = params.find(name);
+    if (!p) throw std::runtime_error(fmt::format("{}: tensor '{}' is not a parameter of the model", path, name));
+    if (p->sizes() != t.sizes())
+      throw std::runtime_error(fmt::format("{}: '{}' has shape [{}] but the model expects [{}]", path, name,
+                                           fmt::join(t.sizes(), ", "), fmt::join(p->sizes(), ", ")));
+    p->copy_(t);
+    seen.insert(name);
+  }
+  for (const auto& p : params)
+    if (!seen.count(p.key())) throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", path, p.key()));
+  return model;
+}
+
+std::string generate(models::MoETransformerImpl& model, const std::string& prompt, const SampleOptions& o) {
+  at::NoGradGuard g;
+  auto gen = at::detail::createCPUGenerator(o.seed);
+  std::vector<int64_t> tokens;
+  for (unsigned char ch : prompt) tokens.push_back(ch);
+  if (tokens.empty()) tokens.push_back('\n');
+  std::string out;
+  const int64_t window = model.config().max_seq_len;
+  for (int64_t i = 0; i < o.max_new_bytes; ++i) {
+    const int64_t n = std::min<int64_t>(window, static_cast<int64_t>(tokens.size()));
+    const auto x = at::tensor(std::vector<int64_t>(tokens.end() - n, tokens.end()), at::kLong).unsqueeze(0);
+    auto logits = model.forward(x).select(1, n - 1).squeeze(0);
+    int64_t next;
+    if (o.temperature <= 0) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      logits = logits / o.temperature;
+      if (o.top_k > 0 && o.top_k < logits.size(0)) {
+        const auto kth = std::get<0>(at::topk(logits, o.top_k)).min();
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+      }
+      next = at::multinomial(at::softmax(logits, -1), 1, false, gen).item<int64_t>();
+    }
+    tokens.push_back(next);
+    out.push_back(static_cast<char>(next));
+  }
+  return out;
+}
+
+}  // namespace fsdpp::train

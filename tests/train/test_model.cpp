@@ -1,0 +1,210 @@
+// The MoE model: routing (top-k, capacity, dropped tokens), auxiliary losses against hand-computed
+// values, dispatch against a per-token loop, the auxiliary-loss gradient path, causality, stages.
+#include <ATen/ATen.h>
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "models/moe.hpp"
+
+using namespace fsdpp;
+using models::MoEConfig;
+
+namespace {
+
+MoEConfig small_config() {
+  MoEConfig c;
+  c.dim = 16;
+  c.heads = 2;
+  c.layers = 2;
+  c.max_seq_len = 32;
+  c.ffn_hidden = 24;
+  c.experts = 4;
+  c.top_k = 2;
+  c.expert_hidden = 12;
+  return c;
+}
+
+double softmax_at(std::vector<double> l, size_t i) {
+  double m = *std::max_element(l.begin(), l.end()), s = 0;
+  for (double v : l) s += std::exp(v - m);
+  return std::exp(l[i] - m) / s;
+}
+
+}  // namespace
+
+TEST_CASE("router: load-balancing and z-loss match a hand computation") {
+  // Two experts, top-1, the gate is the identity, so the logits are the inputs themselves.
+  MoEConfig c;
+  c.dim = 2;
+  c.experts = 2;
+  c.top_k = 1;
+  auto moe = models::MoE(c, std::make_shared<models::RouterStats>());
+  {
+    at::NoGradGuard g;
+    moe->router->gate->weight.copy_(at::eye(2));
+  }
+  const std::vector<std::vector<double>> logits = {{2, 0}, {1, 0}, {0, 1}, {3, 0}};
+  const auto x = at::tensor({2.f, 0.f, 1.f, 0.f, 0.f, 1.f, 3.f, 0.f}).view({4, 2});
+  const auto r = moe->route(x);
+  // Choices: experts 0, 0, 1, 0, so f = (3/4, 1/4); P_e = mean softmax probability of e.
+  CHECK(r.experts.view(-1).equal(at::tensor({0L, 0L, 1L, 0L})));
+  double p0 = 0, p1 = 0, z = 0;
+  for (const auto& l : logits) {
+    p0 += softmax_at(l, 0) / 4, p1 += softmax_at(l, 1) / 4;
+    const double lse = std::log(std::exp(l[0]) + std::exp(l[1]));
+    z += lse * lse / 4;
+  }
+  const double aux = 2 * (0.75 * p0 + 0.25 * p1);
+  CHECK(r.aux_loss.item<double>() == doctest::Approx(aux).epsilon(1e-6));
+  CHECK(r.z_loss.item<double>() == doctest::Approx(z).epsilon(1e-6));
+  // Top-1 with softmax keeps the probability itself as the combine weight.
+  CHECK(r.weights[0].item<double>() == doctest::Approx(softmax_at(logits[0], 0)).epsilon(1e-6));
+}
+
+TEST_CASE("router: top-k picks the highest scores; weights sum to one; sigmoid scores too") {
+  for (const char* score : {"softmax", "sigmoid"}) {
+    CAPTURE(score);
+    auto c = small_config();
+    c.score = score;
+    auto moe = models::MoE(c, std::make_shared<models::RouterStats>());
+    const auto x = at::randn({20, c.dim});
+    const auto r = moe->route(x);
+    const auto sorted = std::get<0>(r.scores.sort(-1, /*descending=*/true));
+    CHECK(r.scores.gather(1, r.experts).allclose(sorted.narrow(1, 0, c.top_k)));
+    CHECK(r.weights.sum(-1).allclose(at::ones({20})));
+    CHECK(r.experts.select(1, 0).ne(r.experts.select(1, 1)).all().item<bool>());
+  }
+}
+
+TEST_CASE("MoE dropless: equals a per-token loop over the chosen experts") {
+  auto c = small_config();
+  c.shared_expert = true;
+  auto moe = models::MoE(c, std::make_shared<models::RouterStats>());
+  const auto x = at::randn({3, 5, c.dim});
+  at::NoGradGuard g;
+  const auto y = moe->forward(x);
+  const auto flat = x.view({-1, c.dim});
+  const auto r = moe->route(flat);
+  auto& E = *moe->experts;
+  for (int64_t t = 0; t < flat.size(0); ++t) {
+    const auto xt = flat[t];
+    auto want = moe->shared->forward(xt.unsqueeze(0)).squeeze(0);
+    for (int64_t k = 0; k < c.top_k; ++k) {
+      const auto e = r.experts[t][k].item<int64_t>();
+      const auto h = at::silu(at::mv(E.w1[e], xt)) * at::mv(E.w3[e], xt);
+      want = want + r.weights[t][k] * at::mv(E.w2[e], h);
+    }
+    CHECK(y.view({-1, c.dim})[t].allclose(want, 1e-5, 1e-6));
+  }
+  CHECK(moe->stats->assignments == flat.size(0) * c.top_k);
+  CHECK(moe->stats->dropped == 0);
+}
+
+TEST_CASE("MoE capacity: with room for every assignment it equals dropless, values and gradients") {
+  auto c = small_config();
+  auto dropless = models::MoE(c, std::make_shared<models::RouterStats>());
+  c.routing = "capacity";
+  c.capacity_factor = double(c.experts);  // C = T * k: nothing can drop
+  auto capacity = models::MoE(c, std::make_shared<models::RouterStats>());
+  {
+    at::NoGradGuard g;
+    for (auto& p : capacity->named_parameters()) p.value().copy_(dropless->named_parameters()[p.key()]);
+  }
+  const auto x = at::randn({4, 6, c.dim});
+  auto y1 = dropless->forward(x), y2 = capacity->forward(x);
+  CHECK(y1.allclose(y2, 1e-5, 1e-6));
+  (y1 * y1).sum().backward();
+  (y2 * y2).sum().backward();
+  for (auto& p : dropless->named_parameters()) {
+    CAPTURE(p.key());
+    CHECK(p.value().grad().allclose(capacity->named_parameters()[p.key()].grad(), 1e-4, 1e-6));
+  }
+  CHECK(capacity->stats->dropped == 0);
+}
+
+TEST_CASE("MoE capacity: overflowing assignments are dropped in token order and counted") {
+  MoEConfig c = small_config();
+  c.routing = "capacity";
+  c.top_k = 1;
+  c.capacity_factor = 1.0;
+  auto moe = models::MoE(c, std::make_shared<models::RouterStats>());
+  {
+    at::NoGradGuard g;
+    moe->router->gate->weight.fill_(-1);
+    moe->router->gate->weight[2].fill_(1);  // every token prefers expert 2
+  }
+  const int64_t T = 8;
+  const auto x = at::rand({T, c.dim}) + 0.5;  // positive, so expert 2 wins for all
+  at::NoGradGuard g;
+  const auto y = moe->forward(x);
+  const int64_t C = 2;  // ceil(1.0 * 8 * 1 / 4)
+  CHECK(moe->stats->dropped == T - C);
+  CHECK(moe->stats->dropped_fraction() == doctest::Approx(double(T - C) / T));
+  for (int64_t t = 0; t < T; ++t) {
+    CAPTURE(t);
+    CHECK((y[t].abs().sum().item<double>() > 0) == (t < C));  // the first C tokens got the slots
+  }
+}
+
+TEST_CASE("MoE: the auxiliary losses reach the gradients as if added to the loss") {
+  auto c = small_config();
+  c.aux_loss_coef = 0.5;  // large, so that the check would notice a missing term
+  c.z_loss_coef = 0.1;
+  auto with_aux = models::MoE(c, std::make_shared<models::RouterStats>());
+  with_aux->stats->aux_grad_scale = 0.25;
+  auto plain_cfg = c;
+  plain_cfg.aux_loss_coef = plain_cfg.z_loss_coef = 0;
+  auto plain = models::MoE(plain_cfg, std::make_shared<models::RouterStats>());
+  {
+    at::NoGradGuard g;
+    for (auto& p : plain->named_parameters()) p.value().copy_(with_aux->named_parameters()[p.key()]);
+  }
+  const auto x = at::randn({10, c.dim});
+  (with_aux->forward(x).sum() * 0.25).backward();
+  const auto r = plain->route(x);
+  ((plain->forward(x).sum() + c.aux_loss_coef * r.aux_loss + c.z_loss_coef * r.z_loss) * 0.25).backward();
+  const auto& g1 = with_aux->router->gate->weight.grad();
+  const auto& g2 = plain->router->gate->weight.grad();
+  CHECK(g1.allclose(g2, 1e-5, 1e-7));
+  // And the term matters: without it the gate gradient differs.
+  auto none = models::MoE(plain_cfg, std::make_shared<models::RouterStats>());
+  {
+    at::NoGradGuard g;
+    for (auto& p : none->named_parameters()) p.value().copy_(with_aux->named_parameters()[p.key()]);
+  }
+  (none->forward(x).sum() * 0.25).backward();
+  CHECK_FALSE(none->router->gate->weight.grad().allclose(g1, 1e-5, 1e-7));
+}
+
+TEST_CASE("model: causal (a later byte never changes earlier logits), stages compose to the full model") {
+  auto c = small_config();
+  auto model = models::MoETransformer(c);
+  at::NoGradGuard g;
+  auto tokens = at::randint(256, {2, 12});
+  const auto a = model->forward(tokens);
+  CHECK(a.sizes() == at::IntArrayRef({2, 12, 256}));
+  auto changed = tokens.clone();
+  changed.select(1, 7).fill_(3);
+  const auto b = model->forward(changed);
+  CHECK(a.narrow(1, 0, 7).allclose(b.narrow(1, 0, 7), 1e-5, 1e-6));
+  CHECK_FALSE(a.narrow(1, 7, 5).allclose(b.narrow(1, 7, 5), 1e-5, 1e-6));
+
+  auto first = models::MoETransformer(std::make_shared<models::MoETransformerImpl>(*model, 0, 1));
+  auto second = models::MoETransformer(std::make_shared<models::MoETransformerImpl>(*model, 1, 2));
+  CHECK(second->forward(first->forward(tokens)).equal(a));
+  // Stage parameters keep the full model's names.
+  CHECK(first->named_parameters().contains("layers.0.attn.qkv.weight"));
+  CHECK(second->named_parameters().contains("layers.1.moe.router.gate.weight"));
+  CHECK(second->named_parameters().contains("head.weight"));
+  CHECK_FALSE(second->named_parameters().contains("embed.weight"));
+  int64_t n = 0;
+  for (const auto& p : model->parameters()) n += p.numel();
+  CHECK(n == c.parameter_count());
+}
+
+TEST_CASE("lm_loss: uniform logits give ln(vocab)") {
+  const auto logits = at::zeros({2, 5, 256});
+  const auto targets = at::randint(256, {2, 5});
+  CHECK(models::lm_loss(logits, targets).item<double>() == doctest::Approx(std::log(256.0)));
+}

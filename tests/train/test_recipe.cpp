@@ -1,0 +1,177 @@
+// Recipe validation: every rule names the JSON path and says what is wrong; overrides; every
+// bundled recipe and config is valid.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "train/recipe.hpp"
+
+using namespace fsdpp;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kSource = FSDPP_SOURCE_DIR;
+
+json base() {
+  return json::parse(R"({
+    "model": {"dim": 32, "layers": 2, "heads": 2, "max_seq_len": 64, "experts": 4, "top_k": 2},
+    "data": {"source": "synthetic", "seq_len": 32},
+    "parallel": {"dp": 2, "pp": 1},
+    "train": {"steps": 10, "global_batch": 8}
+  })");
+}
+
+// The problems parse_recipe reports, joined.
+std::string problems(json j, const std::vector<std::string>& overrides = {}, std::optional<int> world = std::nullopt) {
+  try {
+    train::parse_recipe(std::move(j), "test.json", kSource + "/recipes", overrides, world);
+  } catch (const train::RecipeError& e) {
+    return e.what();
+  }
+  return "valid";
+}
+
+void expect(const std::string& got, const std::string& want) {
+  CHECK_MESSAGE(got.find(want) != std::string::npos, "expected \"" << want << "\" in:\n" << got);
+}
+
+}  // namespace
+
+TEST_CASE("recipe: a valid recipe parses, with defaults for what it leaves out") {
+  const auto r = train::parse_recipe(base(), "dir/test.json", kSource + "/recipes");
+  CHECK(r.name == "test");
+  CHECK(r.model.dim == 32);
+  CHECK(r.optim.lr == doctest::Approx(3e-3));
+  CHECK(r.world_size() == 2);
+  CHECK(r.micro_batch() == 4);
+  CHECK(r.output_dir() == "runs/test");
+  CHECK(r.resolved["model"]["dim"] == 32);
+}
+
+TEST_CASE("recipe: unknown keys, with a suggestion, at any depth") {
+  auto j = base();
+  j["optim"]["lrr"] = 1e-3;
+  j["trian"] = json::object();
+  j["model"]["expert"] = 4;
+  j["output_dir"] = "x";
+  const auto p = problems(j);
+  expect(p, "output_dir: unknown key, did you mean 'logging.output_dir'?");
+  expect(p, "optim.lrr: unknown key, did you mean 'lr'?");
+  expect(p, "trian: unknown key, did you mean 'train'?");
+  expect(p, "model.expert: unknown key, did you mean 'experts'?");
+  expect(p, "4 problems");
+  expect(p, "test.json");
+}
+
+TEST_CASE("recipe: wrong types and out-of-range values name the path and the rule") {
+  auto j = base();
+  j["train"]["steps"] = "ten";
+  j["optim"]["lr"] = -1;
+  j["model"]["routing"] = "drop";
+  j["logging"]["plot"] = 1;
+  j["data"]["val_fraction"] = 0.9;
+  j["precision"]["param_dtype"] = "fp8";
+  const auto p = problems(j);
+  expect(p, "train.steps: must be an integer, got a string");
+  expect(p, "optim.lr: must be in (0, 10], got -1");
+  expect(p, "model.routing: must be one of dropless | capacity, got \"drop\", did you mean 'dropless'?");
+  expect(p, "logging.plot: must be true or false, got an integer");
+  expect(p, "data.val_fraction: must be in (0, 0.5], got 0.9");
+  expect(p, "precision.param_dtype: must be one of float32 | bfloat16 | float16");
+}
+
+TEST_CASE("recipe: model rules") {
+  auto j = base();
+  j["model"]["heads"] = 3;
+  j["model"]["top_k"] = 5;
+  j["data"]["seq_len"] = 100;
+  const auto p = problems(j);
+  expect(p, "model.heads: dim 32 must split into 3 heads of even size");
+  expect(p, "model.top_k: must be at most experts (4), got 5");
+  expect(p, "data.seq_len: must be at most model.max_seq_len (64), got 100");
+  auto m = base();
+  m.erase("model");
+  expect(problems(m), "model: missing");
+  m["model"] = "no/such/config.json";
+  expect(problems(m), "no/such/config.json");
+}
+
+TEST_CASE("recipe: layout rules (world size, batch divisibility, schedules, stages)") {
+  expect(problems(base(), {}, 3), "parallel: dp x pp = 2 x 1 = 2 ranks, but the world has 3");
+  CHECK(problems(base(), {}, 2) == "valid");
+  expect(problems(base(), {"train.global_batch=6", "train.grad_accum=2"}),
+         "train.global_batch: must be a multiple of dp x grad_accum = 4, got 6");
+  expect(problems(base(), {"parallel.pp=2", "parallel.microbatches=1"}),
+         "parallel.schedule: 1F1B: needs at least as many microbatches");
+  expect(problems(base(), {"parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=2"}),
+         "did you mean '1F1B'?");
+  expect(problems(base(), {"parallel.pp=2", "parallel.stages_per_rank=2", "parallel.schedule=Interleaved1F1B",
+                           "parallel.microbatches=2"}),
+         "pp x stages_per_rank = 4 stages, but the model has 2 layers");
+  expect(problems(base(), {"parallel.microbatches=2"}), "parallel.microbatches: only used with pp > 1");
+  expect(problems(base(), {"parallel.max_outstanding_sends=2"}), "parallel.max_outstanding_sends: only used with pp > 1");
+  expect(problems(base(), {"parallel.pp=2", "parallel.microbatches=2", "train.global_batch=10"}),
+         "must be a multiple of dp x grad_accum x parallel.microbatches = 4, got 10");
+  CHECK(problems(base(), {"parallel.pp=2", "parallel.microbatches=2"}) == "valid");
+  // A schedule given as an action table.
+  CHECK(problems(base(), {"parallel.pp=2", "parallel.microbatches=4",
+                          "parallel.schedule=" + kSource + "/tests/pipeline/custom_1f1b.csv"}) == "valid");
+}
+
+TEST_CASE("recipe: precision overrides") {
+  auto j = base();
+  j["precision"]["overrides"] = json::parse(R"([{"match": "*norm*", "param_dtype": "float32"},
+                                                {"param_dtype": "bfloat16"}, {"match": "x"},
+                                                {"match": "y", "grad_dtype": "bfloat"}])");
+  const auto p = problems(j);
+  expect(p, "precision.overrides[1].match: missing");
+  expect(p, "precision.overrides[2]: needs param_dtype or grad_dtype");
+  expect(p, "precision.overrides[3].grad_dtype: must be one of float32 | bfloat16 | float16, got \"bfloat\", did you mean 'bfloat16'?");
+  j["precision"]["overrides"] = json::parse(R"([{"match": "*.router.gate.weight", "param_dtype": "float32", "grad_dtype": "float32"}])");
+  const auto r = train::parse_recipe(j, "t.json", ".");
+  REQUIRE(r.precision.overrides.size() == 1);
+  CHECK(*r.precision.overrides[0].grad_dtype == "float32");
+}
+
+TEST_CASE("recipe: dotted overrides") {
+  const auto r = train::parse_recipe(base(), "t.json", ".",
+                                     {"optim.lr=1e-3", "data.source=synthetic", "checkpoint.keep=5", "name=other",
+                                      "model.dim=64"});
+  CHECK(r.optim.lr == doctest::Approx(1e-3));
+  CHECK(r.checkpoint.keep == 5);
+  CHECK(r.name == "other");
+  CHECK(r.model.dim == 64);
+  CHECK(r.resolved["optim"]["lr"] == 1e-3);
+  expect(problems(base(), {"optim.lr"}), "override 'optim.lr': expected key=value");
+  expect(problems(base(), {"train.steps.x=1"}), "override 'train.steps.x=1': train.steps is not an object");
+  expect(problems(base(), {"optim..lr=1"}), "empty key component");
+  expect(problems(base(), {"train.steps=abc"}), "train.steps: must be an integer, got a string");
+}
+
+TEST_CASE("recipe: every bundled recipe and config is valid") {
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(kSource + "/recipes")) {
+    if (e.path().extension() != ".json") continue;
+    CAPTURE(e.path().string());
+    // The fortunes recipes need the corpus; validate them against a stand-in directory.
+    setenv("FSDPP_FORTUNES_DIR", kSource.c_str(), 1);
+    CHECK_NOTHROW(train::load_recipe(e.path().string()));
+    unsetenv("FSDPP_FORTUNES_DIR");
+    ++n;
+  }
+  CHECK(n >= 4);
+  for (const auto& e : fs::directory_iterator(kSource + "/configs")) {
+    CAPTURE(e.path().string());
+    std::ifstream f(e.path());
+    CHECK_NOTHROW(train::parse_model_config(json::parse(f), e.path().string()));
+  }
+}
+
+TEST_CASE("edit distance") {
+  CHECK(train::edit_distance("kitten", "sitting") == 3);
+  CHECK(train::edit_distance("", "abc") == 3);
+  CHECK(train::edit_distance("same", "same") == 0);
+}
