@@ -11,6 +11,7 @@ packages=(
   iproute2 procps                 # network namespaces for the two-node test; ps for orphan checks
   fortunes                        # the default training corpus (/usr/share/games/fortunes)
   python3                         # an independent safetensors reader in the tests
+  clang-14 libclang-rt-14-dev     # libFuzzer and the sanitizers for the fuzz tests
 )
 if [[ "${FSDPP_SETUP_BENCH:-0}" == 1 ]]; then
   packages+=(python3-torch)       # PyTorch's own Gloo process group and DDP, as a baseline

@@ -102,7 +102,9 @@ SafetensorsFile read_safetensors(const std::string& path) {
   };
   std::vector<Span> spans;
   std::vector<std::pair<std::string, std::pair<uint64_t, at::Tensor>>> pending;
-  for (const auto& [name, e] : header.items()) {
+  for (const auto& item : header.items()) {
+    const std::string name = item.key();
+    const json& e = item.value();
     if (name == "__metadata__") {
       if (!e.is_object()) throw fail("__metadata__ is not an object");
       for (const auto& [k, v] : e.items()) {

@@ -65,7 +65,17 @@ json read_json(const fs::path& path) {
 }
 
 // Every rank's index and tensors, checked for the fields loading relies on.
+std::vector<Saved> read_all_checked(const std::string& dir);
 std::vector<Saved> read_all(const std::string& dir) {
+  try {
+    return read_all_checked(dir);
+  } catch (const json::exception& e) {
+    // A field of the wrong type or missing: the index is damaged.
+    throw std::runtime_error(fmt::format("checkpoint: an index in {} is malformed: {}", dir, e.what()));
+  }
+}
+
+std::vector<Saved> read_all_checked(const std::string& dir) {
   const json first = read_json(fs::path(dir) / "rank0.json");
   if (first.value("format", "") != kFormat)
     throw std::runtime_error(fmt::format("checkpoint: {}/rank0.json is not a {} index", dir, kFormat));
@@ -82,8 +92,10 @@ std::vector<Saved> read_all(const std::string& dir) {
       const auto& t = sv.tensor(e.at("name").get<std::string>());
       const auto shape = e.at("shape").get<std::vector<int64_t>>();
       const int64_t rows = e.at("rows"), offset = e.at("row_offset");
-      if (shape.empty() || offset < 0 || rows < 0 || offset + rows > shape[0] || t.dim() != int64_t(shape.size()) ||
-          t.size(0) != rows)
+      bool ok = !shape.empty() && offset >= 0 && rows >= 0 && offset <= shape[0] - rows &&
+                t.dim() == int64_t(shape.size()) && t.size(0) == rows;
+      for (size_t d = 0; ok && d < shape.size(); ++d) ok = shape[d] >= 0 && (d == 0 || t.size(int64_t(d)) == shape[d]);
+      if (!ok)
         throw std::runtime_error(fmt::format("checkpoint: entry '{}' of {} does not match its tensor",
                                              e.at("name").get<std::string>(), sv.file));
     }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <climits>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -23,6 +24,11 @@ std::string join_lines(const std::string& source, const std::vector<std::string>
   std::string s = fmt::format("{}: {} problem{}", source, problems.size(), problems.size() == 1 ? "" : "s");
   for (const auto& p : problems) s += "\n  " + p;
   return s;
+}
+
+// (std::string::ends_with is C++20; this file also builds as C++17 for the fuzzer.)
+bool has_suffix(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 std::string type_name(const json& v) {
@@ -67,6 +73,8 @@ class Reader {
     const json* v = find(key);
     if (!v) return;
     if (!v->is_number_integer()) return fail(key, fmt::format("must be an integer, got {}", type_name(*v)));
+    if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX))
+      return fail(key, fmt::format("must be in [{}, {}], got {}", lo, hi, v->get<uint64_t>()));
     const int64_t x = v->get<int64_t>();
     if (x < lo || x > hi) return fail(key, fmt::format("must be in [{}, {}], got {}", lo, hi, x));
     out = static_cast<Int>(x);
@@ -128,7 +136,7 @@ class Reader {
       std::string hint = suggest(k, known);
       if (hint.empty())  // a key of another section?
         for (const auto& p : *all_paths_)
-          if (p.size() > k.size() && p.ends_with("." + k) && p.rfind(path_, 0) == 0) {
+          if (p.size() > k.size() && has_suffix(p, "." + k) && p.rfind(path_, 0) == 0) {
             hint = fmt::format(", did you mean '{}'?", p);
             break;
           }
@@ -178,16 +186,21 @@ void read_model(Reader& r, models::MoEConfig& c) {
 std::string resolve(const std::string& p, const std::string& base_dir) {
   if (fs::path(p).is_absolute()) return p;
   const auto rel = fs::path(base_dir) / p;
-  if (fs::exists(rel)) return rel.lexically_normal().string();
+  std::error_code ec;  // (a name too long for the file system is simply not there)
+  if (fs::exists(rel, ec)) return rel.lexically_normal().string();
   return p;  // relative to the working directory
 }
 
 json read_json_file(const std::string& path, const std::string& what) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec))
+    throw RecipeError(path, {fmt::format("cannot read this {} file: {}", what, fs::exists(path, ec) ? "not a regular file" : "no such file")});
+  if (fs::file_size(path, ec) > (64u << 20)) throw RecipeError(path, {fmt::format("this {} file is over 64 MiB", what)});
   std::ifstream f(path);
   if (!f) throw RecipeError(path, {fmt::format("cannot read this {} file", what)});
   try {
     return json::parse(f);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     throw RecipeError(path, {fmt::format("not valid JSON: {}", e.what())});
   }
 }
@@ -285,7 +298,11 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
   // A model given by path becomes inline, so that overrides such as model.dim=256 reach it.
   if (j.contains("model") && j["model"].is_string()) {
     const auto path = resolve(j["model"].get<std::string>(), base_dir);
-    j["model"] = read_json_file(path, "model config");
+    try {
+      j["model"] = read_json_file(path, "model config");
+    } catch (const RecipeError& e) {
+      throw RecipeError(source, {fmt::format("model: {}: {}", path, e.problems().front())});
+    }
   }
   for (const auto& o : overrides) apply_override(j, o, problems);
   if (!problems.empty()) throw RecipeError(source, problems);
@@ -315,7 +332,12 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       if (rc.data.source == "files" && rc.data.paths.empty()) d.fail("paths", "source \"files\" needs at least one path");
       if (rc.data.source != "files" && !rc.data.paths.empty())
         d.fail("paths", fmt::format("only read with source \"files\" (source is \"{}\")", rc.data.source));
-      for (auto& p : rc.data.paths) p = resolve(p, base_dir);
+      for (size_t i = 0; i < rc.data.paths.size(); ++i) {
+        auto& p = rc.data.paths[i];
+        p = resolve(p, base_dir);
+        std::error_code ec;
+        if (!fs::exists(p, ec)) d.fail(fmt::format("paths[{}]", i), fmt::format("{} does not exist", p));
+      }
     }
     {
       Reader p = top.section("parallel");
@@ -408,10 +430,13 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
                                          rc.model.layers));
       try {
         const auto& s = par.schedule;
-        const bool table = s.size() > 4 && (s.ends_with(".csv") || s.ends_with(".json"));
+        const bool table = s.size() > 4 && (has_suffix(s, ".csv") || has_suffix(s, ".json"));
         std::unique_ptr<pipeline::Schedule> sched;
         if (table) {
           rc.parallel.schedule = resolve(s, base_dir);
+          std::error_code ec;
+          if (!fs::is_regular_file(rc.parallel.schedule, ec))
+            throw pipeline::ScheduleError(fmt::format("{}: no such schedule file", rc.parallel.schedule));
           sched = std::make_unique<pipeline::TableSchedule>(fs::path(s).stem().string(),
                                                             pipeline::load_table(rc.parallel.schedule));
         } else {
@@ -428,7 +453,8 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
     } else if (par.max_outstanding_sends != 0) {
       top.fail("parallel.max_outstanding_sends", "only used with pp > 1");
     }
-    if (rc.data.source == "fortunes" && !fs::is_directory(fortunes_dir()))
+    std::error_code ec;
+    if (rc.data.source == "fortunes" && !fs::is_directory(fortunes_dir(), ec))
       top.fail("data.source", fmt::format("the fortunes corpus is not at {} (install Debian's fortunes package: "
                                           "bash scripts/setup.sh)", fortunes_dir()));
   }

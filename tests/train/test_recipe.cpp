@@ -175,3 +175,22 @@ TEST_CASE("edit distance") {
   CHECK(train::edit_distance("", "abc") == 3);
   CHECK(train::edit_distance("same", "same") == 0);
 }
+
+TEST_CASE("recipe: a corpus of malformed and hostile recipes; each is refused with its path and rule") {
+  const auto dir = kSource + "/tests/train/hostile_recipes";
+  std::ifstream f(dir + "/expected.json");
+  const auto expected = json::parse(f);
+  REQUIRE(expected.size() >= 40);
+  for (const auto& [file, want] : expected.items()) {
+    CAPTURE(file);
+    std::string got = "accepted";
+    try {
+      train::load_recipe(dir + "/" + file);
+    } catch (const train::RecipeError& e) {
+      got = e.what();
+    }
+    expect(got, want.get<std::string>());
+    // Every message names the file it is about.
+    CHECK(got.find(file.substr(0, file.size() - 5)) != std::string::npos);
+  }
+}

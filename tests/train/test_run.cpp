@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -235,4 +236,66 @@ TEST_CASE("run: outputs (metrics, plot, summary, trace) and capacity routing's d
   CHECK(pids == std::set<int>{0, 1});
   CHECK(comm);
   fs::remove_all(dir);
+}
+
+namespace {
+
+// Processes whose command line mentions `needle` (our own ranks, by their output directory).
+int processes_mentioning(const std::string& needle) {
+  int n = 0;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    std::ifstream f(e.path() / "cmdline");
+    std::string cmd((std::istreambuf_iterator<char>(f)), {});
+    if (cmd.find(needle) != std::string::npos && cmd.find("fsdpp_test_run") == std::string::npos) ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("run: a rank killed mid-step stops the run, is named, and --resume continues") {
+  const auto dir = fresh_dir("killed"), ref = fresh_dir("killed-ref");
+  const std::string args = "train.steps=12 checkpoint.interval=4 logging.interval=1 parallel.dp=2";
+  train_run(ref, args);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = sh("FSDPP_FAULT=kill:rank=1:step=7 " + kBin + " run " + kRecipe + " logging.output_dir=" + dir + " " + args);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(r.out);
+  CHECK(r.rc == 137);
+  CHECK(r.out.find("rank 1") != std::string::npos);
+  CHECK(r.out.find("SIGKILL") != std::string::npos);
+  CHECK(secs < 10);
+  CHECK(processes_mentioning(dir) == 0);
+  CHECK(fs::path(*train::latest_checkpoint(dir)).filename() == "step-00000004");
+  train_run(dir, args + " --resume");
+  const auto a = losses(ref), b = losses(dir);
+  for (int64_t step = 5; step <= 12; ++step) {
+    CAPTURE(step);
+    CHECK(b.at(step) == a.at(step));
+  }
+  fs::remove_all(dir);
+  fs::remove_all(ref);
+}
+
+TEST_CASE("run: SIGKILL during a checkpoint write leaves the previous checkpoint, and --resume continues from it") {
+  const auto dir = fresh_dir("ckpt-fire"), ref = fresh_dir("ckpt-fire-ref");
+  const std::string args = "train.steps=12 checkpoint.interval=4 logging.interval=1 parallel.dp=2";
+  train_run(ref, args);
+  const auto r = sh("FSDPP_FAULT=kill_in_checkpoint:rank=1:step=8 " + kBin + " run " + kRecipe +
+                    " logging.output_dir=" + dir + " " + args);
+  INFO(r.out);
+  CHECK(r.rc == 137);
+  // Rank 1 died with its files of step 8 written but the checkpoint not committed.
+  CHECK(fs::exists(fs::path(dir) / "checkpoints" / ".tmp-step-00000008" / "rank1.safetensors"));
+  CHECK_FALSE(fs::exists(checkpoint(dir, 8)));
+  REQUIRE(train::latest_checkpoint(dir));
+  CHECK(fs::path(*train::latest_checkpoint(dir)).filename() == "step-00000004");
+  CHECK_NOTHROW(fsdp::read_full_parameters(checkpoint(dir, 4)));
+  const auto out = train_run(dir, args + " --resume");
+  CHECK(out.find("step-00000004") != std::string::npos);
+  const auto pa = fsdp::read_full_parameters(checkpoint(ref, 12)), pb = fsdp::read_full_parameters(checkpoint(dir, 12));
+  REQUIRE(pa.size() == pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].second.equal(pb[i].second));
+  fs::remove_all(dir);
+  fs::remove_all(ref);
 }

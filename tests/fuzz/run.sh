@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Builds a libFuzzer target with clang (as C++17: LibTorch 1.13's headers do not compile as C++20 with
+# clang 14), AddressSanitizer and UndefinedBehaviorSanitizer (the code
+# under test compiled from source; the rest of fsdpp and LibTorch linked as built) and runs it for
+# a fixed number of inputs from a seed corpus.
+#   tests/fuzz/run.sh BUILD_DIR recipe|checkpoint RUNS
+set -euo pipefail
+src=$(cd "$(dirname "$0")/../.." && pwd)
+build=$(cd "$1" && pwd)
+target=$2
+runs=$3
+out=$build/fuzz
+mkdir -p "$out"
+cxx=$(command -v clang++-14 || command -v clang++ || true)
+if [[ -z $cxx ]]; then
+  echo "fuzz: clang++ is not installed (scripts/setup.sh installs clang-14 and libclang-rt-14-dev)" >&2
+  exit 1
+fi
+
+case $target in
+  recipe) sources=("$src/tests/fuzz/recipe_fuzz.cpp" "$src/src/train/recipe.cpp") ;;
+  checkpoint) sources=("$src/tests/fuzz/checkpoint_fuzz.cpp" "$src/src/safetensors.cpp" "$src/src/fsdp/checkpoint.cpp") ;;
+  *) echo "fuzz: unknown target $target (recipe, checkpoint)" >&2; exit 2 ;;
+esac
+
+bin=$out/${target}_fuzz
+stamp=$(cat "${sources[@]}" "$build/libfsdpp.a" | md5sum | cut -d' ' -f1)
+if [[ ! -x $bin || $(cat "$bin.stamp" 2>/dev/null) != "$stamp" ]]; then
+  echo "fuzz: building $bin"
+  "$cxx" -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+    -DFSDPP_SOURCE_DIR="\"$src\"" -DFSDPP_WITH_GLOO=1 -DFSDPP_WITH_NCCL=0 \
+    -I"$src/include" -isystem /usr/include/torch/csrc/api/include \
+    "${sources[@]}" "$build/libfsdpp.a" \
+    -ltorch -ltorch_cpu -lc10 -lgloo -lfmt -ldl -lpthread -o "$bin"
+  echo "$stamp" > "$bin.stamp"
+fi
+
+corpus=$out/${target}_corpus
+rm -rf "$corpus"
+mkdir -p "$corpus"
+if [[ $target == recipe ]]; then
+  cp "$src"/tests/train/hostile_recipes/*.json "$src"/recipes/*.json "$corpus"/
+else
+  # Valid files to mutate: a small safetensors file (mode byte 0) and a checkpoint index (mode 1).
+  printf '\x00' > "$corpus/st"
+  python3 - "$corpus/st" <<'PY'
+import json, struct, sys
+h = json.dumps({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+                "b": {"dtype": "I64", "shape": [1], "data_offsets": [16, 24]}, "__metadata__": {"k": "v"}}).encode()
+with open(sys.argv[1], "ab") as f:
+    f.write(struct.pack("<Q", len(h)) + h + bytes(range(24)))
+PY
+  printf '\x01{"format":"fsdpp-sharded-2","world_size":1,"rank":0,"entries":[{"name":"w","shape":[4,3],"row_offset":0,"rows":4,"dtype":"Float"},{"name":"b","shape":[4],"row_offset":0,"rows":4,"dtype":"Float"}]}' > "$corpus/index"
+fi
+# Seconds per input are bounded so that a slow path counts as a finding too.
+ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 "$bin" -artifact_prefix="$out/${target}_" -runs="$runs" -seed=1 -timeout=10 \
+  -rss_limit_mb=4096 -max_len=65536 "$corpus" 2>&1 | tail -n 25
+echo "fuzz: $target: $runs inputs without a finding"
