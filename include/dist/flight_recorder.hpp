@@ -86,12 +86,23 @@ std::string flight_records_json();
 // report for people; `found` says whether a culprit was named.
 std::string analyze_flight_records(const std::string& dir, bool* found = nullptr);
 
+// The watchdog thread checks every 100 ms whether an operation of any communicator of this process
+// has been in flight longer than `timeout`, or whether another rank asked for dumps through the
+// store. Then it writes this rank's flight records to `dump_dir`, asks every other rank to do the
+// same, and, when `exit_code` is non-zero, ends the process with it after `exit_grace` (time for
+// the others to dump). Ending the process is the only way out of a collective that never
+// completes: the thread running it is inside the transport, where nothing can unwind it.
 struct WatchdogOptions {
   std::chrono::milliseconds timeout = std::chrono::minutes(3);
   std::string dump_dir = "fsdpp-flight-records";
   std::shared_ptr<Store> store;  // to ask the other ranks to dump; optional
   int rank = 0;
+  int exit_code = 0;  // 0: dump only
+  std::chrono::milliseconds exit_grace = std::chrono::seconds(2);
 };
+
+// The exit code of a process the watchdog ended (as timeout(1) uses).
+constexpr int kWatchdogExitCode = 124;
 
 // Starts (or reconfigures) this process's watchdog thread.
 void start_watchdog(const WatchdogOptions& options);

@@ -39,6 +39,11 @@ struct InitOptions {
   // Address this rank's transport listens on. Empty: 127.0.0.1 when the store is on loopback,
   // otherwise the local address that routes to the store's host. FSDPP_BIND_ADDR overrides.
   std::string bind_address;
+  // The watchdog (dist/flight_recorder.hpp): an operation in flight longer than this makes every
+  // rank dump its flight records to `flight_record_dir`, and ends the processes. Zero: off.
+  // FSDPP_WATCHDOG_TIMEOUT_S and FSDPP_FR_DUMP_DIR override both.
+  std::chrono::milliseconds watchdog_timeout{0};
+  std::string flight_record_dir = "fsdpp-flight-records";
 };
 
 // The world communicator of a launched process (env://).

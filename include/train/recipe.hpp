@@ -93,6 +93,11 @@ struct LoggingOptions {
   std::string output_dir = "runs/{name}";
 };
 
+struct DistOptions {
+  double watchdog_timeout_s = 300;  // an operation in flight longer: dump flight records, end the run; 0: off
+  bool check_collectives = false;   // compare every collective across ranks before issuing it
+};
+
 struct Recipe {
   std::string name;
   std::string source;  // file path, for messages
@@ -105,6 +110,7 @@ struct Recipe {
   EvalOptions eval;
   CheckpointOptions checkpoint;
   LoggingOptions logging;
+  DistOptions dist;
   nlohmann::json resolved;  // the recipe after overrides, with the model inline
 
   std::string output_dir() const;  // logging.output_dir with {name} filled in

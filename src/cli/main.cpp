@@ -195,7 +195,12 @@ struct RunArgs {
 int run_recipe(RunArgs& a) {
   if (a.stop_after > 0) a.options.stop_after = a.stop_after;
   if (dist::launched_by_launcher()) {
-    auto world = dist::init_from_env();
+    const auto settings = train::load_recipe(a.recipe, a.overrides);
+    dist::InitOptions init;
+    init.watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(settings.dist.watchdog_timeout_s * 1000));
+    init.flight_record_dir = (std::filesystem::path(settings.output_dir()) / "flight_records").string();
+    if (settings.dist.check_collectives) setenv("FSDPP_CHECK_COLLECTIVES", "1", /*overwrite=*/0);
+    auto world = dist::init_from_env(init);
     const auto recipe = train::load_recipe(a.recipe, a.overrides, world.size());
     train::run_training(recipe, world, a.options);
     return 0;

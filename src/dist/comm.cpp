@@ -2,6 +2,8 @@
 // the backend. Backends may assume what is checked here.
 #include "dist/comm.hpp"
 
+#include "dist/fault.hpp"
+
 #include "dist/flight_recorder.hpp"
 
 #include <fmt/format.h>
@@ -142,6 +144,7 @@ int Comm::size() const { return impl().size(); }
 const char* Comm::backend() const { return impl().backend(); }
 
 Work Comm::all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOptions opts) {
+  if (detail::skip_this_all_gather()) return Work();  // FSDPP_FAULT (dist/fault.hpp)
   Checker c(*this, "all_gather");
   c.tensor(out, "out");
   c.tensor(in, "in");

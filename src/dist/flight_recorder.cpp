@@ -271,6 +271,13 @@ struct Watchdog {
       const auto path = dump_flight_records(options.dump_dir, options.rank);
       std::cerr << fmt::format("fsdpp watchdog: rank {}: {}; flight records written to {}\n", options.rank, why, path);
       dumped = true;
+      if (options.exit_code != 0) {
+        std::this_thread::sleep_for(options.exit_grace);
+        std::cerr << fmt::format("fsdpp watchdog: rank {}: ending the process (exit code {}); analyse with: fsdpp fr analyze {}\n",
+                                 options.rank, options.exit_code, options.dump_dir)
+                  << std::flush;
+        std::_Exit(options.exit_code);
+      }
     }
   }
 };

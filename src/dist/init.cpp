@@ -186,10 +186,14 @@ Comm init_from_env(const InitOptions& options) {
                 ? detail::make_nccl_comm(world, env.rank, env.world_size, config)
                 : detail::make_gloo_comm(world, env.rank, env.world_size, config),
             "world");
-  if (const char* t = std::getenv("FSDPP_WATCHDOG_TIMEOUT_S"); t && *t) {
+  auto watchdog_timeout = options.watchdog_timeout;
+  if (const char* t = std::getenv("FSDPP_WATCHDOG_TIMEOUT_S"); t && *t)
+    watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(std::atof(t) * 1000));
+  if (watchdog_timeout.count() > 0) {
     WatchdogOptions w;
-    w.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::atof(t) * 1000));
-    w.dump_dir = env_or("FSDPP_FR_DUMP_DIR", w.dump_dir);
+    w.timeout = watchdog_timeout;
+    w.dump_dir = env_or("FSDPP_FR_DUMP_DIR", options.flight_record_dir);
+    w.exit_code = kWatchdogExitCode;
     w.rank = env.rank;
     // A connection of its own: the watchdog polls the store from its thread.
     TcpStoreOptions wo = so;

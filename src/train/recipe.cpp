@@ -409,6 +409,12 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       if (rc.logging.output_dir.empty()) l.fail("output_dir", "must not be empty");
     }
 
+    {
+      Reader d = top.section("dist");
+      d.number("watchdog_timeout_s", rc.dist.watchdog_timeout_s, 0, 1e7);
+      d.boolean("check_collectives", rc.dist.check_collectives);
+    }
+
     // Layout: the rules that tie sections together.
     const auto& par = rc.parallel;
     if (world_size && *world_size != par.dp * par.pp)

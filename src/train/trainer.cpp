@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "dist/fault.hpp"
 #include "dist/mesh.hpp"
 #include "fsdp/checkpoint.hpp"
 #include "fsdpp/safetensors.hpp"
@@ -91,35 +92,11 @@ json read_json(const fs::path& path) {
   }
 }
 
-// Fault injection, for tests of what survives a crash: FSDPP_FAULT="<kind>:rank=<r>:step=<n>".
-// "kill": rank r ends itself with SIGKILL as step n begins; "kill_in_checkpoint": after writing its
-// files of the checkpoint at step n, before that checkpoint is committed.
-struct Fault {
-  std::string kind;
-  int rank = -1;
-  int64_t step = -1;
-  void maybe_fire(const char* where, int rank_now, int64_t step_now) const {
-    if (kind == where && rank == rank_now && step == step_now) {
-      std::cerr << fmt::format("FSDPP_FAULT: rank {} kills itself ({} at step {})", rank, kind, step) << std::endl;
-      raise(SIGKILL);
-    }
-  }
-};
-
-Fault fault_from_env() {
-  Fault f;
-  const char* e = std::getenv("FSDPP_FAULT");
-  if (!e || !*e) return f;
-  std::istringstream in(e);
-  std::string part;
-  std::getline(in, f.kind, ':');
-  while (std::getline(in, part, ':')) {
-    if (part.rfind("rank=", 0) == 0) f.rank = std::atoi(part.c_str() + 5);
-    else if (part.rfind("step=", 0) == 0) f.step = std::atoll(part.c_str() + 5);
-  }
-  if ((f.kind != "kill" && f.kind != "kill_in_checkpoint") || f.rank < 0 || f.step < 0)
-    throw std::invalid_argument(fmt::format("FSDPP_FAULT={}: expected kill|kill_in_checkpoint:rank=R:step=N", e));
-  return f;
+// FSDPP_FAULT (dist/fault.hpp): the trainer's kinds end this rank with SIGKILL.
+void maybe_fire(const char* kind, int rank, int64_t step) {
+  if (!dist::injected_fault().due(kind, rank, step)) return;
+  std::cerr << fmt::format("FSDPP_FAULT: rank {} kills itself ({} at step {})", rank, kind, step) << std::endl;
+  raise(SIGKILL);
 }
 
 bool stdout_is_terminal() {
@@ -132,8 +109,7 @@ class Trainer {
   Trainer(const Recipe& r, dist::Comm world, const RunOptions& o)
       : r_(r), o_(o), mesh_(std::move(world), {{"pp", r.parallel.pp}, {"dp", r.parallel.dp}}),
         out_(r.output_dir()), rank_(mesh_.world().rank()),
-        progress_(r.train.steps, o.tty.value_or(stdout_is_terminal()), std::cout), tracer_(rank_),
-        fault_(fault_from_env()) {}
+        progress_(r.train.steps, o.tty.value_or(stdout_is_terminal()), std::cout), tracer_(rank_) {}
 
   RunResult run();
 
@@ -177,7 +153,6 @@ class Trainer {
   int rank_;
   Progress progress_;
   Tracer tracer_;
-  Fault fault_;
 
   std::optional<TokenStream> train_data_, val_data_;
   std::vector<Root> roots_;  // one per stage this rank holds (the whole model when pp = 1)
@@ -203,7 +178,7 @@ void Trainer::prepare_output() {
                                          out_.string(), fs::path(*latest).filename().string()));
   if (lead()) {
     if (!o_.resume && fs::exists(out_)) {
-      for (const char* p : {"checkpoints", "metrics", "trace", "loss.svg", "summary.json", "trace.json"}) fs::remove_all(out_ / p);
+      for (const char* p : {"checkpoints", "metrics", "trace", "flight_records", "loss.svg", "summary.json", "trace.json"}) fs::remove_all(out_ / p);
     }
     fs::create_directories(out_ / "metrics");
     write_text_atomically(out_ / "recipe.json", r_.resolved.dump(2) + "\n");
@@ -397,7 +372,7 @@ void Trainer::save_checkpoint(int64_t step) {
   }
   world().barrier().wait();
   fsdp::save_shards(all_shards(), rank_, world().size(), tmp.string(), optimizer_.get());
-  fault_.maybe_fire("kill_in_checkpoint", rank_, step);
+  maybe_fire("kill_in_checkpoint", rank_, step);
   if (lead()) {
     const json meta = {{"format", kRunCheckpointFormat}, {"step", step},           {"world_size", world().size()},
                        {"dp", r_.parallel.dp},            {"pp", r_.parallel.pp}, {"model", to_json(r_.model)},
@@ -488,7 +463,7 @@ RunResult Trainer::run() {
       tracer_.set_active(true);
       trace_begin = std::chrono::system_clock::now();
     }
-    fault_.maybe_fire("kill", rank_, step + 1);
+    maybe_fire("kill", rank_, step + 1);
     const auto s0 = std::chrono::system_clock::now();
     const double loss = train_step(step);
     span(fmt::format("step {}", step + 1), "steps", s0);

@@ -299,3 +299,36 @@ TEST_CASE("run: SIGKILL during a checkpoint write leaves the previous checkpoint
   fs::remove_all(dir);
   fs::remove_all(ref);
 }
+
+TEST_CASE("run: a rank that skips one all_gather: every rank dumps, the run ends, the analysis names it") {
+  const auto dir = fresh_dir("hang");
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = sh("FSDPP_FAULT=skip_all_gather:rank=1:count=5 " + kBin + " run " + kRecipe + " logging.output_dir=" +
+                    dir + " parallel.dp=4 train.global_batch=8 dist.watchdog_timeout_s=2");
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(r.out);
+  CHECK(r.rc == 124);
+  CHECK(secs < 2 + 10);
+  CHECK(r.out.find("fsdpp watchdog: rank 0:") != std::string::npos);
+  for (int rank = 0; rank < 4; ++rank)
+    CHECK(fs::exists(fs::path(dir) / "flight_records" / ("rank" + std::to_string(rank) + ".json")));
+  const auto a = sh(kBin + " fr analyze " + dir + "/flight_records");
+  INFO(a.out);
+  CHECK(a.rc == 0);
+  CHECK(a.out.find("rank(s) 1 issued") != std::string::npos);
+  CHECK(a.out.find("fsdp") != std::string::npos);
+  CHECK(a.out.find("all_gather") != std::string::npos);
+  CHECK(processes_mentioning(dir) == 0);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("run: with dist.check_collectives, ranks that disagree fail at once, naming both sides") {
+  const auto dir = fresh_dir("mismatch");
+  const auto r = sh("FSDPP_FAULT=skip_all_gather:rank=1:count=5 " + kBin + " run " + kRecipe + " logging.output_dir=" +
+                    dir + " parallel.dp=2 dist.check_collectives=true dist.watchdog_timeout_s=60");
+  INFO(r.out);
+  CHECK(r.rc != 0);
+  CHECK(r.rc != 124);  // the check, not the watchdog
+  CHECK(r.out.find("consistency check failed: this rank issues") != std::string::npos);
+  fs::remove_all(dir);
+}
