@@ -22,6 +22,14 @@ namespace detail {
 struct WorkState {
   explicit WorkState(std::string what) : what(std::move(what)) {}
 
+  // Called by the thread that runs the operation as it begins (flight records tell queued from
+  // started).
+  void start() {
+    std::lock_guard<std::mutex> lock(mu);
+    started = true;
+    started_at = std::chrono::system_clock::now();
+  }
+
   // Called exactly once by the thread that ran the operation.
   void finish(std::exception_ptr failure = nullptr) {
     {
@@ -37,10 +45,10 @@ struct WorkState {
   const std::string what;  // "rank 1/4 all_gather float32 in=10 out=40"
   std::mutex mu;
   std::condition_variable cv;
-  bool done = false;
+  bool started = false, done = false;
   std::exception_ptr error;
   std::vector<at::Tensor> tensors;  // kept alive while the operation runs
-  std::chrono::system_clock::time_point finished_at;
+  std::chrono::system_clock::time_point started_at, finished_at;
 };
 
 }  // namespace detail

@@ -128,7 +128,10 @@ inline Action parse_action(const std::string& text, int line = 0, int column = 0
 }
 
 // CSV: one row per rank. Cells are trimmed; empty cells (idle slots) are skipped.
-inline Program parse_csv(std::istream& in) {
+// Where each action of a table came from ("line 2, column 6"), for errors found after parsing.
+using Positions = std::vector<std::vector<std::string>>;
+
+inline Program parse_csv(std::istream& in, Positions* where = nullptr) {
   Program program;
   std::string row;
   int line = 0;
@@ -136,18 +139,27 @@ inline Program parse_csv(std::istream& in) {
     ++line;
     if (!row.empty() && row.back() == '\r') row.pop_back();
     std::vector<Action> actions;
+    std::vector<std::string> at;
     size_t start = 0;
     while (start <= row.size()) {
       size_t end = row.find(',', start);
       if (end == std::string::npos) end = row.size();
       std::string cell = row.substr(start, end - start);
       const size_t b = cell.find_first_not_of(" \t"), e = cell.find_last_not_of(" \t");
-      if (b != std::string::npos) actions.push_back(parse_action(cell.substr(b, e - b + 1), line, static_cast<int>(start + b + 1)));
+      if (b != std::string::npos) {
+        const int column = static_cast<int>(start + b + 1);
+        actions.push_back(parse_action(cell.substr(b, e - b + 1), line, column));
+        at.push_back("line " + std::to_string(line) + ", column " + std::to_string(column));
+      }
       start = end + 1;
     }
     program.push_back(std::move(actions));
+    if (where) where->push_back(std::move(at));
   }
-  while (!program.empty() && program.back().empty()) program.pop_back();  // trailing blank lines
+  while (!program.empty() && program.back().empty()) {  // trailing blank lines
+    program.pop_back();
+    if (where) where->pop_back();
+  }
   if (program.empty()) throw ScheduleError("the schedule CSV has no rows");
   return program;
 }

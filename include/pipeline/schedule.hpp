@@ -262,8 +262,26 @@ class ZBVZeroBubble : public Schedule {
 // each stage appears; the spec must match the table.
 class TableSchedule : public Schedule {
  public:
-  TableSchedule(std::string name, Program program) : name_(std::move(name)), program_(std::move(program)) {}
+  // `where` (optional) gives each action's place in the file, for errors.
+  TableSchedule(std::string name, Program program, Positions where = {})
+      : name_(std::move(name)), program_(std::move(program)), where_(std::move(where)) {}
   std::string name() const override { return name_; }
+  void check(const ScheduleSpec& s) const override {
+    Schedule::check(s);
+    for (size_t r = 0; r < program_.size(); ++r)
+      for (size_t i = 0; i < program_[r].size(); ++i) {
+        const Action& a = program_[r][i];
+        const std::string at = r < where_.size() && i < where_[r].size()
+                                   ? where_[r][i]
+                                   : "rank " + std::to_string(r) + ", action " + std::to_string(i);
+        if (a.stage >= s.num_stages())
+          throw ScheduleError(name_ + ": " + at + ": '" + to_string(a) + "' names stage " + std::to_string(a.stage) +
+                              ", but there are " + std::to_string(s.num_stages()) + " stages");
+        if (has_microbatch(a.type) && a.microbatch >= s.microbatches)
+          throw ScheduleError(name_ + ": " + at + ": '" + to_string(a) + "' names microbatch " +
+                              std::to_string(a.microbatch) + ", but there are " + std::to_string(s.microbatches));
+      }
+  }
   Program compute_actions(const ScheduleSpec& s) const override {
     if (static_cast<int>(program_.size()) != s.pp)
       throw ScheduleError(name_ + ": the table has " + std::to_string(program_.size()) +
@@ -274,6 +292,7 @@ class TableSchedule : public Schedule {
  private:
   std::string name_;
   Program program_;
+  Positions where_;
 };
 
 inline void register_builtin_schedules() {

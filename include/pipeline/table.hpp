@@ -2,14 +2,16 @@
 // Action tables from files: CSV (one rank per row) or JSON ({"ranks": [["0F0", "0F1", ...], ...]}).
 
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "pipeline/action.hpp"
+#include "pipeline/schedule.hpp"
 
 namespace fsdpp::pipeline {
 
-inline Program parse_json_table(std::istream& in) {
+inline Program parse_json_table(std::istream& in, Positions* where = nullptr) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(in);
@@ -23,12 +25,14 @@ inline Program parse_json_table(std::istream& in) {
     const auto& row = j["ranks"][r];
     if (!row.is_array()) throw ScheduleError("/ranks/" + std::to_string(r) + " is not a list");
     program.emplace_back();
+    if (where) where->emplace_back();
     for (size_t i = 0; i < row.size(); ++i) {
       if (row[i].is_null()) continue;  // an idle slot
       if (!row[i].is_string())
         throw ScheduleError("/ranks/" + std::to_string(r) + "/" + std::to_string(i) + " is not a string");
       try {
         program.back().push_back(parse_action(row[i].get<std::string>()));
+        if (where) where->back().push_back("/ranks/" + std::to_string(r) + "/" + std::to_string(i));
       } catch (const ScheduleError& e) {
         throw ScheduleError("/ranks/" + std::to_string(r) + "/" + std::to_string(i) + ": " + e.what());
       }
@@ -39,15 +43,23 @@ inline Program parse_json_table(std::istream& in) {
 }
 
 // Reads `path` as JSON when it ends in .json, as CSV otherwise; errors name the file.
-inline Program load_table(const std::string& path) {
+inline Program load_table(const std::string& path, Positions* where = nullptr) {
   std::ifstream f(path);
   if (!f) throw ScheduleError("cannot read " + path);
   const bool json = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
   try {
-    return json ? parse_json_table(f) : parse_csv(f);
+    return json ? parse_json_table(f, where) : parse_csv(f, where);
   } catch (const ScheduleError& e) {
     throw ScheduleError(path + ": " + e.what());
   }
+}
+
+// A schedule from a table file, named by its path; stages or microbatches out of range are
+// reported with the line and column (or JSON path) of the action.
+inline std::unique_ptr<TableSchedule> load_table_schedule(const std::string& path) {
+  Positions where;
+  auto program = load_table(path, &where);
+  return std::make_unique<TableSchedule>(path, std::move(program), std::move(where));
 }
 
 }  // namespace fsdpp::pipeline

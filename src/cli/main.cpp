@@ -103,7 +103,7 @@ int schedule_show(const ShowOptions& o) {
   using namespace fsdpp::pipeline;
   std::unique_ptr<Schedule> schedule;
   if (!o.csv.empty()) {
-    schedule = std::make_unique<TableSchedule>(o.csv, load_table(o.csv));
+    schedule = load_table_schedule(o.csv);
   } else {
     schedule = make_schedule(o.schedule);
   }

@@ -94,16 +94,21 @@ std::string FlightRecorder::to_json() const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& e : entries_) {
     const bool done = !e.work || Work(e.work).is_completed();
-    bool failed = false;
-    if (done && e.work) {
+    bool failed = false, started = !e.work;
+    std::chrono::system_clock::time_point started_at;
+    if (e.work) {
       std::lock_guard<std::mutex> wl(e.work->mu);
-      failed = e.work->error != nullptr;
+      failed = done && e.work->error != nullptr;
+      started = e.work->started || done;
+      started_at = e.work->started_at;
     }
+    const char* state = failed ? "failed" : done ? "completed" : started ? "started" : "queued";
     nlohmann::json j = {{"seq", e.seq},         {"op", e.op},
                         {"dtype", e.dtype},     {"in", e.in_numel},
                         {"out", e.out_numel},   {"peer", e.peer},
-                        {"label", e.label},     {"state", failed ? "failed" : done ? "completed" : "in_flight"},
+                        {"label", e.label},     {"state", state},
                         {"issued_us", micros(e.issued)}};
+    if (e.work && started && started_at.time_since_epoch().count() != 0) j["started_us"] = micros(started_at);
     if (done && e.work) j["completed_us"] = micros(e.work->finished_at);
     entries.push_back(std::move(j));
   }

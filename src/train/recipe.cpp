@@ -443,8 +443,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
           std::error_code ec;
           if (!fs::is_regular_file(rc.parallel.schedule, ec))
             throw pipeline::ScheduleError(fmt::format("{}: no such schedule file", rc.parallel.schedule));
-          sched = std::make_unique<pipeline::TableSchedule>(fs::path(s).stem().string(),
-                                                            pipeline::load_table(rc.parallel.schedule));
+          sched = pipeline::load_table_schedule(rc.parallel.schedule);
         } else {
           const auto names = pipeline::schedule_names();
           if (std::find(names.begin(), names.end(), s) == names.end())

@@ -206,7 +206,7 @@ void Trainer::build() {
     std::unique_ptr<pipeline::Schedule> schedule;
     const auto& s = par.schedule;
     if (s.ends_with(".csv") || s.ends_with(".json"))
-      schedule = std::make_unique<pipeline::TableSchedule>(fs::path(s).stem().string(), pipeline::load_table(s));
+      schedule = pipeline::load_table_schedule(s);
     else
       schedule = pipeline::make_schedule(s);
     auto plan = pipeline::make_plan(*schedule, {par.pp, par.stages_per_rank, par.microbatches}, true,

@@ -1,5 +1,6 @@
 // Flight records: what is recorded, and the analysis that names a culprit.
 #include <fstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "dist/flight_recorder.hpp"
@@ -27,6 +28,30 @@ TEST_CASE("operations are recorded with sequence, sizes, label and state") {
     CHECK(j["entries"][1]["dtype"] == "Double");
     CHECK(j["entries"][1]["seq"] == 1);
     CHECK(nlohmann::json::parse(sub.recorder()->to_json())["comm"] == "world/split0.0");
+  });
+}
+
+TEST_CASE("an operation waiting for a peer is started; the ones behind it are queued") {
+  test::run_ranks(2, [](dist::Comm& comm) {
+    if (comm.rank() == 1) {
+      // Arrive late, so that rank 0's first all-reduce waits and its second sits in the queue.
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      comm.all_reduce(at::ones({4})).wait();
+      comm.all_reduce(at::ones({4})).wait();
+      return;
+    }
+    auto a = comm.all_reduce(at::ones({4})), b = comm.all_reduce(at::ones({4}));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    auto j = nlohmann::json::parse(comm.recorder()->to_json());
+    CHECK(j["entries"][0]["state"] == "started");
+    CHECK(j["entries"][0].contains("started_us"));
+    CHECK(j["entries"][1]["state"] == "queued");
+    CHECK_FALSE(j["entries"][1].contains("started_us"));
+    a.wait();
+    b.wait();
+    j = nlohmann::json::parse(comm.recorder()->to_json());
+    CHECK(j["entries"][1]["state"] == "completed");
+    CHECK(j["entries"][1]["completed_us"].get<int64_t>() >= j["entries"][1]["started_us"].get<int64_t>());
   });
 }
 

@@ -204,3 +204,20 @@ TEST_CASE("a custom schedule from a CSV file and one registered in C++ take the 
   CHECK(rp.lowered.size() == 3);
   CHECK(error_of([] { make_schedule("Nope"); }).find("unknown schedule 'Nope' (known: 1F1B,") != std::string::npos);
 }
+
+TEST_CASE("table schedules: stages and microbatches out of range are named with their line and column") {
+  const auto dir = std::filesystem::temp_directory_path();
+  const auto csv = (dir / "fsdpp-table-range.csv").string();
+  std::ofstream(csv) << "0F0,0B0\n1F0, 5F0\n";
+  auto msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 1}); });
+  CHECK(msg.find(csv + ": line 2, column 6: '5F0' names stage 5, but there are 2 stages") != std::string::npos);
+  std::ofstream(csv) << "0F0,0F3,0B0\n1F0,1B0\n";
+  msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 1}); });
+  CHECK(msg.find("line 1, column 5: '0F3' names microbatch 3, but there are 1") != std::string::npos);
+  const auto json = (dir / "fsdpp-table-range.json").string();
+  std::ofstream(json) << R"({"ranks": [["0F0", "0B0"], ["1F0", null, "9B0"]]})";
+  msg = error_of([&] { make_plan(*load_table_schedule(json), {2, 1, 1}); });
+  CHECK(msg.find("/ranks/1/2: '9B0' names stage 9") != std::string::npos);
+  std::filesystem::remove(csv);
+  std::filesystem::remove(json);
+}

@@ -328,6 +328,7 @@ class GlooComm : public CommImpl {
       // Alone in the group, every collective is a local copy: run it here rather than pay two
       // thread hand-offs. Nothing else can be queued (send/recv to self are rejected).
       try {
+        state->start();
         body(0);
         state->finish();
       } catch (...) {
@@ -367,6 +368,7 @@ class GlooComm : public CommImpl {
         continue;
       }
       try {
+        task.state->start();
         if (task.run(tag++)) task.state->finish();
       } catch (...) {
         // A failed gloo operation leaves the context unusable; later operations fail fast with
