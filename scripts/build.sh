@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Configures and builds fsdpp (Release with debug info, Ninja, ccache when present).
 #   scripts/build.sh [build-dir] [extra cmake arguments...]
+# FSDPP_TARGETS="a b" builds only those targets (default: everything).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -11,4 +12,5 @@ if [[ ! -f "$build/CMakeCache.txt" ]]; then
 elif (($#)); then
   cmake -S . -B "$build" "$@"
 fi
-cmake --build "$build" -j "$jobs"
+read -r -a targets <<<"${FSDPP_TARGETS:-}"
+cmake --build "$build" -j "$jobs" ${targets[@]+--target "${targets[@]}"}

@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-scripts/build.sh build
+FSDPP_TARGETS=fsdpp_cli scripts/build.sh build  # the trainer alone; test.sh builds the rest
 exec build/fsdpp run recipes/moe-small.json --overwrite "$@"
