@@ -2,7 +2,8 @@
 // Recipes: one JSON file says everything about a training run. Sections map to option structs:
 //
 //   {
-//     "name": "moe-small",
+//     "name": "moe-small",                   (default: the file name)
+//     "description": "one line for fsdpp ls",
 //     "model": "../configs/moe-small.json"   (a path, relative to the recipe, or an inline object),
 //     "data": {"source": "fortunes", "seq_len": 128, "val_fraction": 0.05},
 //     "parallel": {"dp": 2, "pp": 1, "schedule": "1F1B", "microbatches": 1, "stages_per_rank": 1,
@@ -14,11 +15,13 @@
 //     "train": {"steps": 600, "global_batch": 32, "grad_accum": 1, "seed": 1234},
 //     "eval": {"interval": 100, "batches": 8},
 //     "checkpoint": {"interval": 0, "keep": 2},
-//     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"}
+//     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"},
+//     "dist": {"watchdog_timeout_s": 300, "check_collectives": false}
 //   }
 //
-// Every key has a default; validate() reports every problem at once, each naming the JSON path and
-// the rule ("optim.lr: must be > 0, got -1"; "optim.lrr: unknown key, did you mean 'lr'?").
+// Every key has a default (the values above, from the option structs below). Validation reports
+// every problem at once, each naming the JSON path and the rule ("optim.lr: must be in (0, 10], got
+// -1"; "optim.lrr: unknown key, did you mean 'lr'?").
 
 #include <nlohmann/json.hpp>
 #include <optional>
