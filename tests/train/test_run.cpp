@@ -332,3 +332,23 @@ TEST_CASE("run: with dist.check_collectives, ranks that disagree fail at once, n
   CHECK(r.out.find("consistency check failed: this rank issues") != std::string::npos);
   fs::remove_all(dir);
 }
+
+TEST_CASE("run: bfloat16 compute with float32 router gates and norms trains, at dp=2 and at pp=2") {
+  const std::string mp =
+      "precision.param_dtype=bfloat16 'precision.overrides=[{\"match\": \"*.router.gate.weight\", "
+      "\"param_dtype\": \"float32\", \"grad_dtype\": \"float32\"}, {\"match\": \"*norm*\", \"param_dtype\": \"float32\"}]' "
+      "train.steps=20 logging.interval=1 eval.interval=0";
+  for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=2"}) {
+    CAPTURE(layout);
+    const auto dir = fresh_dir("bf16");
+    train_run(dir, mp + " " + layout);
+    const auto l = losses(dir);
+    CHECK(l.at(20) < l.at(1) - 1.0);
+    // The optimizer's shards stay float32 whatever the compute dtype.
+    for (const auto& [name, t] : fsdp::read_full_parameters(checkpoint(dir, 20))) {
+      CAPTURE(name);
+      CHECK((t.scalar_type() == at::kFloat));
+    }
+    fs::remove_all(dir);
+  }
+}
