@@ -68,11 +68,19 @@ struct MoEConfig {
 // Shared by the MoE layers of one model.
 struct RouterStats {
   double aux_grad_scale = 1.0;  // multiplies the auxiliary losses' gradients (1 / microbatches)
-  // Sums since the last reset(), over the MoE layers and forwards:
-  double aux_loss = 0, z_loss = 0;
-  int64_t assignments = 0, dropped = 0, forwards = 0;
-  void reset() { aux_loss = z_loss = 0; assignments = dropped = forwards = 0; }
-  double dropped_fraction() const { return assignments ? double(dropped) / double(assignments) : 0.0; }
+  // Sums since the last reset(), over the MoE layers and forwards. The device-side ones stay on
+  // the device (float64: aux loss, z-loss, dropped assignments), so that a step never reads a
+  // device value on the host; read() does that once, after the step.
+  at::Tensor sums;
+  int64_t assignments = 0, forwards = 0;
+  struct Values {
+    double aux_loss = 0, z_loss = 0;
+    int64_t dropped = 0;
+  };
+  void add(const at::Tensor& aux_z_dropped, int64_t assigned);
+  void reset();
+  Values read() const;
+  double dropped_fraction() const;
 };
 
 struct RMSNormImpl : torch::nn::Module {

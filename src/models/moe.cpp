@@ -39,6 +39,32 @@ void init_normal(at::Tensor& w, double std) {
 
 }  // namespace
 
+void RouterStats::add(const at::Tensor& aux_z_dropped, int64_t assigned) {
+  at::NoGradGuard g;
+  if (sums.defined())
+    sums.add_(aux_z_dropped);
+  else
+    sums = aux_z_dropped.to(at::kDouble).clone();
+  assignments += assigned;
+  forwards += 1;
+}
+
+void RouterStats::reset() {
+  if (sums.defined()) sums.zero_();
+  assignments = forwards = 0;
+}
+
+RouterStats::Values RouterStats::read() const {
+  if (!sums.defined()) return {};
+  const auto h = sums.to(at::kCPU);
+  const auto* p = h.data_ptr<double>();
+  return {p[0], p[1], static_cast<int64_t>(p[2])};
+}
+
+double RouterStats::dropped_fraction() const {
+  return assignments ? double(read().dropped) / double(assignments) : 0.0;
+}
+
 int64_t MoEConfig::parameter_count() const {
   const int64_t attn = 4 * dim * dim;
   const int64_t dense = 3 * dim * ffn_hidden;
@@ -160,7 +186,7 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const Routing r = route(flat);
   const auto weights = r.weights.to(x.scalar_type());
   auto out = at::zeros_like(flat);
-  int64_t dropped = 0;
+  at::Tensor dropped = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(x.device()));
   if (config.routing == "capacity") {
     // Static shapes: assignments in priority order (every token's first choice, then the second
     // ...), each takes the next free slot of its expert; the ones past capacity go to a spare row
@@ -178,7 +204,7 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     y = at::cat({y, at::zeros({1, y.size(1)}, y.options())});
     const auto w_kept = w_flat * keep.to(w_flat.scalar_type());
     out = out.index_add(0, tok, y.index_select(0, slots) * w_kept.unsqueeze(1));
-    dropped = T * k - keep.sum().item<int64_t>();
+    dropped = double(T * k) - keep.sum().to(at::kDouble);
   } else {
     // Dropless: group the assignments by expert and run each expert on exactly its rows.
     const auto e_flat = r.experts.reshape(-1);  // [T*k], token-major
@@ -199,11 +225,7 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   }
   if (shared) out = out + shared(flat);
 
-  stats->aux_loss += r.aux_loss.item<double>();
-  stats->z_loss += r.z_loss.item<double>();
-  stats->assignments += T * k;
-  stats->forwards += 1;
-  stats->dropped += dropped;
+  stats->add(at::stack({r.aux_loss.detach().to(at::kDouble), r.z_loss.detach().to(at::kDouble), dropped}), T * k);
   out = out.view(shape);
   const auto aux = config.aux_loss_coef * r.aux_loss + config.z_loss_coef * r.z_loss;
   if (at::GradMode::is_enabled() && aux.requires_grad())

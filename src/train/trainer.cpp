@@ -259,7 +259,11 @@ double Trainer::train_step(int64_t step) {
   const int64_t base = step * B + dp_rank() * (B / r_.parallel.dp);
   for (auto& root : roots_) root->inner().router_stats().reset();
   optimizer_->zero_grad();
-  double loss_sum = 0, losses = 0;
+  // No host read of a device value until the step is done (the step is then capturable as one
+  // CUDA graph): losses accumulate in a tensor, and are read with the other figures at the end.
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(params_.front().device());
+  auto loss_sum = at::zeros({}, f64);
+  double losses = 0;
   if (!executor_) {
     auto& root = roots_.front();
     root->inner().router_stats().aux_grad_scale = 1.0 / double(accum);
@@ -272,7 +276,7 @@ double Trainer::train_step(int64_t step) {
       b0 = std::chrono::system_clock::now();
       (loss / double(accum)).backward();
       span("backward", "compute", b0);
-      loss_sum += loss.item<double>();
+      loss_sum.add_(loss.detach().to(at::kDouble));
       losses += 1;
     }
   } else {
@@ -289,25 +293,31 @@ double Trainer::train_step(int64_t step) {
       const auto b0 = std::chrono::system_clock::now();
       const double mean_scaled = executor_->step(xs, ys);
       span("pipeline step", "compute", b0);
-      if (holds_last) loss_sum += mean_scaled * double(accum) * m, losses += m;
+      if (holds_last) loss_sum.add_(mean_scaled * double(accum) * m), losses += m;
     }
   }
 
-  // Clip by the norm over every shard of every rank.
+  // Clip by the norm over every shard of every rank; the squared norm travels in the same
+  // all-reduce as the figures the step reports.
   auto c0 = std::chrono::system_clock::now();
-  double sq = 0;
-  for (auto& p : params_)
-    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
-  double aux = 0, z = 0, forwards = 0, assigned = 0, dropped = 0;
-  for (auto& root : roots_) {
-    const auto& st = root->inner().router_stats();
-    aux += st.aux_loss, z += st.z_loss, forwards += double(st.forwards), assigned += double(st.assignments),
-        dropped += double(st.dropped);
+  auto sq = at::zeros({}, f64);
+  auto router = at::zeros({3}, f64);  // aux loss, z-loss, dropped assignments
+  double forwards = 0, assigned = 0;
+  {
+    at::NoGradGuard g;
+    for (auto& p : params_)
+      if (p.grad().defined()) sq.add_(p.grad().to(at::kDouble).pow(2).sum());
+    for (auto& root : roots_) {
+      const auto& st = root->inner().router_stats();
+      if (st.sums.defined()) router.add_(st.sums);
+      forwards += double(st.forwards), assigned += double(st.assignments);
+    }
   }
-  const auto sums = sum_over_world({sq, loss_sum, losses, aux, z, forwards, assigned, dropped});
-  last_grad_norm_ = std::sqrt(sums[0]);
-  if (r_.optim.grad_clip > 0 && last_grad_norm_ > r_.optim.grad_clip) {
-    const double scale = r_.optim.grad_clip / (last_grad_norm_ + 1e-6);
+  auto sums = at::cat({at::stack({sq, loss_sum}), at::tensor({losses, forwards, assigned}, f64), router});
+  world().all_reduce(sums).wait();
+  if (r_.optim.grad_clip > 0) {
+    // min(1, clip / norm): multiplying by exactly 1 leaves gradients under the limit unchanged.
+    const auto scale = at::clamp_max(r_.optim.grad_clip / (sums[0].sqrt() + 1e-6), 1.0);
     at::NoGradGuard g;
     for (auto& p : params_)
       if (p.grad().defined()) p.grad().mul_(scale);
@@ -319,8 +329,13 @@ double Trainer::train_step(int64_t step) {
   c0 = std::chrono::system_clock::now();
   optimizer_->step();
   span("optimizer", "compute", c0);
-  last_stats_ = {sums[3] / std::max(1.0, sums[5]), sums[4] / std::max(1.0, sums[5]), sums[6] > 0 ? sums[7] / sums[6] : 0.0, lr};
-  return sums[1] / std::max(1.0, sums[2]);
+
+  // The step is done: read its figures.
+  const auto h = sums.to(at::kCPU);
+  const double* v = h.data_ptr<double>();  // sq, loss sum, losses, forwards, assigned, aux, z, dropped
+  last_grad_norm_ = std::sqrt(v[0]);
+  last_stats_ = {v[5] / std::max(1.0, v[3]), v[6] / std::max(1.0, v[3]), v[4] > 0 ? v[7] / v[4] : 0.0, lr};
+  return v[1] / std::max(1.0, v[2]);
 }
 
 double Trainer::evaluate() {

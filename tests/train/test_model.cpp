@@ -98,7 +98,7 @@ TEST_CASE("MoE dropless: equals a per-token loop over the chosen experts") {
     CHECK(y.view({-1, c.dim})[t].allclose(want, 1e-5, 1e-6));
   }
   CHECK(moe->stats->assignments == flat.size(0) * c.top_k);
-  CHECK(moe->stats->dropped == 0);
+  CHECK(moe->stats->read().dropped == 0);
 }
 
 TEST_CASE("MoE capacity: with room for every assignment it equals dropless, values and gradients") {
@@ -120,7 +120,7 @@ TEST_CASE("MoE capacity: with room for every assignment it equals dropless, valu
     CAPTURE(p.key());
     CHECK(p.value().grad().allclose(capacity->named_parameters()[p.key()].grad(), 1e-4, 1e-6));
   }
-  CHECK(capacity->stats->dropped == 0);
+  CHECK(capacity->stats->read().dropped == 0);
 }
 
 TEST_CASE("MoE capacity: overflowing assignments are dropped in token order and counted") {
@@ -139,7 +139,7 @@ TEST_CASE("MoE capacity: overflowing assignments are dropped in token order and 
   at::NoGradGuard g;
   const auto y = moe->forward(x);
   const int64_t C = 2;  // ceil(1.0 * 8 * 1 / 4)
-  CHECK(moe->stats->dropped == T - C);
+  CHECK(moe->stats->read().dropped == T - C);
   CHECK(moe->stats->dropped_fraction() == doctest::Approx(double(T - C) / T));
   for (int64_t t = 0; t < T; ++t) {
     CAPTURE(t);
