@@ -50,12 +50,15 @@ class ParamGroup {
   // post_forward_group > 1: reshard_to_group() keeps 1/post_forward_group of the gathered
   // parameters, and the next unshard gathers within groups of that many consecutive ranks.
   ParamGroup(dist::Comm comm, std::vector<ParamSpec> params, const MixedPrecisionPolicy& mp,
-             std::string label, int post_forward_group = 0);
+             std::string label, int post_forward_group = 0, bool static_buffers = false);
 
   const std::string& label() const { return label_; }
   const dist::Comm& comm() const { return comm_; }
   bool empty() const { return params_.empty(); }
   bool is_unsharded() const { return unsharded_; }
+  // Where the gather and reduce buffers and the unsharded parameters live now (null when
+  // released): with static buffers, the same from the first step on.
+  std::vector<const void*> buffer_addresses() const;
 
   // Issues the all-gather (no-op when unsharded or already in flight).
   void unshard_async();
@@ -123,6 +126,11 @@ class ParamGroup {
   int64_t reduce_slot_numel_ = 0;
   at::ScalarType reduce_dtype_ = at::kFloat;
   bool unsharded_ = false;
+  bool static_buffers_ = false;
+  // Storage management behind unshard/reshard (Note [unshard by storage resize]); with static
+  // buffers, release is a no-op and allocate finds the storage in place.
+  void allocate(const at::Tensor& t, size_t nbytes) const;
+  void release(const at::Tensor& t) const;
   at::Tensor gather_buf_;   // [ranks x slot] bytes, storage allocated only while in use
   at::Tensor gather_slot_;  // this rank's slot of gather_buf_
   at::Tensor reduce_in_, reduce_out_;  // likewise, in reduce_dtype

@@ -40,6 +40,11 @@ struct FullyShardOptions {
   // Issue each unit's reduce-scatter as soon as its gradients are ready (otherwise wait for it
   // right away; for measuring the overlap).
   bool overlap_reduce_scatter = true;
+  // Keep the communication buffers and the unsharded parameters allocated for the model's
+  // lifetime, at fixed addresses, as CUDA graph replay needs; resharding then only marks the
+  // parameters as not gathered (reading one is no longer an error) and saves no memory. Use with
+  // reshard_after_forward = false.
+  bool static_buffers = false;
 };
 
 class Unit;

@@ -69,11 +69,12 @@ void zero_block(const at::Tensor& t) {
 }  // namespace
 
 ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const MixedPrecisionPolicy& mp,
-                       std::string label, int post_forward_group)
+                       std::string label, int post_forward_group, bool static_buffers)
     : comm_(std::move(comm)),
       label_(std::move(label)),
       gather_label_("fsdp all_gather " + label_),
       reduce_label_("fsdp reduce_scatter " + label_) {
+  static_buffers_ = static_buffers;
   const int64_t n = comm_.size(), rank = comm_.rank();
   std::optional<at::ScalarType> widest_grad;
   for (auto& spec : specs) {
@@ -150,7 +151,22 @@ ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const Mixe
     q.param.set_data(q.unsharded);
   }
   make_views();
-  for (auto& q : params_) resize_storage(q.unsharded, 0);
+  for (auto& q : params_) release(q.unsharded);
+}
+
+void ParamGroup::allocate(const at::Tensor& t, size_t nbytes) const {
+  if (t.storage().nbytes() != nbytes) resize_storage(t, nbytes);
+}
+
+void ParamGroup::release(const at::Tensor& t) const {
+  if (!static_buffers_) resize_storage(t, 0);
+}
+
+std::vector<const void*> ParamGroup::buffer_addresses() const {
+  std::vector<const void*> out;
+  for (const auto* t : {&gather_buf_, &reduce_in_, &reduce_out_}) out.push_back(t->storage().data());
+  for (const auto& q : params_) out.push_back(q.unsharded.storage().data());
+  return out;
 }
 
 // Note [persistent views]
@@ -190,9 +206,9 @@ void ParamGroup::make_views() {
     local_shape[0] = q.local_rows;
     q.reduce_piece = reduce_out_.narrow(0, q.reduce_offset, q.local_rows * q.row_numel).view(local_shape);
   }
-  resize_storage(gather_buf_, 0);
-  resize_storage(reduce_in_, 0);
-  resize_storage(reduce_out_, 0);
+  release(gather_buf_);
+  release(reduce_in_);
+  release(reduce_out_);
 }
 
 // Per-parameter dtype choices come from user callables; a rank that decides differently would
@@ -236,7 +252,7 @@ void ParamGroup::check_plan_is_uniform() {
 
 void ParamGroup::unshard_async() {
   if (unsharded_ || gather_work_) return;
-  resize_storage(gather_buf_, gather_buf_.numel());
+  allocate(gather_buf_, gather_buf_.numel());
   if (group_shard_.defined()) {
     // After reshard_to_group: the buffer is split in N contiguous pieces, one per group member.
     dist::OpLabel op_label("fsdp group all_gather " + label_);
@@ -256,10 +272,10 @@ void ParamGroup::wait_unshard() {
   gather_work_->wait();
   gather_work_.reset();
   for (auto& q : params_) {
-    resize_storage(q.unsharded, q.numel() * at::elementSize(q.compute_dtype));
+    allocate(q.unsharded, q.numel() * at::elementSize(q.compute_dtype));
     for (auto& [dst, src] : q.copy_out) copy_block(dst, src);
   }
-  if (!group_comm_) resize_storage(gather_buf_, 0);  // reshard_to_group still needs it
+  if (!group_comm_) release(gather_buf_);  // reshard_to_group still needs it
   unsharded_ = true;
 }
 
@@ -268,8 +284,8 @@ void ParamGroup::reshard_to_group() {
   TORCH_INTERNAL_ASSERT(group_comm_, "fsdp: reshard_to_group without a group");
   const int64_t piece = gather_buf_.numel() / group_comm_.size();
   group_shard_ = gather_buf_.narrow(0, group_comm_.rank() * piece, piece).clone();
-  resize_storage(gather_buf_, 0);
-  for (auto& q : params_) resize_storage(q.unsharded, 0);
+  release(gather_buf_);
+  for (auto& q : params_) release(q.unsharded);
   unsharded_ = false;
 }
 
@@ -279,9 +295,9 @@ void ParamGroup::reshard() {
     gather_work_.reset();
   }
   group_shard_ = at::Tensor();
-  resize_storage(gather_buf_, 0);
+  release(gather_buf_);
   if (!unsharded_) return;
-  for (auto& q : params_) resize_storage(q.unsharded, 0);
+  for (auto& q : params_) release(q.unsharded);
   unsharded_ = false;
 }
 
@@ -308,8 +324,8 @@ void ParamGroup::reduce_grads_async() {
   accumulate_grads();
   if (reduce_slot_numel_ == 0) return;
   TORCH_INTERNAL_ASSERT(!reduce_work_, "fsdp: reduce-scatter issued twice for ", label_);
-  resize_storage(reduce_in_, reduce_in_.numel() * reduce_in_.element_size());
-  resize_storage(reduce_out_, reduce_out_.numel() * reduce_out_.element_size());
+  allocate(reduce_in_, reduce_in_.numel() * reduce_in_.element_size());
+  allocate(reduce_out_, reduce_out_.numel() * reduce_out_.element_size());
   {
     at::NoGradGuard no_grad;
     for (auto& q : params_) {
@@ -349,8 +365,8 @@ void ParamGroup::finish_reduce() {
       copy_block(g.view(-1), q.reduce_piece.view(-1));
     }
   }
-  resize_storage(reduce_in_, 0);
-  resize_storage(reduce_out_, 0);
+  release(reduce_in_);
+  release(reduce_out_);
 }
 
 std::vector<at::Tensor> ParamGroup::sharded_parameters() const {
