@@ -62,4 +62,18 @@ inline std::unique_ptr<TableSchedule> load_table_schedule(const std::string& pat
   return std::make_unique<TableSchedule>(path, std::move(program), std::move(where));
 }
 
+// Whether a schedule name is an action table file (.csv or .json) rather than a registered name.
+inline bool is_table_file(const std::string& s) {
+  auto ends = [&](const char* suffix) {
+    const std::string x(suffix);
+    return s.size() > x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0;
+  };
+  return ends(".csv") || ends(".json");
+}
+
+// A registered schedule, or one read from an action table file.
+inline std::unique_ptr<Schedule> schedule_from(const std::string& name_or_path) {
+  return is_table_file(name_or_path) ? load_table_schedule(name_or_path) : make_schedule(name_or_path);
+}
+
 }  // namespace fsdpp::pipeline

@@ -48,6 +48,10 @@ struct RunResult {
 // Collective over `world` (dp x pp ranks). Throws on bad input before any rank starts work.
 RunResult run_training(const Recipe& recipe, dist::Comm world, const RunOptions& options = {});
 
+// Refuses a run that would misuse checkpoints, before any work: --resume without one, or a fresh
+// start in an output directory that holds some (without --overwrite).
+void check_output_dir(const Recipe& recipe, const RunOptions& options);
+
 // The newest complete checkpoint under an output directory, if any.
 std::optional<std::string> latest_checkpoint(const std::string& output_dir);
 

@@ -14,6 +14,7 @@
 #include "dist/init.hpp"
 #include "dist/launch.hpp"
 #include "fsdpp/blas.hpp"
+#include "fsdpp/files.hpp"
 #include "pipeline/plan.hpp"
 #include "pipeline/table.hpp"
 #include "pipeline/visualize.hpp"
@@ -163,14 +164,12 @@ int list_bundled() {
       for (const auto& f : files) {
         std::string about;
         try {
-          std::ifstream in(f);
-          const auto j = nlohmann::json::parse(in);
           if (std::string(kind) == "recipes") {
-            about = j.value("description", "");
             const auto r = train::load_recipe(f.string());
+            about = r.resolved.value("description", "");
             about += fmt::format("{}dp {} x pp {}, {} steps", about.empty() ? "" : "; ", r.parallel.dp, r.parallel.pp, r.train.steps);
           } else {
-            const auto c = train::parse_model_config(j, f.string());
+            const auto c = train::parse_model_config(read_json_file(f.string()), f.string());
             about = fmt::format("{:.2f}M parameters, {} layers, dim {}, {} experts top-{}", c.parameter_count() / 1e6,
                                 c.layers, c.dim, c.experts, c.top_k);
           }
@@ -195,24 +194,18 @@ struct RunArgs {
 int run_recipe(RunArgs& a) {
   if (a.stop_after > 0) a.options.stop_after = a.stop_after;
   if (dist::launched_by_launcher()) {
-    const auto settings = train::load_recipe(a.recipe, a.overrides);
+    // The recipe sets up the communicators; run_training checks it against the world size.
+    const auto recipe = train::load_recipe(a.recipe, a.overrides);
     dist::InitOptions init;
-    init.watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(settings.dist.watchdog_timeout_s * 1000));
-    init.flight_record_dir = (std::filesystem::path(settings.output_dir()) / "flight_records").string();
-    if (settings.dist.check_collectives) setenv("FSDPP_CHECK_COLLECTIVES", "1", /*overwrite=*/0);
-    auto world = dist::init_from_env(init);
-    const auto recipe = train::load_recipe(a.recipe, a.overrides, world.size());
-    train::run_training(recipe, world, a.options);
+    init.watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(recipe.dist.watchdog_timeout_s * 1000));
+    init.flight_record_dir = (std::filesystem::path(recipe.output_dir()) / "flight_records").string();
+    if (recipe.dist.check_collectives) setenv("FSDPP_CHECK_COLLECTIVES", "1", /*overwrite=*/0);
+    train::run_training(recipe, dist::init_from_env(init), a.options);
     return 0;
   }
   // Check everything before any rank starts.
   const auto recipe = train::load_recipe(a.recipe, a.overrides, a.nproc > 0 ? std::optional<int>(a.nproc) : std::nullopt);
-  const auto latest = train::latest_checkpoint(recipe.output_dir());
-  if (a.options.resume && !latest)
-    throw std::runtime_error(fmt::format("--resume: no checkpoint under {}/checkpoints to resume from", recipe.output_dir()));
-  if (!a.options.resume && latest && !a.options.overwrite)
-    throw std::runtime_error(fmt::format("{} already holds checkpoints; pass --resume to continue that run or "
-                                         "--overwrite to start afresh", recipe.output_dir()));
+  train::check_output_dir(recipe, a.options);
   dist::LaunchOptions o;
   o.nproc = recipe.world_size();
   o.command = {self_exe(), "run", a.recipe};
@@ -343,9 +336,9 @@ int main(int argc, char** argv) {
     }
     if (cmd_consolidate->parsed()) {
       namespace fs = std::filesystem;
-      const auto out = ckpt_out.empty() ? "" : ckpt_out;
-      const auto dir = train::consolidate_checkpoint(ckpt_in, out.empty() ? (fs::path(ckpt_in) / "model.safetensors").string() : out);
-      std::cout << fmt::format("wrote {} from {}\n", out.empty() ? (fs::path(ckpt_in) / "model.safetensors").string() : out, dir);
+      const auto out = ckpt_out.empty() ? (fs::path(ckpt_in) / "model.safetensors").string() : ckpt_out;
+      const auto dir = train::consolidate_checkpoint(ckpt_in, out);
+      std::cout << fmt::format("wrote {} from {}\n", out, dir);
       return 0;
     }
     if (cmd_analyze->parsed()) {

@@ -1,5 +1,7 @@
 #include "dist/flight_recorder.hpp"
 
+#include "fsdpp/files.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -136,11 +138,7 @@ std::string dump_flight_records(const std::string& dir, int world_rank) {
   std::filesystem::create_directories(dir);
   const auto comms = nlohmann::json::parse(flight_records_json());
   const auto path = (std::filesystem::path(dir) / fmt::format("rank{}.json", world_rank)).string();
-  {
-    std::ofstream f(path + ".tmp");
-    f << nlohmann::json{{"format", "fsdpp-flight-records-1"}, {"rank", world_rank}, {"comms", comms}}.dump(1);
-  }
-  std::filesystem::rename(path + ".tmp", path);
+  write_file_atomically(path, nlohmann::json{{"format", "fsdpp-flight-records-1"}, {"rank", world_rank}, {"comms", comms}}.dump(1));
   return path;
 }
 

@@ -1,5 +1,6 @@
 #include "fsdp/checkpoint.hpp"
 
+#include "fsdpp/files.hpp"
 #include "fsdpp/safetensors.hpp"
 
 #include <ATen/ATen.h>
@@ -55,12 +56,10 @@ struct Saved {
 };
 
 json read_json(const fs::path& path) {
-  std::ifstream f(path);
-  if (!f) throw std::runtime_error(fmt::format("checkpoint: {} is missing", path.string()));
   try {
-    return json::parse(f);
-  } catch (const json::exception& e) {
-    throw std::runtime_error(fmt::format("checkpoint: {} is not valid JSON: {}", path.string(), e.what()));
+    return read_json_file(path.string());
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(std::string("checkpoint: ") + e.what());
   }
 }
 
@@ -127,15 +126,10 @@ void save_shards(const std::vector<Shard>& shards, int rank, int world, const st
   }
   const json index = {{"format", kFormat}, {"world_size", world}, {"rank", rank}, {"entries", entries}};
   const auto base = fs::path(dir) / fmt::format("rank{}", rank);
+  // The tensors first, the index last: an index always describes a complete file.
   write_safetensors(base.string() + ".safetensors.tmp", tensors, {{"format", kFormat}});
-  {
-    std::ofstream f(base.string() + ".json.tmp");
-    f << index.dump(1);
-    f.flush();
-    if (!f) throw std::runtime_error("checkpoint: cannot write " + base.string() + ".json.tmp");
-  }
   fs::rename(base.string() + ".safetensors.tmp", base.string() + ".safetensors");
-  fs::rename(base.string() + ".json.tmp", base.string() + ".json");
+  write_file_atomically(base.string() + ".json", index.dump(1));
 }
 
 void save_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW* optimizer) {

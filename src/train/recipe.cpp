@@ -435,23 +435,20 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
         top.fail("parallel", fmt::format("pp x stages_per_rank = {} stages, but the model has {} layers", stages,
                                          rc.model.layers));
       try {
+        // Checked here first for messages that say more than the loaders' (a suggestion, a path).
         const auto& s = par.schedule;
-        const bool table = s.size() > 4 && (has_suffix(s, ".csv") || has_suffix(s, ".json"));
-        std::unique_ptr<pipeline::Schedule> sched;
-        if (table) {
+        if (pipeline::is_table_file(s)) {
           rc.parallel.schedule = resolve(s, base_dir);
           std::error_code ec;
           if (!fs::is_regular_file(rc.parallel.schedule, ec))
             throw pipeline::ScheduleError(fmt::format("{}: no such schedule file", rc.parallel.schedule));
-          sched = pipeline::load_table_schedule(rc.parallel.schedule);
         } else {
           const auto names = pipeline::schedule_names();
           if (std::find(names.begin(), names.end(), s) == names.end())
             throw pipeline::ScheduleError(fmt::format("unknown schedule \"{}\" (known: {}){}", s, fmt::join(names, ", "),
                                                       Reader::suggest(s, names)));
-          sched = pipeline::make_schedule(s);
         }
-        pipeline::make_plan(*sched, {par.pp, par.stages_per_rank, par.microbatches}, true, par.max_outstanding_sends);
+        pipeline::make_plan(*pipeline::schedule_from(rc.parallel.schedule), {par.pp, par.stages_per_rank, par.microbatches}, true, par.max_outstanding_sends);
       } catch (const std::exception& e) {
         top.fail("parallel.schedule", e.what());
       }

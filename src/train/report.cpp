@@ -9,6 +9,7 @@
 #include <ostream>
 
 #include "dist/flight_recorder.hpp"
+#include "fsdpp/files.hpp"
 
 namespace fsdpp::train {
 
@@ -112,11 +113,7 @@ void write_loss_svg(const std::string& path, const Series& train, const Series& 
                      "<line x1=\"{0}\" x2=\"{1}\" y1=\"72\" y2=\"72\" stroke=\"#d62728\" stroke-width=\"2\"/>"
                      "<text x=\"{2}\" y=\"76\">validation</text>\n</svg>\n",
                      W - R - 110, W - R - 90, W - R - 84);
-  std::ofstream f(path + ".tmp");
-  f << svg;
-  f.close();
-  if (!f) throw std::runtime_error("cannot write " + path);
-  std::rename((path + ".tmp").c_str(), path.c_str());
+  write_file_atomically(path, svg);
 }
 
 namespace {

@@ -19,6 +19,7 @@
 #include "dist/fault.hpp"
 #include "dist/mesh.hpp"
 #include "fsdp/checkpoint.hpp"
+#include "fsdpp/files.hpp"
 #include "fsdpp/safetensors.hpp"
 #include "pipeline/executor.hpp"
 #include "pipeline/table.hpp"
@@ -70,27 +71,6 @@ double learning_rate(const OptimOptions& o, int64_t step, int64_t total) {
 }
 
 std::string step_dir_name(int64_t step) { return fmt::format("step-{:08}", step); }
-
-void write_text_atomically(const fs::path& path, const std::string& text) {
-  const auto tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << text;
-    f.flush();
-    if (!f) throw std::runtime_error(fmt::format("cannot write {}", tmp));
-  }
-  fs::rename(tmp, path);
-}
-
-json read_json(const fs::path& path) {
-  std::ifstream f(path);
-  if (!f) throw std::runtime_error(fmt::format("{} is missing", path.string()));
-  try {
-    return json::parse(f);
-  } catch (const json::exception& e) {
-    throw std::runtime_error(fmt::format("{} is not valid JSON: {}", path.string(), e.what()));
-  }
-}
 
 // FSDPP_FAULT (dist/fault.hpp): the trainer's kinds end this rank with SIGKILL.
 void maybe_fire(const char* kind, int rank, int64_t step) {
@@ -169,19 +149,13 @@ class Trainer {
 };
 
 void Trainer::prepare_output() {
-  const auto latest = latest_checkpoint(out_.string());
-  if (o_.resume && !latest)
-    throw std::runtime_error(fmt::format("--resume: no checkpoint under {}/checkpoints to resume from", out_.string()));
-  if (!o_.resume && latest && !o_.overwrite)
-    throw std::runtime_error(fmt::format("{} already holds checkpoints (latest {}); pass --resume to continue that run "
-                                         "or --overwrite to start afresh",
-                                         out_.string(), fs::path(*latest).filename().string()));
+  check_output_dir(r_, o_);
   if (lead()) {
     if (!o_.resume && fs::exists(out_)) {
       for (const char* p : {"checkpoints", "metrics", "trace", "flight_records", "loss.svg", "summary.json", "trace.json"}) fs::remove_all(out_ / p);
     }
     fs::create_directories(out_ / "metrics");
-    write_text_atomically(out_ / "recipe.json", r_.resolved.dump(2) + "\n");
+    write_file_atomically((out_ / "recipe.json").string(), r_.resolved.dump(2) + "\n");
   }
   world().barrier().wait();
 }
@@ -203,12 +177,7 @@ void Trainer::build() {
     roots_.push_back(fsdp::fully_shard(full, dp, options));
     stage_ids_.push_back(0);
   } else {
-    std::unique_ptr<pipeline::Schedule> schedule;
-    const auto& s = par.schedule;
-    if (s.ends_with(".csv") || s.ends_with(".json"))
-      schedule = pipeline::load_table_schedule(s);
-    else
-      schedule = pipeline::make_schedule(s);
+    const auto schedule = pipeline::schedule_from(par.schedule);
     auto plan = pipeline::make_plan(*schedule, {par.pp, par.stages_per_rank, par.microbatches}, true,
                                     par.max_outstanding_sends);
     const int stages = par.pp * par.stages_per_rank;
@@ -394,7 +363,7 @@ void Trainer::save_checkpoint(int64_t step) {
                        {"recipe", r_.resolved},
                        // The data order is a function of the seed; the position, of the step.
                        {"data", {{"seed", r_.train.seed}, {"samples_consumed", step * r_.train.global_batch}}}};
-    write_text_atomically(tmp / "trainer.json", meta.dump(1) + "\n");
+    write_file_atomically((tmp / "trainer.json").string(), meta.dump(1) + "\n");
   }
   world().barrier().wait();  // every rank's files are in place
   if (lead()) {
@@ -404,7 +373,7 @@ void Trainer::save_checkpoint(int64_t step) {
     if (fs::exists(final_dir)) fs::rename(final_dir, old);
     fs::rename(tmp, final_dir);
     fs::remove_all(old);
-    write_text_atomically(dir / "latest", step_dir_name(step) + "\n");
+    write_file_atomically((dir / "latest").string(), step_dir_name(step) + "\n");
     std::vector<fs::path> done;
     for (const auto& e : fs::directory_iterator(dir))
       if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) done.push_back(e.path());
@@ -418,7 +387,7 @@ void Trainer::save_checkpoint(int64_t step) {
 
 int64_t Trainer::restore() {
   const auto dir = *latest_checkpoint(out_.string());
-  const json meta = read_json(fs::path(dir) / "trainer.json");
+  const json meta = read_json_file((fs::path(dir) / "trainer.json").string());
   const json saved_model = meta.at("model"), now_model = to_json(r_.model);
   for (const auto& [k, v] : now_model.items())
     if (!saved_model.contains(k) || saved_model[k] != v)
@@ -551,7 +520,7 @@ RunResult Trainer::run() {
                           {"val_loss", result.val_loss},
                           {"dp", r_.parallel.dp},
                           {"pp", r_.parallel.pp}};
-    write_text_atomically(out_ / "summary.json", summary.dump(1) + "\n");
+    write_file_atomically((out_ / "summary.json").string(), summary.dump(1) + "\n");
     std::cout << fmt::format("done: {} steps in {} ({:.1f}k tok/s); train loss {:.4f}, validation loss {:.4f} nats/byte\n"
                              "outputs: {}/ (loss.svg, metrics/, checkpoints/{}, summary.json{})",
                              steps_run, format_duration(result.seconds), result.tokens_per_s / 1e3, result.train_loss,
@@ -569,6 +538,17 @@ RunResult run_training(const Recipe& recipe, dist::Comm world, const RunOptions&
                                             recipe.world_size(), world.size()));
   Trainer t(recipe, std::move(world), options);
   return t.run();
+}
+
+void check_output_dir(const Recipe& recipe, const RunOptions& options) {
+  const auto out = recipe.output_dir();
+  const auto latest = latest_checkpoint(out);
+  if (options.resume && !latest)
+    throw std::runtime_error(fmt::format("--resume: no checkpoint under {}/checkpoints to resume from", out));
+  if (!options.resume && latest && !options.overwrite)
+    throw std::runtime_error(fmt::format("{} already holds checkpoints (latest {}); pass --resume to continue that run "
+                                         "or --overwrite to start afresh",
+                                         out, fs::path(*latest).filename().string()));
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& output_dir) {
@@ -592,7 +572,7 @@ std::string find_checkpoint(const std::string& path) {
 
 std::string consolidate_checkpoint(const std::string& path, const std::string& output_file) {
   const auto dir = find_checkpoint(path);
-  const json meta = read_json(fs::path(dir) / "trainer.json");
+  const json meta = read_json_file((fs::path(dir) / "trainer.json").string());
   const auto full = fsdp::read_full_parameters(dir);
   const auto tmp = output_file + ".tmp";
   write_safetensors(tmp, full,
@@ -614,7 +594,7 @@ models::MoETransformer load_model(const std::string& path) {
     state = std::move(file.tensors);
   } else {
     const auto dir = find_checkpoint(path);
-    config = parse_model_config(read_json(fs::path(dir) / "trainer.json").at("model"), dir + "/trainer.json");
+    config = parse_model_config(read_json_file((fs::path(dir) / "trainer.json").string()).at("model"), dir + "/trainer.json");
     state = fsdp::read_full_parameters(dir);
   }
   auto model = models::MoETransformer(config);
