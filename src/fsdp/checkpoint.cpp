@@ -55,6 +55,27 @@ struct Saved {
   }
 };
 
+// An integer field of an index entry; a float, a string or a value beyond int64 is damage, not a
+// number to convert.
+int64_t integer(const json& object, const char* key, const std::string& file) {
+  const json& v = object.at(key);
+  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)))
+    throw std::runtime_error(fmt::format("checkpoint: '{}' in {} is not a 64-bit integer: {}", key, file, v.dump()));
+  return v.get<int64_t>();
+}
+
+std::vector<int64_t> shape_of(const json& entry, const std::string& file) {
+  const json& v = entry.at("shape");
+  if (!v.is_array()) throw std::runtime_error(fmt::format("checkpoint: 'shape' in {} is not an array", file));
+  std::vector<int64_t> shape;
+  for (const auto& d : v) {
+    if (!d.is_number_integer() || d.get<int64_t>() < 0 || (d.is_number_unsigned() && d.get<uint64_t>() > uint64_t(INT64_MAX)))
+      throw std::runtime_error(fmt::format("checkpoint: 'shape' in {} holds {}, not a size", file, d.dump()));
+    shape.push_back(d.get<int64_t>());
+  }
+  return shape;
+}
+
 json read_json(const fs::path& path) {
   try {
     return read_json_file(path.string());
@@ -78,22 +99,24 @@ std::vector<Saved> read_all_checked(const std::string& dir) {
   const json first = read_json(fs::path(dir) / "rank0.json");
   if (first.value("format", "") != kFormat)
     throw std::runtime_error(fmt::format("checkpoint: {}/rank0.json is not a {} index", dir, kFormat));
-  const int world = first.at("world_size").get<int>();
+  const int64_t world = integer(first, "world_size", dir + "/rank0.json");
   if (world < 1 || world > 1 << 16)
     throw std::runtime_error(fmt::format("checkpoint: {}/rank0.json has world_size {}", dir, world));
   std::vector<Saved> saved(world);
-  for (int r = 0; r < world; ++r) {
+  for (int64_t r = 0; r < world; ++r) {
     auto& sv = saved[r];
-    sv.index = r == 0 ? first : read_json(fs::path(dir) / fmt::format("rank{}.json", r));
+    const auto index_file = (fs::path(dir) / fmt::format("rank{}.json", r)).string();
+    sv.index = r == 0 ? first : read_json(index_file);
     sv.file = (fs::path(dir) / fmt::format("rank{}.safetensors", r)).string();
     sv.data = read_safetensors(sv.file);
     for (const auto& e : sv.index.at("entries")) {
       const auto& t = sv.tensor(e.at("name").get<std::string>());
-      const auto shape = e.at("shape").get<std::vector<int64_t>>();
-      const int64_t rows = e.at("rows"), offset = e.at("row_offset");
+      const auto shape = shape_of(e, index_file);
+      const int64_t rows = integer(e, "rows", index_file), offset = integer(e, "row_offset", index_file);
+      if (e.contains("step")) integer(e, "step", index_file);
       bool ok = !shape.empty() && offset >= 0 && rows >= 0 && offset <= shape[0] - rows &&
                 t.dim() == int64_t(shape.size()) && t.size(0) == rows;
-      for (size_t d = 0; ok && d < shape.size(); ++d) ok = shape[d] >= 0 && (d == 0 || t.size(int64_t(d)) == shape[d]);
+      for (size_t d = 1; ok && d < shape.size(); ++d) ok = t.size(int64_t(d)) == shape[d];
       if (!ok)
         throw std::runtime_error(fmt::format("checkpoint: entry '{}' of {} does not match its tensor",
                                              e.at("name").get<std::string>(), sv.file));

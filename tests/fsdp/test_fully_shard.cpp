@@ -1,6 +1,10 @@
 // fully_shard: equivalence with unsharded training, collectives, mechanics, bad use.
 #include "fsdp/checkpoint.hpp"
 #include "fsdp/models.hpp"
+#include "fsdpp/files.hpp"
+
+#include <nlohmann/json.hpp>
+#include <tuple>
 
 using namespace fsdpp;
 using test::Net;
@@ -196,6 +200,39 @@ TEST_CASE("a checkpoint with a missing rank file is rejected naming the file") {
     }
     CHECK(msg.find("rank1.json is missing") != std::string::npos);
   });
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a checkpoint index whose numbers are floats, strings or out of range is rejected naming the field") {
+  const auto dir = test::fresh_store_path() + "-ckpt";
+  test::run_ranks(1, [&](dist::Comm& comm) {
+    auto model = fsdp::fully_shard(Net(8, 1), comm);
+    fsdp::save_sharded(*model.ptr(), dir);
+  });
+  const auto good = fsdpp::read_json_file(dir + "/rank0.json");
+  const std::vector<std::tuple<std::string, nlohmann::json, std::string>> damage = {
+      {"rows", 6.6e62, "'rows'"},
+      {"rows", "4", "'rows'"},
+      {"row_offset", 0.5, "'row_offset'"},
+      {"row_offset", uint64_t(1) << 63, "'row_offset'"},
+      {"shape", nlohmann::json::array({-8, 5}), "'shape'"},
+      {"shape", nlohmann::json::array({8.0, 5}), "'shape'"},
+  };
+  for (const auto& [key, value, want] : damage) {
+    auto index = good;
+    index["entries"][0][key] = value;
+    fsdpp::write_file_atomically(dir + "/rank0.json", index.dump());
+    std::string msg;
+    try {
+      fsdp::read_full_parameters(dir);
+    } catch (const std::runtime_error& e) {
+      msg = e.what();
+    }
+    INFO(key << " = " << value.dump() << ": " << msg);
+    CHECK(msg.find(want) != std::string::npos);
+  }
+  fsdpp::write_file_atomically(dir + "/rank0.json", good.dump());
+  CHECK(!fsdp::read_full_parameters(dir).empty());
   std::filesystem::remove_all(dir);
 }
 
