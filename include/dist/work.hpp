@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -48,6 +49,10 @@ struct WorkState {
   bool started = false, done = false;
   std::exception_ptr error;
   std::vector<at::Tensor> tensors;  // kept alive while the operation runs
+  // Set by backends whose operations run on a device stream (NCCL). Such an operation is done, for
+  // the host, once it is enqueued; wait() then calls this to make the caller's current stream wait
+  // for it, without blocking the host (see Note [stream ordering] in the NCCL backend).
+  std::function<void()> device_wait;
   std::chrono::system_clock::time_point started_at, finished_at;
 };
 
@@ -62,7 +67,10 @@ class Work {
     if (!state_) return;
     std::unique_lock<std::mutex> lock(state_->mu);
     state_->cv.wait(lock, [&] { return state_->done; });
-    if (!state_->error) return;
+    if (!state_->error) {
+      if (state_->device_wait) state_->device_wait();
+      return;
+    }
     try {
       std::rethrow_exception(state_->error);
     } catch (const std::exception& e) {

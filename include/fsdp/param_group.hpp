@@ -127,6 +127,7 @@ class ParamGroup {
   at::ScalarType reduce_dtype_ = at::kFloat;
   bool unsharded_ = false;
   bool static_buffers_ = false;
+  at::Device device_ = at::kCPU;  // of every parameter, buffer and plan-check tensor of the group
   // Storage management behind unshard/reshard (Note [unshard by storage resize]); with static
   // buffers, release is a no-op and allocate finds the storage in place.
   void allocate(const at::Tensor& t, size_t nbytes) const;

@@ -13,6 +13,7 @@ namespace fsdpp::dist::detail {
 struct BackendConfig {
   std::string bind_address = "127.0.0.1";
   std::chrono::milliseconds timeout = kDefaultTimeout;
+  int device = -1;  // NCCL: the CUDA device (LOCAL_RANK under a launcher); -1: the current one
 };
 
 // Every rank announces itself under `store` and waits for the others. Fails with a CommError that

@@ -179,7 +179,8 @@ Comm init_from_env(const InitOptions& options) {
   } catch (const CommError& e) {
     throw CommError(fmt::format("rank {} of {}: {}", env.rank, env.world_size, e.what()));
   }
-  const auto config = backend_config(options, env.master_addr);
+  auto config = backend_config(options, env.master_addr);
+  config.device = env.local_rank;  // one GPU per local rank, as under torchrun
   auto world = make_prefix_store("fsdpp/world", store);
   detail::join(*world, env.rank, env.world_size, options.timeout);
   Comm comm(options.backend == Backend::kNccl

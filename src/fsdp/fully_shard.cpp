@@ -86,7 +86,7 @@ double clip_grad_norm(UnitHolder& root, double max_norm) {
     for (auto& p : u->group().sharded_parameters())
       if (p.grad().defined()) grads.push_back(p.grad());
   // Padding rows are not part of any shard, so local squares sum to this rank's share exactly.
-  auto total = at::zeros({1}, at::kDouble);
+  auto total = at::zeros({1}, at::TensorOptions(grads.empty() ? at::Device(at::kCPU) : grads.front().device()).dtype(at::kDouble));
   for (const auto& g : grads) total += g.to(at::kDouble).pow(2).sum();
   root.fsdp_unit().comm().all_reduce(total).wait();
   const double norm = std::sqrt(total.item<double>());

@@ -23,9 +23,14 @@ bool is_float(at::ScalarType t) {
 }
 
 // See Note [unshard by storage resize].
+// Any device: the storage's own allocator (the caching allocator for CUDA tensors) provides the new
+// bytes. Contents are not kept: storage goes from empty to full size (and is then written whole by
+// an all-gather or a copy) or from full size to empty.
 void resize_storage(const at::Tensor& t, size_t nbytes) {
-  TORCH_INTERNAL_ASSERT(t.device().is_cpu(), "fsdp: storage resize is implemented for CPU tensors");
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), nbytes);
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == nbytes) return;
+  s->set_data_ptr_noswap(nbytes ? s->allocator()->allocate(nbytes) : at::DataPtr(nullptr, s->device()));
+  s->set_nbytes(nbytes);
 }
 
 std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
@@ -84,7 +89,12 @@ ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const Mixe
       throw std::invalid_argument(fmt::format("fully_shard({}): parameter '{}' {}", label_, name, why));
     };
     if (!p.defined()) fail("is undefined");
-    if (!p.device().is_cpu()) fail("is on " + p.device().str() + "; this build shards CPU tensors");
+    if (&spec == &specs.front()) device_ = p.device();
+    if (p.device() != device_)
+      fail(fmt::format("is on {} but '{}' is on {}; a unit's parameters must share a device", p.device().str(),
+                       specs.front().names.front(), device_.str()));
+    if (!p.device().is_cpu() && !p.device().is_cuda())
+      fail("is on " + p.device().str() + "; fully_shard shards CPU and CUDA tensors");
     if (!is_float(p.scalar_type()))
       fail(fmt::format("has dtype {}; only float32, float64, bfloat16 and float16 parameters can be "
                        "sharded",
@@ -177,10 +187,10 @@ std::vector<const void*> ParamGroup::buffer_addresses() const {
 // chain of narrow/view calls, which matters for models of many small units.
 void ParamGroup::make_views() {
   const int64_t n = comm_.size();
-  gather_buf_ = at::empty({n * gather_slot_bytes_}, at::kByte);
+  gather_buf_ = at::empty({n * gather_slot_bytes_}, at::TensorOptions(device_).dtype(at::kByte));
   gather_slot_ = gather_buf_.narrow(0, comm_.rank() * gather_slot_bytes_, gather_slot_bytes_);
   const auto rows = gather_buf_.view({n, gather_slot_bytes_});
-  reduce_in_ = at::empty({n, reduce_slot_numel_}, at::TensorOptions().dtype(reduce_dtype_));
+  reduce_in_ = at::empty({n, reduce_slot_numel_}, at::TensorOptions(device_).dtype(reduce_dtype_));
   reduce_out_ = at::empty({reduce_slot_numel_}, reduce_in_.options());
   for (auto& q : params_) {
     const int64_t pn = q.padded_numel();
@@ -217,8 +227,10 @@ void ParamGroup::make_views() {
 void ParamGroup::check_plan_is_uniform() {
   const int64_t n = comm_.size();
   const int64_t count = static_cast<int64_t>(params_.size());
-  auto counts = at::empty({n}, at::kLong);
-  comm_.all_gather(counts, at::full({1}, count, at::kLong)).wait();
+  const auto on_device = at::TensorOptions(device_).dtype(at::kLong);
+  auto counts = at::empty({n}, on_device);
+  comm_.all_gather(counts, at::full({1}, count, on_device)).wait();
+  counts = counts.cpu();
   for (int64_t q = 0; q < n; ++q)
     if (counts[q].item<int64_t>() != count)
       throw std::invalid_argument(fmt::format(
@@ -234,8 +246,9 @@ void ParamGroup::check_plan_is_uniform() {
                                          q.param.requires_grad());
     mine[i] = static_cast<int64_t>(std::hash<std::string>{}(plan));
   }
-  auto all = at::empty({n * count}, at::kLong);
-  comm_.all_gather(all, mine).wait();
+  auto all = at::empty({n * count}, on_device);
+  comm_.all_gather(all, mine.to(device_)).wait();
+  all = all.cpu();
   auto view = all.view({n, count});
   for (int64_t q = 0; q < n; ++q)
     for (int64_t i = 0; i < count; ++i)
