@@ -14,25 +14,23 @@
 
 #include "fsdp/fully_shard.hpp"
 
-namespace torch::optim {
-class AdamW;
-}
-
 namespace fsdpp::fsdp {
 
+class AdamW;
+
 // Every rank calls it with the same directory (which it creates).
-void save_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW* optimizer = nullptr);
+void save_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer = nullptr);
 
 // Throws naming the directory, file or parameter when something is missing or inconsistent.
-void load_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW* optimizer = nullptr);
+void load_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer = nullptr);
 
 // The same for a model made of several sharded roots (pipeline stages): `shards` are this rank's,
 // from all of its roots; `rank` of `world` names the files. Neither synchronises.
 void save_shards(const std::vector<Shard>& shards, int rank, int world, const std::string& dir,
-                 torch::optim::AdamW* optimizer = nullptr);
+                 AdamW* optimizer = nullptr);
 // The roots must be resharded (their sharded parameters are written).
 void load_shards(const std::vector<Shard>& shards, const std::string& dir,
-                 torch::optim::AdamW* optimizer = nullptr);
+                 AdamW* optimizer = nullptr);
 
 // Every parameter in full, assembled from all ranks' files of a checkpoint, in index order. One
 // process; throws naming the file or parameter when rows are missing or inconsistent.

@@ -1,11 +1,12 @@
 #include "fsdp/checkpoint.hpp"
 
+#include "fsdp/adamw.hpp"
+
 #include "fsdpp/files.hpp"
 #include "fsdpp/safetensors.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <torch/optim/adamw.h>
 
 #include <filesystem>
 #include <map>
@@ -13,7 +14,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <type_traits>
 
 namespace fsdpp::fsdp {
 
@@ -23,26 +23,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr const char* kFormat = "fsdpp-sharded-2";
-
-// The optimizer keys its state by the parameter's TensorImpl; LibTorch 1.13 spells the key as a
-// string, later versions may use the pointer itself.
-template <class Map>
-typename Map::key_type state_key(const Map&, const at::Tensor& p) {
-  using Key = typename Map::key_type;
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream os;
-    os << p.unsafeGetTensorImpl();
-    return os.str();
-  } else {
-    return Key(p.unsafeGetTensorImpl());
-  }
-}
-
-torch::optim::AdamWParamState* adam_state(torch::optim::AdamW& opt, const at::Tensor& p) {
-  auto& state = opt.state();
-  auto it = state.find(state_key(state, p));
-  return it == state.end() ? nullptr : static_cast<torch::optim::AdamWParamState*>(it->second.get());
-}
 
 struct Saved {
   std::string file;
@@ -128,10 +108,11 @@ std::vector<Saved> read_all_checked(const std::string& dir) {
 }  // namespace
 
 void save_shards(const std::vector<Shard>& shards, int rank, int world, const std::string& dir,
-                 torch::optim::AdamW* optimizer) {
+                 AdamW* optimizer) {
   fs::create_directories(dir);
   json entries = json::array();
   std::vector<std::pair<std::string, at::Tensor>> tensors;
+  const int64_t steps = optimizer ? optimizer->steps() : 0;
   for (const auto& s : shards) {
     json e = {{"name", s.name},
               {"shape", s.info.global_shape},
@@ -140,10 +121,10 @@ void save_shards(const std::vector<Shard>& shards, int rank, int world, const st
               {"dtype", c10::toString(s.param.scalar_type())}};
     tensors.emplace_back(s.name, s.param.detach());
     if (optimizer)
-      if (auto* st = adam_state(*optimizer, s.param)) {
-        e["step"] = st->step();
-        tensors.emplace_back(s.name + ".exp_avg", st->exp_avg());
-        tensors.emplace_back(s.name + ".exp_avg_sq", st->exp_avg_sq());
+      if (auto* st = optimizer->state(s.param)) {
+        e["step"] = steps;
+        tensors.emplace_back(s.name + ".exp_avg", st->exp_avg);
+        tensors.emplace_back(s.name + ".exp_avg_sq", st->exp_avg_sq);
       }
     entries.push_back(std::move(e));
   }
@@ -155,24 +136,23 @@ void save_shards(const std::vector<Shard>& shards, int rank, int world, const st
   write_file_atomically(base.string() + ".json", index.dump(1));
 }
 
-void save_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW* optimizer) {
+void save_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer) {
   auto& comm = root.fsdp_unit().comm();
   save_shards(shards(root), comm.rank(), comm.size(), dir, optimizer);
   comm.barrier().wait();  // the checkpoint is complete when every rank's files are in place
 }
 
-void load_shards(const std::vector<Shard>& shards, const std::string& dir, torch::optim::AdamW* optimizer) {
+void load_shards(const std::vector<Shard>& shards, const std::string& dir, AdamW* optimizer) {
   const auto saved = read_all(dir);
   at::NoGradGuard no_grad;
+  std::optional<int64_t> steps_loaded;
   for (const auto& s : shards) {
     const int64_t lo = s.info.row_offset, hi = lo + s.info.local_rows;
     int64_t covered = 0;
     std::optional<int64_t> step;
-    at::Tensor exp_avg, exp_avg_sq;
-    if (optimizer) {
-      exp_avg = at::zeros_like(s.param);
-      exp_avg_sq = at::zeros_like(s.param);
-    }
+    AdamW::State* state = optimizer ? optimizer->state(s.param) : nullptr;
+    if (optimizer && !state)
+      throw std::invalid_argument(fmt::format("checkpoint: the optimizer does not update '{}'", s.name));
     bool found = false;
     for (const auto& sv : saved)
       for (const auto& e : sv.index.at("entries")) {
@@ -183,32 +163,36 @@ void load_shards(const std::vector<Shard>& shards, const std::string& dir, torch
                                                s.name, e.at("shape").dump(), dir,
                                                fmt::join(s.info.global_shape, ", ")));
         const int64_t elo = e.at("row_offset"), ehi = elo + e.at("rows").get<int64_t>();
+        if (state && e.contains("step")) step = e.at("step").get<int64_t>();
         const int64_t a = std::max(lo, elo), b = std::min(hi, ehi);
         if (a >= b) continue;
         auto take = [&](const std::string& key) { return sv.tensor(key).narrow(0, a - elo, b - a); };
         s.param.narrow(0, a - lo, b - a).copy_(take(s.name));
         covered += b - a;
-        if (optimizer && e.contains("step")) {
-          step = e.at("step").get<int64_t>();
-          exp_avg.narrow(0, a - lo, b - a).copy_(take(s.name + ".exp_avg"));
-          exp_avg_sq.narrow(0, a - lo, b - a).copy_(take(s.name + ".exp_avg_sq"));
+        if (state && e.contains("step")) {
+          state->exp_avg.narrow(0, a - lo, b - a).copy_(take(s.name + ".exp_avg"));
+          state->exp_avg_sq.narrow(0, a - lo, b - a).copy_(take(s.name + ".exp_avg_sq"));
         }
       }
     if (!found) throw std::runtime_error(fmt::format("checkpoint: '{}' is not in {}", s.name, dir));
     if (covered != s.info.local_rows)
       throw std::runtime_error(fmt::format("checkpoint: rows {}..{} of '{}' are not all in {}", lo, hi, s.name, dir));
-    if (optimizer && step) {
-      auto st = std::make_unique<torch::optim::AdamWParamState>();
-      st->step(*step);
-      st->exp_avg(exp_avg);
-      st->exp_avg_sq(exp_avg_sq);
-      auto& state = optimizer->state();
-      state[state_key(state, s.param)] = std::move(st);
+    if (state) {
+      // A checkpoint saved without optimizer state starts the optimizer afresh.
+      if (!step) {
+        state->exp_avg.zero_();
+        state->exp_avg_sq.zero_();
+      }
+      if (steps_loaded && *steps_loaded != step.value_or(0))
+        throw std::runtime_error(fmt::format("checkpoint: '{}' has optimizer step {} in {} but another parameter has {}",
+                                             s.name, step.value_or(0), dir, *steps_loaded));
+      steps_loaded = step.value_or(0);
     }
   }
+  if (optimizer && steps_loaded) optimizer->set_steps(*steps_loaded);
 }
 
-void load_sharded(UnitHolder& root, const std::string& dir, torch::optim::AdamW* optimizer) {
+void load_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer) {
   root.fsdp_unit().reshard();
   load_shards(shards(root), dir, optimizer);
 }

@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <torch/optim/adamw.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -18,6 +17,7 @@
 
 #include "dist/fault.hpp"
 #include "dist/mesh.hpp"
+#include "fsdp/adamw.hpp"
 #include "fsdp/checkpoint.hpp"
 #include "fsdpp/files.hpp"
 #include "fsdpp/safetensors.hpp"
@@ -138,7 +138,7 @@ class Trainer {
   std::vector<Root> roots_;  // one per stage this rank holds (the whole model when pp = 1)
   std::vector<int> stage_ids_;
   std::optional<pipeline::PipelineExecutor> executor_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<fsdp::AdamW> optimizer_;
   std::vector<at::Tensor> params_;
   std::unique_ptr<std::ofstream> metrics_;
   Series train_series_, val_series_;
@@ -208,16 +208,13 @@ void Trainer::build() {
     (s.info.global_shape.size() >= 2 ? decay : no_decay).push_back(s.param);
     params_.push_back(s.param);
   }
-  auto opts = torch::optim::AdamWOptions(r_.optim.lr)
-                  .betas({r_.optim.beta1, r_.optim.beta2})
-                  .eps(r_.optim.eps)
-                  .weight_decay(r_.optim.weight_decay);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(opts));
-  auto nd = std::make_unique<torch::optim::AdamWOptions>(opts);
-  nd->weight_decay(0);
-  groups.emplace_back(no_decay, std::move(nd));
-  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), opts);
+  fsdp::AdamWOptions opts;
+  opts.lr = r_.optim.lr;
+  opts.beta1 = r_.optim.beta1;
+  opts.beta2 = r_.optim.beta2;
+  opts.eps = r_.optim.eps;
+  opts.weight_decay = r_.optim.weight_decay;
+  optimizer_ = std::make_unique<fsdp::AdamW>(std::move(decay), opts, std::move(no_decay));
   log(fmt::format("model: {:.2f}M parameters ({} layers, dim {}, {} experts top-{}, {} routing); dp {} x pp {}{}",
                   double(c.parameter_count()) / 1e6, c.layers, c.dim, c.experts, c.top_k, c.routing, par.dp, par.pp,
                   par.pp > 1 ? fmt::format(", schedule {} with {} microbatches", par.schedule, par.microbatches) : ""));
@@ -226,6 +223,9 @@ void Trainer::build() {
 double Trainer::train_step(int64_t step) {
   const int64_t B = r_.train.global_batch, mb = r_.micro_batch(), accum = r_.train.grad_accum;
   const int64_t base = step * B + dp_rank() * (B / r_.parallel.dp);
+  // The learning rate goes to the device before the step, which then reads it there.
+  const double lr = learning_rate(r_.optim, step, r_.train.steps);
+  optimizer_->set_lr(lr);
   for (auto& root : roots_) root->inner().router_stats().reset();
   optimizer_->zero_grad();
   // No host read of a device value until the step is done (the step is then capturable as one
@@ -293,8 +293,6 @@ double Trainer::train_step(int64_t step) {
   }
   span("clip", "compute", c0);
 
-  const double lr = learning_rate(r_.optim, step, r_.train.steps);
-  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   c0 = std::chrono::system_clock::now();
   optimizer_->step();
   span("optimizer", "compute", c0);

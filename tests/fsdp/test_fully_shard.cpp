@@ -1,4 +1,5 @@
 // fully_shard: equivalence with unsharded training, collectives, mechanics, bad use.
+#include "fsdp/adamw.hpp"
 #include "fsdp/checkpoint.hpp"
 #include "fsdp/models.hpp"
 #include "fsdpp/files.hpp"
@@ -139,7 +140,7 @@ TEST_CASE("overlap off, reshard_after_forward off: same results") {
 namespace {
 
 // One AdamW step on this rank's slice of the batch; returns the loss averaged over ranks.
-double train_step(fsdp::FullyShard<test::NetImpl>& model, torch::optim::AdamW& opt, dist::Comm& comm,
+double train_step(fsdp::FullyShard<test::NetImpl>& model, fsdp::AdamW& opt, dist::Comm& comm,
                   const Data& data) {
   const int64_t local = kBatch / comm.size();
   opt.zero_grad();
@@ -162,7 +163,7 @@ TEST_CASE("a sharded checkpoint saved at 4 ranks resumes at 2 and 3 with the sam
     auto net = Net(8, 3);
     test::copy_params(*net, *make_reference());
     auto model = fsdp::fully_shard(net, comm);
-    torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
+    fsdp::AdamW opt(model->sharded_parameters(), {.lr = 1e-2});
     for (int s = 0; s < 3; ++s) train_step(model, opt, comm, data);
     fsdp::save_sharded(*model.ptr(), dir, &opt);
     std::vector<double> losses;
@@ -172,7 +173,7 @@ TEST_CASE("a sharded checkpoint saved at 4 ranks resumes at 2 and 3 with the sam
   for (int n : {2, 3})
     test::run_ranks(n, [&](dist::Comm& comm) {
       auto model = fsdp::fully_shard(Net(8, 3), comm);  // fresh weights, replaced by the load
-      torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
+      fsdp::AdamW opt(model->sharded_parameters(), {.lr = 1e-2});
       fsdp::load_sharded(*model.ptr(), dir, &opt);
       for (int s = 0; s < 3; ++s) {
         const double loss = train_step(model, opt, comm, data);

@@ -1,11 +1,10 @@
 // What CUDA graph capture of a whole step relies on, checked on CPU where the step runs eagerly:
 // with static buffers, fully_shard's communication buffers and unsharded parameters keep their
-// addresses from the first step on; every step issues the same collectives (operation, dtype,
+// addresses from the first step on, as do gradients and the optimizer's state; every step issues the same collectives (operation, dtype,
 // sizes, label) in the same order; inputs go through static buffers; and none of this changes a
 // single bit of training.
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
-#include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <map>
@@ -14,6 +13,7 @@
 
 #include "dist/flight_recorder.hpp"
 #include "dist/ranks.hpp"
+#include "fsdp/adamw.hpp"
 #include "fsdp/fully_shard.hpp"
 #include "models/moe.hpp"
 
@@ -47,7 +47,7 @@ std::vector<RankLog> train(bool static_buffers, int steps) {
     o.static_buffers = static_buffers;
     o.reshard_after_forward = false;
     auto root = fsdp::fully_shard(nets[r], comm, o);
-    torch::optim::AdamW opt(root->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
+    fsdp::AdamW opt(root->sharded_parameters(), {.lr = 1e-2});
     auto x = at::zeros({B, T}, at::kLong), y = at::zeros({B, T}, at::kLong);  // static inputs
     const void* x_at = x.data_ptr();
     for (int step = 0; step < steps; ++step) {
@@ -86,6 +86,10 @@ std::vector<RankLog> train(bool static_buffers, int steps) {
       for (auto* u : root->fsdp_unit().tree_units())
         for (const void* a : u->group().buffer_addresses()) where.push_back(a);
       if (static_buffers) CHECK(mid == where);
+      // Gradients (zeroed in place) and the optimizer's state and learning rate stay put too.
+      for (const auto& p : root->sharded_parameters())
+        where.insert(where.end(), {p.grad().data_ptr(), opt.state(p)->exp_avg.data_ptr(), opt.state(p)->exp_avg_sq.data_ptr()});
+      where.push_back(opt.lr().data_ptr());
       logs[r].addresses.push_back(where);
       REQUIRE(x.data_ptr() == x_at);
     }
