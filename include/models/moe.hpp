@@ -68,15 +68,15 @@ struct MoEConfig {
 // Shared by the MoE layers of one model.
 struct RouterStats {
   double aux_grad_scale = 1.0;  // multiplies the auxiliary losses' gradients (1 / microbatches)
-  // Sums since the last reset(), over the MoE layers and forwards. The device-side ones stay on
-  // the device (float64: aux loss, z-loss, dropped assignments), so that a step never reads a
-  // device value on the host; read() does that once, after the step.
+  // Sums since the last reset(), over the MoE layers and forwards, kept on the device (float64:
+  // aux loss, z-loss, dropped assignments, assignments, forwards) so that a step never reads a
+  // device value on the host, and a captured step replays them; read() does that once, after it.
   at::Tensor sums;
-  int64_t assignments = 0, forwards = 0;
   struct Values {
     double aux_loss = 0, z_loss = 0;
-    int64_t dropped = 0;
+    int64_t dropped = 0, assignments = 0, forwards = 0;
   };
+  // `aux_z_dropped`: 3 float64 values of one forward that routed `assigned` token-expert pairs.
   void add(const at::Tensor& aux_z_dropped, int64_t assigned);
   void reset();
   Values read() const;

@@ -49,6 +49,7 @@ struct PipelineStage {
 struct ExecutorOptions {
   std::vector<int64_t> activation_shape;  // every stage's input and output, per microbatch
   at::ScalarType activation_dtype = at::kFloat;
+  at::Device device = at::kCPU;  // of activations, receive buffers and the loss
 };
 
 struct ExecutorStats {
@@ -70,6 +71,9 @@ class PipelineExecutor {
   // (only the ranks holding those stages read them). Returns the sum of the microbatch losses on
   // the rank holding the last stage, 0 elsewhere. Gradients accumulate into the parameters.
   double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
+  // The same, with the sum as a 0-dim float64 tensor on options.device that the host has not
+  // read: nothing in the step waits for the device, so it can be captured as a CUDA graph.
+  at::Tensor step_on_device(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
 
   const ExecutorStats& stats() const { return stats_; }
   const Plan& plan() const { return plan_; }

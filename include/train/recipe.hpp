@@ -78,6 +78,10 @@ struct OptimOptions {
 
 struct TrainOptions {
   int64_t steps = 600, global_batch = 32, grad_accum = 1, seed = 1234;
+  std::string device = "cpu";  // cpu (Gloo) | cuda (one GPU per local rank, NCCL)
+  // cuda only: capture one whole step (every microbatch, clipping, the optimizer) as a CUDA graph
+  // after warm-up steps, and replay it; needs capacity routing (static shapes) and pp = 1.
+  bool cuda_graph = false;
 };
 
 struct EvalOptions {

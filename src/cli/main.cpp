@@ -197,6 +197,7 @@ int run_recipe(RunArgs& a) {
     // The recipe sets up the communicators; run_training checks it against the world size.
     const auto recipe = train::load_recipe(a.recipe, a.overrides);
     dist::InitOptions init;
+    init.backend = recipe.train.device == "cuda" ? dist::Backend::kNccl : dist::Backend::kGloo;
     init.watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(recipe.dist.watchdog_timeout_s * 1000));
     init.flight_record_dir = (std::filesystem::path(recipe.output_dir()) / "flight_records").string();
     if (recipe.dist.check_collectives) setenv("FSDPP_CHECK_COLLECTIVES", "1", /*overwrite=*/0);

@@ -119,12 +119,12 @@ void save_shards(const std::vector<Shard>& shards, int rank, int world, const st
               {"row_offset", s.info.row_offset},
               {"rows", s.info.local_rows},
               {"dtype", c10::toString(s.param.scalar_type())}};
-    tensors.emplace_back(s.name, s.param.detach());
+    tensors.emplace_back(s.name, s.param.detach().cpu());  // .cpu(): no copy for CPU tensors
     if (optimizer)
       if (auto* st = optimizer->state(s.param)) {
         e["step"] = steps;
-        tensors.emplace_back(s.name + ".exp_avg", st->exp_avg);
-        tensors.emplace_back(s.name + ".exp_avg_sq", st->exp_avg_sq);
+        tensors.emplace_back(s.name + ".exp_avg", st->exp_avg.cpu());
+        tensors.emplace_back(s.name + ".exp_avg_sq", st->exp_avg_sq.cpu());
       }
     entries.push_back(std::move(e));
   }

@@ -1,9 +1,9 @@
 #include "fsdp/param_group.hpp"
 
 #include "dist/flight_recorder.hpp"
+#include "fsdpp/storage.hpp"
 
 #include <ATen/ATen.h>
-#include <ATen/native/Resize.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -20,17 +20,6 @@ int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 bool is_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
-}
-
-// See Note [unshard by storage resize].
-// Any device: the storage's own allocator (the caching allocator for CUDA tensors) provides the new
-// bytes. Contents are not kept: storage goes from empty to full size (and is then written whole by
-// an all-gather or a copy) or from full size to empty.
-void resize_storage(const at::Tensor& t, size_t nbytes) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  if (s->nbytes() == nbytes) return;
-  s->set_data_ptr_noswap(nbytes ? s->allocator()->allocate(nbytes) : at::DataPtr(nullptr, s->device()));
-  s->set_nbytes(nbytes);
 }
 
 std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
@@ -165,11 +154,11 @@ ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const Mixe
 }
 
 void ParamGroup::allocate(const at::Tensor& t, size_t nbytes) const {
-  if (t.storage().nbytes() != nbytes) resize_storage(t, nbytes);
+  if (t.storage().nbytes() != nbytes) resize_storage_bytes(t, nbytes);
 }
 
 void ParamGroup::release(const at::Tensor& t) const {
-  if (!static_buffers_) resize_storage(t, 0);
+  if (!static_buffers_) resize_storage_bytes(t, 0);
 }
 
 std::vector<const void*> ParamGroup::buffer_addresses() const {

@@ -41,28 +41,30 @@ void init_normal(at::Tensor& w, double std) {
 
 void RouterStats::add(const at::Tensor& aux_z_dropped, int64_t assigned) {
   at::NoGradGuard g;
+  // at::full, not at::tensor: a fill on the device rather than a copy from host memory, which a
+  // CUDA graph capture would refuse.
+  const auto f64 = aux_z_dropped.options().dtype(at::kDouble);
+  const auto one = at::cat({aux_z_dropped.to(at::kDouble), at::full({1}, double(assigned), f64), at::full({1}, 1.0, f64)});
   if (sums.defined())
-    sums.add_(aux_z_dropped);
+    sums.add_(one);
   else
-    sums = aux_z_dropped.to(at::kDouble).clone();
-  assignments += assigned;
-  forwards += 1;
+    sums = one;
 }
 
 void RouterStats::reset() {
   if (sums.defined()) sums.zero_();
-  assignments = forwards = 0;
 }
 
 RouterStats::Values RouterStats::read() const {
   if (!sums.defined()) return {};
   const auto h = sums.to(at::kCPU);
   const auto* p = h.data_ptr<double>();
-  return {p[0], p[1], static_cast<int64_t>(p[2])};
+  return {p[0], p[1], static_cast<int64_t>(p[2]), static_cast<int64_t>(p[3]), static_cast<int64_t>(p[4])};
 }
 
 double RouterStats::dropped_fraction() const {
-  return assignments ? double(read().dropped) / double(assignments) : 0.0;
+  const auto v = read();
+  return v.assignments ? double(v.dropped) / double(v.assignments) : 0.0;
 }
 
 int64_t MoEConfig::parameter_count() const {

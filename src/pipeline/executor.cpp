@@ -1,9 +1,9 @@
 #include "pipeline/executor.hpp"
 
 #include "dist/flight_recorder.hpp"
+#include "fsdpp/storage.hpp"
 
 #include <ATen/ATen.h>
-#include <ATen/native/Resize.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -30,9 +30,8 @@ namespace {
 // holds the bytes until they are out, autograd holds them only if the producing op saved its
 // output, and backward needs no more than the tensor's shape and autograd edge.
 void release_storage(at::Tensor& output) {
-  if (!output.device().is_cpu()) return;
   auto shell = at::empty(output.sizes(), output.options());
-  at::native::resize_bytes_cpu(shell.storage().unsafeGetStorageImpl(), 0);
+  resize_storage_bytes(shell, 0);
   at::NoGradGuard no_grad;
   output.set_data(shell);
 }
@@ -83,8 +82,12 @@ PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb) {
 }
 
 double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+  return step_on_device(inputs, targets).item<double>();
+}
+
+at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
   const int me = pp_.rank(), last = plan_.spec.num_stages() - 1, m = plan_.spec.microbatches;
-  const auto act_options = at::TensorOptions().dtype(options_.activation_dtype);
+  const auto act_options = at::TensorOptions(options_.device).dtype(options_.activation_dtype);
   std::deque<dist::Work> sends;
   int live_buffers = 0;
   auto send = [&](int to, const at::Tensor& t, uint32_t tg) {
@@ -101,7 +104,7 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
     ++stats_.sends;
     stats_.peak_sends_in_flight = std::max(stats_.peak_sends_in_flight, static_cast<int>(sends.size()));
   };
-  double loss_sum = 0;
+  auto loss_sum = at::zeros({}, at::TensorOptions(options_.device).dtype(at::kDouble));
   slots_.clear();
   auto new_buffer = [&] {
     ++stats_.recv_buffers_allocated;
@@ -156,7 +159,7 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
         at::Tensor out = stages_.at(s).forward(sl.input);
         if (s == last) {
           out = loss_(out, targets.at(mb)) / m;
-          loss_sum += out.item<double>();
+          loss_sum.add_(out.detach().to(at::kDouble));
         }
         sl.output = out;
         break;

@@ -9,6 +9,7 @@
 #include <memory>
 #include <set>
 
+#include "dist/init.hpp"
 #include "pipeline/plan.hpp"
 #include "pipeline/table.hpp"
 #include "train/data.hpp"
@@ -389,6 +390,16 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       t.integer("global_batch", rc.train.global_batch, 1, kBig);
       t.integer("grad_accum", rc.train.grad_accum, 1, 1 << 20);
       t.integer("seed", rc.train.seed, 0, kBig);
+      t.string("device", rc.train.device, {"cpu", "cuda"});
+      t.boolean("cuda_graph", rc.train.cuda_graph);
+      if (rc.train.device == "cuda" && !dist::has_backend(dist::Backend::kNccl))
+        t.fail("device", "\"cuda\" needs fsdpp built with the NCCL backend (a CUDA build of LibTorch; this build "
+                         "has none)");
+      if (rc.train.cuda_graph && rc.train.device != "cuda") t.fail("cuda_graph", "needs train.device \"cuda\"");
+      if (rc.train.cuda_graph && rc.model.routing != "capacity")
+        t.fail("cuda_graph", fmt::format("needs model.routing \"capacity\" (static shapes), got \"{}\"", rc.model.routing));
+      if (rc.train.cuda_graph && rc.parallel.pp > 1)
+        t.fail("cuda_graph", "captures the step of pp = 1 runs only");
     }
     {
       Reader e = top.section("eval");

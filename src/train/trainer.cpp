@@ -19,6 +19,7 @@
 #include "dist/mesh.hpp"
 #include "fsdp/adamw.hpp"
 #include "fsdp/checkpoint.hpp"
+#include "fsdpp/cuda_graph.hpp"
 #include "fsdpp/files.hpp"
 #include "fsdpp/safetensors.hpp"
 #include "pipeline/executor.hpp"
@@ -104,6 +105,8 @@ class Trainer {
   void prepare_output();
   void build();
   double train_step(int64_t step);
+  void fill_inputs(int64_t step);
+  at::Tensor step_body();
   double evaluate();
   void save_checkpoint(int64_t step);
   int64_t restore();
@@ -115,8 +118,9 @@ class Trainer {
   }
   // Sums per-rank figures over the world, in one all-reduce.
   std::vector<double> sum_over_world(std::vector<double> v) {
-    auto t = at::tensor(v, at::kDouble);
+    auto t = at::tensor(v, at::kDouble).to(device_);
     world().all_reduce(t).wait();
+    t = t.cpu();
     return {t.data_ptr<double>(), t.data_ptr<double>() + t.numel()};
   }
   void span(const std::string& name, const std::string& track, std::chrono::system_clock::time_point begin) {
@@ -139,6 +143,13 @@ class Trainer {
   std::vector<int> stage_ids_;
   std::optional<pipeline::PipelineExecutor> executor_;
   std::unique_ptr<fsdp::AdamW> optimizer_;
+  at::Device device_ = at::kCPU;
+  std::vector<at::Tensor> inputs_, targets_;  // static inputs: one [micro_batch, seq_len] pair per microbatch of a step
+  static constexpr int kGraphWarmupSteps = 3;
+  int warmup_steps_done_ = 0;
+  std::unique_ptr<fsdpp::CapturedStep> graph_;
+  at::Tensor graph_sums_;  // the captured step's figures, rewritten by every replay
+  double current_lr_ = 0;
   std::vector<at::Tensor> params_;
   std::unique_ptr<std::ofstream> metrics_;
   Series train_series_, val_series_;
@@ -167,10 +178,14 @@ void Trainer::build() {
   train_data_.emplace(corpus.train, r_.data.seq_len, static_cast<uint64_t>(r_.train.seed));
   val_data_.emplace(corpus.val, r_.data.seq_len, 0, /*shuffle=*/false);
 
-  // Every rank builds the same full model from the seed, then keeps its part.
+  if (r_.train.device == "cuda") device_ = at::Device(at::kCUDA, fsdpp::current_cuda_device());
+  // Every rank builds the same full model from the seed (on the CPU, so that every device starts
+  // from the same numbers), then keeps its part.
   at::manual_seed(static_cast<uint64_t>(r_.train.seed));
   auto full = models::MoETransformer(c);
-  const auto options = shard_options(r_.precision);
+  full->to(device_);
+  auto options = shard_options(r_.precision);
+  options.static_buffers = r_.train.cuda_graph;
   auto& dp = mesh_.comm("dp");
   const auto& par = r_.parallel;
   if (par.pp == 1) {
@@ -196,11 +211,17 @@ void Trainer::build() {
     pipeline::ExecutorOptions eo;
     eo.activation_shape = {r_.micro_batch(), r_.data.seq_len, c.dim};
     eo.activation_dtype = dtype_of(r_.precision.param_dtype);
+    eo.device = device_;
     executor_.emplace(std::move(plan), mesh_.comm("pp"), std::move(mine),
                       [accum](const at::Tensor& logits, const at::Tensor& y) { return models::lm_loss(logits, y) / double(accum); },
                       eo);
   }
   full = nullptr;  // parts of other stages
+  const int64_t per_step = r_.train.grad_accum * (par.pp > 1 ? par.microbatches : 1);
+  for (int64_t i = 0; i < per_step; ++i) {
+    inputs_.push_back(at::zeros({r_.micro_batch(), r_.data.seq_len}, at::TensorOptions(device_).dtype(at::kLong)));
+    targets_.push_back(at::zeros_like(inputs_.back()));
+  }
 
   // No weight decay on vectors (norm weights).
   std::vector<at::Tensor> decay, no_decay;
@@ -220,27 +241,42 @@ void Trainer::build() {
                   par.pp > 1 ? fmt::format(", schedule {} with {} microbatches", par.schedule, par.microbatches) : ""));
 }
 
-double Trainer::train_step(int64_t step) {
-  const int64_t B = r_.train.global_batch, mb = r_.micro_batch(), accum = r_.train.grad_accum;
+// Note [capturable step]
+// A step is split in two. fill_inputs() runs on the host: the learning rate and this step's
+// tokens go into tensors that exist for the whole run (the static inputs). step_body() then does
+// everything else (every microbatch's forward and backward with fully_shard's collectives or the
+// pipeline schedule, clipping, the optimizer) and reads no device value on the host: losses,
+// router statistics and the clipping norm stay in device tensors, gathered into one all-reduce,
+// and are read after the step. So on a GPU the body can be captured once as a CUDA graph and
+// replayed, and on any device it is what the capture test checks.
+
+void Trainer::fill_inputs(int64_t step) {
+  current_lr_ = learning_rate(r_.optim, step, r_.train.steps);
+  optimizer_->set_lr(current_lr_);
+  const int64_t B = r_.train.global_batch, mb = r_.micro_batch(), T = r_.data.seq_len;
   const int64_t base = step * B + dp_rank() * (B / r_.parallel.dp);
-  // The learning rate goes to the device before the step, which then reads it there.
-  const double lr = learning_rate(r_.optim, step, r_.train.steps);
-  optimizer_->set_lr(lr);
+  const int64_t count = int64_t(inputs_.size());
+  for (int64_t i = 0; i < count; ++i) {
+    const auto batch = train_data_->samples(base + i * mb, mb);
+    inputs_[i].copy_(batch.narrow(1, 0, T));
+    targets_[i].copy_(batch.narrow(1, 1, T));
+  }
+}
+
+at::Tensor Trainer::step_body() {
+  const int64_t accum = r_.train.grad_accum;
   for (auto& root : roots_) root->inner().router_stats().reset();
   optimizer_->zero_grad();
-  // No host read of a device value until the step is done (the step is then capturable as one
-  // CUDA graph): losses accumulate in a tensor, and are read with the other figures at the end.
-  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(params_.front().device());
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
   auto loss_sum = at::zeros({}, f64);
-  double losses = 0;
+  double losses = 0;  // how many losses loss_sum holds; the same every step
   if (!executor_) {
     auto& root = roots_.front();
     root->inner().router_stats().aux_grad_scale = 1.0 / double(accum);
     for (int64_t j = 0; j < accum; ++j) {
-      const auto batch = train_data_->samples(base + j * mb, mb);
       root->set_requires_gradient_sync(j + 1 == accum);
       auto b0 = std::chrono::system_clock::now();
-      const auto loss = models::lm_loss(root->forward(batch.narrow(1, 0, r_.data.seq_len)), batch.narrow(1, 1, r_.data.seq_len));
+      const auto loss = models::lm_loss(root->forward(inputs_[j]), targets_[j]);
       span("forward", "compute", b0);
       b0 = std::chrono::system_clock::now();
       (loss / double(accum)).backward();
@@ -253,16 +289,12 @@ double Trainer::train_step(int64_t step) {
     for (auto& root : roots_) root->inner().router_stats().aux_grad_scale = 1.0 / double(accum * m);
     const bool holds_last = stage_ids_.back() == r_.parallel.pp * r_.parallel.stages_per_rank - 1;
     for (int64_t a = 0; a < accum; ++a) {
-      std::vector<at::Tensor> xs, ys;
-      for (int i = 0; i < m; ++i) {
-        const auto batch = train_data_->samples(base + (a * m + i) * mb, mb);
-        xs.push_back(batch.narrow(1, 0, r_.data.seq_len));
-        ys.push_back(batch.narrow(1, 1, r_.data.seq_len));
-      }
+      const std::vector<at::Tensor> xs(inputs_.begin() + a * m, inputs_.begin() + (a + 1) * m);
+      const std::vector<at::Tensor> ys(targets_.begin() + a * m, targets_.begin() + (a + 1) * m);
       const auto b0 = std::chrono::system_clock::now();
-      const double mean_scaled = executor_->step(xs, ys);
+      const auto mean_scaled = executor_->step_on_device(xs, ys);  // sum over microbatches of loss / (accum m)
       span("pipeline step", "compute", b0);
-      if (holds_last) loss_sum.add_(mean_scaled * double(accum) * m), losses += m;
+      if (holds_last) loss_sum.add_(mean_scaled * double(accum * m)), losses += m;
     }
   }
 
@@ -270,19 +302,16 @@ double Trainer::train_step(int64_t step) {
   // all-reduce as the figures the step reports.
   auto c0 = std::chrono::system_clock::now();
   auto sq = at::zeros({}, f64);
-  auto router = at::zeros({3}, f64);  // aux loss, z-loss, dropped assignments
-  double forwards = 0, assigned = 0;
+  auto router = at::zeros({5}, f64);  // aux loss, z-loss, dropped, assignments, forwards
   {
     at::NoGradGuard g;
     for (auto& p : params_)
       if (p.grad().defined()) sq.add_(p.grad().to(at::kDouble).pow(2).sum());
-    for (auto& root : roots_) {
-      const auto& st = root->inner().router_stats();
-      if (st.sums.defined()) router.add_(st.sums);
-      forwards += double(st.forwards), assigned += double(st.assignments);
-    }
+    for (auto& root : roots_)
+      if (const auto& st = root->inner().router_stats(); st.sums.defined()) router.add_(st.sums);
   }
-  auto sums = at::cat({at::stack({sq, loss_sum}), at::tensor({losses, forwards, assigned}, f64), router});
+  // at::full: a fill on the device, which a capture accepts (a copy from host memory it refuses).
+  auto sums = at::cat({at::stack({sq, loss_sum}), at::full({1}, losses, f64), router});
   world().all_reduce(sums).wait();
   if (r_.optim.grad_clip > 0) {
     // min(1, clip / norm): multiplying by exactly 1 leaves gradients under the limit unchanged.
@@ -292,16 +321,42 @@ double Trainer::train_step(int64_t step) {
       if (p.grad().defined()) p.grad().mul_(scale);
   }
   span("clip", "compute", c0);
-
   c0 = std::chrono::system_clock::now();
   optimizer_->step();
   span("optimizer", "compute", c0);
+  return sums;
+}
+
+double Trainer::train_step(int64_t step) {
+  fill_inputs(step);
+  at::Tensor sums;
+  if (!r_.train.cuda_graph) {
+    sums = step_body();
+  } else if (!graph_) {
+    // Eager warm-up steps first: they create gradients, optimizer state and the communicators'
+    // buffers, which the captured step then uses in place.
+    if (++warmup_steps_done_ <= kGraphWarmupSteps) {
+      sums = step_body();
+    } else {
+      const auto c0 = std::chrono::system_clock::now();
+      graph_ = fsdpp::CapturedStep::capture([this] { graph_sums_ = step_body(); });
+      span("capture", "compute", c0);
+      log(fmt::format("captured one step as a CUDA graph after {} eager steps", kGraphWarmupSteps));
+    }
+  }
+  if (graph_) {
+    const auto c0 = std::chrono::system_clock::now();
+    graph_->replay();
+    span("step (graph replay)", "compute", c0);
+    sums = graph_sums_;
+  }
 
   // The step is done: read its figures.
   const auto h = sums.to(at::kCPU);
-  const double* v = h.data_ptr<double>();  // sq, loss sum, losses, forwards, assigned, aux, z, dropped
+  const double* v = h.data_ptr<double>();  // sq, loss sum, losses, aux, z, dropped, assignments, forwards
   last_grad_norm_ = std::sqrt(v[0]);
-  last_stats_ = {v[5] / std::max(1.0, v[3]), v[6] / std::max(1.0, v[3]), v[4] > 0 ? v[7] / v[4] : 0.0, lr};
+  last_stats_ = {v[3] / std::max(1.0, v[7]), v[4] / std::max(1.0, v[7]), v[6] > 0 ? v[5] / v[6] : 0.0,
+                 current_lr_};
   return v[1] / std::max(1.0, v[2]);
 }
 
@@ -312,7 +367,7 @@ double Trainer::evaluate() {
   double loss_sum = 0, count = 0;
   for (int64_t b = 0; b < r_.eval.batches; ++b) {
     // The validation set in order; every rank its own slice of each batch.
-    const auto batch = val_data_->samples((b * dp + dp_rank()) * mb, mb);
+    const auto batch = val_data_->samples((b * dp + dp_rank()) * mb, mb).to(device_);
     const auto x = batch.narrow(1, 0, T), y = batch.narrow(1, 1, T);
     if (!executor_) {
       loss_sum += models::lm_loss(roots_.front()->forward(x), y).item<double>();
@@ -328,7 +383,7 @@ double Trainer::evaluate() {
       const auto it = std::find(stage_ids_.begin(), stage_ids_.end(), st);
       if (it == stage_ids_.end()) continue;
       if (st > 0 && layout[st - 1] != pp.rank()) {
-        h = at::empty({mb, T, r_.model.dim}, at::TensorOptions().dtype(dtype_of(r_.precision.param_dtype)));
+        h = at::empty({mb, T, r_.model.dim}, at::TensorOptions(device_).dtype(dtype_of(r_.precision.param_dtype)));
         pp.recv(h, layout[st - 1], static_cast<uint32_t>(st)).wait();
       }
       h = roots_[static_cast<size_t>(it - stage_ids_.begin())]->forward(st == 0 ? x : h);

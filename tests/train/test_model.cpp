@@ -97,7 +97,7 @@ TEST_CASE("MoE dropless: equals a per-token loop over the chosen experts") {
     }
     CHECK(y.view({-1, c.dim})[t].allclose(want, 1e-5, 1e-6));
   }
-  CHECK(moe->stats->assignments == flat.size(0) * c.top_k);
+  CHECK(moe->stats->read().assignments == flat.size(0) * c.top_k);
   CHECK(moe->stats->read().dropped == 0);
 }
 

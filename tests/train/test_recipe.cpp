@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "dist/init.hpp"
+#include "fsdpp/files.hpp"
 #include "train/recipe.hpp"
 
 using namespace fsdpp;
@@ -121,6 +123,19 @@ TEST_CASE("recipe: layout rules (world size, batch divisibility, schedules, stag
                           "parallel.schedule=" + kSource + "/tests/pipeline/custom_1f1b.csv"}) == "valid");
 }
 
+TEST_CASE("recipe: device and CUDA graph rules") {
+  CHECK(problems(base(), {"train.device=cpu"}) == "valid");
+  expect(problems(base(), {"train.device=tpu"}), "train.device: must be one of");
+  expect(problems(base(), {"train.cuda_graph=true"}), "train.cuda_graph: needs train.device \"cuda\"");
+  const auto cuda = problems(base(), {"train.device=cuda", "train.cuda_graph=true"});
+  expect(cuda, "train.cuda_graph: needs model.routing \"capacity\" (static shapes), got \"dropless\"");
+  if (!dist::has_backend(dist::Backend::kNccl))
+    expect(cuda, "train.device: \"cuda\" needs fsdpp built with the NCCL backend");
+  expect(problems(base(), {"train.device=cuda", "train.cuda_graph=true", "model.routing=capacity", "parallel.pp=2",
+                           "parallel.microbatches=2"}),
+         "train.cuda_graph: captures the step of pp = 1 runs only");
+}
+
 TEST_CASE("recipe: precision overrides") {
   auto j = base();
   j["precision"]["overrides"] = json::parse(R"([{"match": "*norm*", "param_dtype": "float32"},
@@ -158,7 +173,19 @@ TEST_CASE("recipe: every bundled recipe and config is valid") {
     CAPTURE(e.path().string());
     // The fortunes recipes need the corpus; validate them against a stand-in directory.
     setenv("FSDPP_FORTUNES_DIR", kSource.c_str(), 1);
-    CHECK_NOTHROW(train::load_recipe(e.path().string()));
+    std::vector<std::string> found;
+    try {
+      train::load_recipe(e.path().string());
+    } catch (const train::RecipeError& ex) {
+      found = ex.problems();
+    }
+    // A GPU recipe is valid where the build has the NCCL backend; elsewhere that is its only problem.
+    if (!dist::has_backend(dist::Backend::kNccl) && fsdpp::read_json_file(e.path().string()).value("train", json::object()).value("device", "") == "cuda") {
+      REQUIRE(found.size() == 1);
+      CHECK(found[0].find("train.device: \"cuda\" needs fsdpp built with the NCCL backend") != std::string::npos);
+    } else {
+      CHECK(found.empty());
+    }
     unsetenv("FSDPP_FORTUNES_DIR");
     ++n;
   }
