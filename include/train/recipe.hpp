@@ -89,6 +89,7 @@ struct EvalOptions {
 };
 
 struct CheckpointOptions {
+  bool enabled = true;   // false: no checkpoints at all (benchmarks)
   int64_t interval = 0;  // 0: only at the end
   int64_t keep = 2;
 };

@@ -173,7 +173,9 @@ Routing MoEImpl::route(const at::Tensor& flat) const {
   const int64_t T = flat.size(0), E = config.experts;
   // f_e: share of the T*k assignments that went to e (not differentiable); P_e: mean score of e,
   // scores normalised to sum to 1 per token.
-  const auto counts = at::bincount(idx.reshape(-1), {}, E).to(at::kFloat);
+  // A scatter rather than bincount, which reads the largest index on the host (no capture).
+  const auto flat_idx = idx.reshape(-1);
+  const auto counts = at::zeros({E}, r.scores.options()).scatter_add_(0, flat_idx, at::ones(flat_idx.sizes(), r.scores.options()));
   const auto f = counts / double(T * config.top_k);
   const auto probs = config.score == "sigmoid" ? r.scores / r.scores.sum(-1, true) : r.scores;
   r.aux_loss = double(E) * (f * probs.mean(0)).sum();
@@ -192,20 +194,21 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   if (config.routing == "capacity") {
     // Static shapes: assignments in priority order (every token's first choice, then the second
     // ...), each takes the next free slot of its expert; the ones past capacity go to a spare row
-    // whose output is zero.
+    // whose output is zero. Every step is a device operation with fixed shapes and no atomics
+    // (assignment i is token i % T, so the k choices of a token are summed by a reduction), so the
+    // layer can be captured in a CUDA graph and gives the same bits every time.
     const int64_t C = static_cast<int64_t>(std::ceil(config.capacity_factor * double(T * k) / double(E)));
     const auto e_flat = r.experts.t().reshape(-1);  // [k*T], k-major
-    const auto tok = at::arange(T, r.experts.options()).repeat({k});
     const auto w_flat = weights.t().reshape(-1);
-    const auto one_hot = at::one_hot(e_flat, E);
+    const auto one_hot = at::zeros({k * T, E}, e_flat.options()).scatter_(1, e_flat.unsqueeze(1), 1);
     const auto pos = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1);
     const auto keep = pos < C;
     const auto slots = at::where(keep, e_flat * C + pos, at::full_like(pos, E * C));
-    auto buffer = at::zeros({E * C + 1, flat.size(1)}, flat.options()).index_copy(0, slots, flat.index_select(0, tok));
+    auto buffer = at::zeros({E * C + 1, flat.size(1)}, flat.options()).index_copy(0, slots, flat.repeat({k, 1}));
     auto y = experts->forward_batched(buffer.narrow(0, 0, E * C).view({E, C, -1})).reshape({E * C, -1});
     y = at::cat({y, at::zeros({1, y.size(1)}, y.options())});
     const auto w_kept = w_flat * keep.to(w_flat.scalar_type());
-    out = out.index_add(0, tok, y.index_select(0, slots) * w_kept.unsqueeze(1));
+    out = (y.index_select(0, slots) * w_kept.unsqueeze(1)).view({k, T, -1}).sum(0);
     dropped = double(T * k) - keep.sum().to(at::kDouble);
   } else {
     // Dropless: group the assignments by expert and run each expert on exactly its rows.

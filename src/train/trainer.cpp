@@ -71,6 +71,12 @@ double learning_rate(const OptimOptions& o, int64_t step, int64_t total) {
   return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
 }
 
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
 std::string step_dir_name(int64_t step) { return fmt::format("step-{:08}", step); }
 
 // FSDPP_FAULT (dist/fault.hpp): the trainer's kinds end this rank with SIGKILL.
@@ -486,6 +492,7 @@ RunResult Trainer::run() {
   const int64_t trace_from = std::min(step + 1, end - 1), trace_to = trace_from + o_.trace_steps;
   std::chrono::system_clock::time_point trace_begin;
   RunResult result;
+  std::vector<double> step_seconds;  // of every training step, for the summary's median
   result.output_dir = out_.string();
   log(fmt::format("training: steps {}..{} of {}, {} sequences x {} bytes per step; output in {}", step + 1, end,
                   r_.train.steps, r_.train.global_batch, r_.data.seq_len, out_.string()));
@@ -504,6 +511,7 @@ RunResult Trainer::run() {
     const auto s0 = std::chrono::system_clock::now();
     const double loss = train_step(step);
     span(fmt::format("step {}", step + 1), "steps", s0);
+    step_seconds.push_back(std::chrono::duration<double>(std::chrono::system_clock::now() - s0).count());
     ++step, ++window_steps, ++steps_run;
     result.losses.push_back(loss);
     result.train_loss = loss;
@@ -557,7 +565,8 @@ RunResult Trainer::run() {
         write_loss_svg((out_ / "loss.svg").string(), train_series_, val_series_,
                        fmt::format("{}: loss (nats per byte)", r_.name));
     }
-    if ((r_.checkpoint.interval > 0 && step % r_.checkpoint.interval == 0) || step == end) save_checkpoint(step);
+    if (r_.checkpoint.enabled && ((r_.checkpoint.interval > 0 && step % r_.checkpoint.interval == 0) || step == end))
+      save_checkpoint(step);
   }
   progress_.finish();
   result.steps_done = step;
@@ -569,15 +578,18 @@ RunResult Trainer::run() {
                           {"steps_this_run", steps_run},
                           {"seconds", result.seconds},
                           {"tokens_per_s", result.tokens_per_s},
+                          {"step_ms_median", 1e3 * median(step_seconds)},
                           {"train_loss", result.train_loss},
                           {"val_loss", result.val_loss},
                           {"dp", r_.parallel.dp},
                           {"pp", r_.parallel.pp}};
     write_file_atomically((out_ / "summary.json").string(), summary.dump(1) + "\n");
     std::cout << fmt::format("done: {} steps in {} ({:.1f}k tok/s); train loss {:.4f}, validation loss {:.4f} nats/byte\n"
-                             "outputs: {}/ (loss.svg, metrics/, checkpoints/{}, summary.json{})",
+                             "outputs: {}/ (loss.svg, metrics/, {}summary.json{})",
                              steps_run, format_duration(result.seconds), result.tokens_per_s / 1e3, result.train_loss,
-                             result.val_loss, out_.string(), step_dir_name(step), o_.trace ? ", trace.json" : "")
+                             result.val_loss, out_.string(),
+                             r_.checkpoint.enabled ? fmt::format("checkpoints/{}, ", step_dir_name(step)) : "",
+                             o_.trace ? ", trace.json" : "")
               << std::endl;
   }
   return result;

@@ -204,7 +204,7 @@ TEST_CASE("run: a checkpoint loads at another layout; consolidate writes full na
 TEST_CASE("run: outputs (metrics, plot, summary, trace) and capacity routing's dropped-token rate") {
   const auto dir = fresh_dir("outputs");
   const auto out = train_run(dir, "train.steps=6 logging.interval=2 eval.interval=3 parallel.dp=2 "
-                                  "model.routing=capacity model.capacity_factor=0.5 --trace");
+                                  "model.routing=capacity model.capacity_factor=0.5 checkpoint.enabled=false --trace");
   CHECK(out.find("validation loss") != std::string::npos);
   std::ifstream svg(dir + "/loss.svg");
   std::string s((std::istreambuf_iterator<char>(svg)), {});
@@ -213,6 +213,8 @@ TEST_CASE("run: outputs (metrics, plot, summary, trace) and capacity routing's d
   const auto summary = json::parse(std::ifstream(dir + "/summary.json"));
   CHECK(summary["steps"] == 6);
   CHECK(summary["val_loss"].get<double>() > 0);
+  CHECK(summary["step_ms_median"].get<double>() > 0);
+  CHECK(!fs::exists(fs::path(dir) / "checkpoints"));  // checkpoint.enabled=false
   int evals = 0;
   std::ifstream m(dir + "/metrics/rank0.jsonl");
   for (std::string line; std::getline(m, line);) {
