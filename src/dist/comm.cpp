@@ -38,7 +38,8 @@ bool supported(at::ScalarType t) {
 
 class Checker {
  public:
-  Checker(const Comm& c, const char* op) : rank_(c.rank()), size_(c.size()), op_(op) {}
+  Checker(const Comm& c, const char* op)
+      : rank_(c.rank()), size_(c.size()), op_(op), cuda_(std::string(c.backend()) == "nccl") {}
 
   template <typename... Args>
   [[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) const {
@@ -52,6 +53,9 @@ class Checker {
       fail("{} has dtype {}, supported are float32, float64, bfloat16, float16, int32, int64, uint8",
            name, c10::toString(t.scalar_type()));
     if (!t.is_contiguous()) fail("{} must be contiguous (call .contiguous() first)", name);
+    if (cuda_ ? !t.is_cuda() : !t.is_cpu())
+      fail("{} is on {}; this communicator's backend ({}) takes {} tensors", name, t.device().str(),
+           cuda_ ? "nccl" : "gloo", cuda_ ? "CUDA" : "CPU");
   }
 
   void same_dtype(const at::Tensor& a, const at::Tensor& b) const {
@@ -82,6 +86,7 @@ class Checker {
  private:
   int rank_, size_;
   const char* op_;
+  bool cuda_;  // the backend takes CUDA tensors
 };
 
 }  // namespace
@@ -116,11 +121,16 @@ std::string describe_fingerprint(const int64_t* f) {
 void Comm::check_consistency(int op, const at::Tensor* in, const at::Tensor* out, int64_t extra) {
   if (!check_ || !*check_ || size() == 1) return;
   const at::Tensor* t = in ? in : out;
+  // A barrier over NCCL has no tensor to tell the device by; it is left unchecked.
+  if (!t && std::string(backend()) == "nccl") return;
   auto mine = at::tensor({int64_t{op}, t ? static_cast<int64_t>(t->scalar_type()) : -1, in ? in->numel() : 0,
                           out ? out->numel() : 0, extra},
                          at::kLong);
-  auto all = at::empty({size() * 5}, at::kLong);
-  impl().all_gather(all, mine, {}).wait();
+  // On the operation's device (the backend's), read back on the host.
+  const auto device = t ? t->device() : at::Device(at::kCPU);
+  auto all = at::empty({size() * 5}, at::TensorOptions(device).dtype(at::kLong));
+  impl().all_gather(all, mine.to(device), {}).wait();
+  all = all.cpu();
   const auto* f = all.data_ptr<int64_t>();
   const auto* m = mine.data_ptr<int64_t>();
   for (int r = 0; r < size(); ++r)

@@ -198,6 +198,8 @@ TEST_CASE("bad arguments are rejected with the rank, the operation and the sizes
     CHECK(m.find("in has 5 elements, expected 2 ranks x 2 = 4") != std::string::npos);
     m = msg([&] { comm.all_reduce(at::empty({4, 4}).t()); });
     CHECK(m.find("contiguous") != std::string::npos);
+    m = msg([&] { comm.all_reduce(at::empty({4}, at::TensorOptions(at::kMeta))); });
+    CHECK(m.find("is on meta; this communicator's backend (gloo) takes CPU tensors") != std::string::npos);
     m = msg([&] { comm.send(at::empty({1}), 5); });
     CHECK(m.find("destination rank 5 is outside [0, 2)") != std::string::npos);
     m = msg([&] { comm.all_gather(at::empty({3}, at::kDouble), at::empty({1}, at::kFloat), {{1, 2}}); });
