@@ -7,7 +7,8 @@
 // ordering] in nccl_core.hpp). Tensors an operation reads or writes are marked as used on the
 // communicator's stream (recordStream), so the caching allocator does not hand their memory out
 // again before the operation has finished, even when the caller drops them at once. Nothing here
-// synchronises with the host or queries an event, so a whole step may be captured in a CUDA graph.
+// but a barrier's wait synchronises with the host or queries an event, so a whole step may be
+// captured in a CUDA graph.
 //
 // Point-to-point: NCCL has no tags. A send matches the receive that the peer issues in the same
 // order on this communicator; the tag only names the message in errors and flight records.
@@ -141,8 +142,17 @@ class NcclComm final : public CommImpl {
     });
   }
 
+  // Unlike the other operations, waiting for a barrier blocks the host until every rank has reached
+  // it (callers use it to order work between processes, such as committing a checkpoint).
   Work barrier() override {
-    return run(fmt::format("rank {}/{} barrier", rank(), size()), {}, [&](cudaEvent_t) { return core_->barrier(); });
+    EventPtr done;
+    Work work = run(fmt::format("rank {}/{} barrier", rank(), size()), {}, [&](cudaEvent_t) {
+      done = core_->barrier();
+      return done;
+    });
+    if (done)
+      work.state()->device_wait = [done, this] { check(cudaEventSynchronize(done.get()), "barrier"); };
+    return work;
   }
 
   std::shared_ptr<CommImpl> split(int color, int key) override {
