@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <exception>
 #include <filesystem>
 #include <functional>
@@ -24,17 +25,17 @@ inline std::string fresh_store_path() {
       .string();
 }
 
-inline void run_ranks(int n, const std::function<void(dist::Comm&)>& body,
-                      std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+// Runs `body` on n ranks, each a thread whose communicator `connect(rank, store_path)` makes;
+// a rank that throws fails the test, naming the rank.
+inline void run_rank_threads(int n, const std::function<dist::Comm(int rank, const std::string& store_path)>& connect,
+                             const std::function<void(dist::Comm&)>& body) {
   const auto path = fresh_store_path();
   std::vector<std::exception_ptr> errors(n);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
       try {
-        dist::InitOptions opts;
-        opts.timeout = timeout;
-        auto comm = dist::connect(dist::make_file_store(path, n, timeout), r, n, opts);
+        auto comm = connect(r, path);
         body(comm);
       } catch (...) {
         errors[r] = std::current_exception();
@@ -52,6 +53,18 @@ inline void run_ranks(int n, const std::function<void(dist::Comm&)>& body,
         FAIL("rank " << r << " of " << n << " stopped at a failed REQUIRE (see above)");
       }
     }
+}
+
+inline void run_ranks(int n, const std::function<void(dist::Comm&)>& body,
+                      std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  run_rank_threads(
+      n,
+      [&](int r, const std::string& path) {
+        dist::InitOptions opts;
+        opts.timeout = timeout;
+        return dist::connect(dist::make_file_store(path, n, timeout), r, n, opts);
+      },
+      body);
 }
 
 // The message of what f throws, or "no error".

@@ -21,34 +21,18 @@ namespace {
 
 int gpus() { return static_cast<int>(c10::cuda::device_count()); }
 
-// Ranks as threads, one GPU each, over NCCL.
+// Ranks as threads, one GPU each (rank r on GPU r), over NCCL.
 void run_nccl_ranks(int n, const std::function<void(dist::Comm&, int device)>& body) {
-  const auto path = test::fresh_store_path();
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
+  test::run_rank_threads(
+      n,
+      [n](int r, const std::string& path) {
         c10::cuda::set_device(static_cast<c10::DeviceIndex>(r));
         dist::InitOptions o;
         o.backend = dist::Backend::kNccl;
         o.timeout = std::chrono::seconds(60);
-        auto comm = dist::connect(dist::make_file_store(path, n, o.timeout), r, n, o);
-        body(comm, r);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  std::filesystem::remove(path);
-  for (int r = 0; r < n; ++r)
-    if (errors[r]) {
-      try {
-        std::rethrow_exception(errors[r]);
-      } catch (const std::exception& e) {
-        FAIL("rank " << r << " of " << n << " threw: " << std::string(e.what()));
-      }
-    }
+        return dist::connect(dist::make_file_store(path, n, o.timeout), r, n, o);
+      },
+      [&](dist::Comm& comm) { body(comm, comm.rank()); });
 }
 
 at::TensorOptions on(int device, at::ScalarType t = at::kFloat) {
