@@ -368,6 +368,10 @@ double Trainer::train_step(int64_t step) {
 
 double Trainer::evaluate() {
   at::NoGradGuard no_grad;
+  // Start and end resharded, as every training step does: forward then gathers the parameters as
+  // the last step left them (a replayed CUDA graph updates them without the units' host-side state
+  // knowing), and the next step finds the units as it expects.
+  for (auto& root : roots_) root->reshard();
   const int64_t mb = r_.micro_batch(), T = r_.data.seq_len;
   const int dp = r_.parallel.dp;
   double loss_sum = 0, count = 0;
@@ -401,6 +405,7 @@ double Trainer::evaluate() {
       }
     }
   }
+  for (auto& root : roots_) root->reshard();
   const auto sums = sum_over_world({loss_sum, count});
   return sums[0] / std::max(1.0, sums[1]);
 }
