@@ -10,7 +10,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <sstream>
+#include <tuple>
 
 #include "fsdp/checkpoint.hpp"
 #include "fsdpp/safetensors.hpp"
@@ -254,6 +256,42 @@ int processes_mentioning(const std::string& needle) {
 }
 
 }  // namespace
+
+TEST_CASE("run: every traced step issues the same collectives in the same order (capture-ready), dp and pp") {
+  for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=2"}) {
+    CAPTURE(layout);
+    const auto dir = fresh_dir("same-steps");
+    train_run(dir, "train.steps=6 model.routing=capacity " + layout + " --trace");
+    const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
+    std::map<std::pair<int, int>, std::string> track;  // (pid, tid) -> track name
+    for (const auto& e : trace["traceEvents"])
+      if (e["ph"] == "M" && e["name"] == "thread_name") track[{e["pid"], e["tid"]}] = e["args"]["name"];
+    std::map<int, std::vector<std::pair<double, double>>> steps;                       // pid -> step spans
+    std::map<int, std::vector<std::tuple<double, std::string>>> comms;                // pid -> (start, what)
+    for (const auto& e : trace["traceEvents"]) {
+      if (e["ph"] != "X") continue;
+      const int pid = e["pid"];
+      const std::string t = track[{pid, e["tid"].get<int>()}], name = e["name"];
+      const double ts = e["ts"].get<double>(), dur = e["dur"].get<double>();
+      if (t == "steps") steps[pid].emplace_back(ts, ts + dur);
+      if (t.rfind("comm", 0) == 0) comms[pid].emplace_back(ts, t + ": " + name);
+    }
+    REQUIRE(steps.size() == 2);
+    for (auto& [pid, spans] : steps) {
+      CAPTURE(pid);
+      REQUIRE(spans.size() >= 3);
+      std::sort(comms[pid].begin(), comms[pid].end());
+      std::vector<std::vector<std::string>> per_step;
+      for (const auto& [from, to] : spans) {
+        per_step.emplace_back();
+        for (const auto& [ts, what] : comms[pid])
+          if (ts >= from && ts <= to) per_step.back().push_back(what);
+      }
+      CHECK(!per_step[0].empty());
+      for (size_t s = 1; s < per_step.size(); ++s) CHECK(per_step[s] == per_step[0]);
+    }
+  }
+}
 
 TEST_CASE("run: a rank killed mid-step stops the run, is named, and --resume continues") {
   const auto dir = fresh_dir("killed"), ref = fresh_dir("killed-ref");
