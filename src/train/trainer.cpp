@@ -254,7 +254,9 @@ void Trainer::build() {
 // pipeline schedule, clipping, the optimizer) and reads no device value on the host: losses,
 // router statistics and the clipping norm stay in device tensors, gathered into one all-reduce,
 // and are read after the step. So on a GPU the body can be captured once as a CUDA graph and
-// replayed, and on any device it is what the capture test checks.
+// replayed (train.cuda_graph). On any device it issues the same collectives in the same order
+// every step (train.run checks that from traces; tests/train/test_capture.cpp checks fully_shard's
+// and the optimizer's fixed addresses).
 
 void Trainer::fill_inputs(int64_t step) {
   current_lr_ = learning_rate(r_.optim, step, r_.train.steps);

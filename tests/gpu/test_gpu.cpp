@@ -5,8 +5,8 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
-#include <thread>
 
 #include "dist/init.hpp"
 #include "dist/store.hpp"
