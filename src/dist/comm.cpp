@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 
 namespace fsdpp::dist {
@@ -36,10 +37,13 @@ bool supported(at::ScalarType t) {
   }
 }
 
+// NCCL communicators take CUDA tensors; Gloo's take CPU tensors.
+bool takes_cuda(const Comm& c) { return std::strcmp(c.backend(), "nccl") == 0; }
+
 class Checker {
  public:
   Checker(const Comm& c, const char* op)
-      : rank_(c.rank()), size_(c.size()), op_(op), cuda_(std::string(c.backend()) == "nccl") {}
+      : rank_(c.rank()), size_(c.size()), op_(op), cuda_(takes_cuda(c)) {}
 
   template <typename... Args>
   [[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) const {
@@ -122,7 +126,7 @@ void Comm::check_consistency(int op, const at::Tensor* in, const at::Tensor* out
   if (!check_ || !*check_ || size() == 1) return;
   const at::Tensor* t = in ? in : out;
   // A barrier over NCCL has no tensor to tell the device by; it is left unchecked.
-  if (!t && std::string(backend()) == "nccl") return;
+  if (!t && takes_cuda(*this)) return;
   auto mine = at::tensor({int64_t{op}, t ? static_cast<int64_t>(t->scalar_type()) : -1, in ? in->numel() : 0,
                           out ? out->numel() : 0, extra},
                          at::kLong);

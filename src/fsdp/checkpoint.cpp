@@ -35,11 +35,15 @@ struct Saved {
   }
 };
 
-// An integer field of an index entry; a float, a string or a value beyond int64 is damage, not a
-// number to convert.
+// Integers of an index: a float, a string or a value beyond int64 is damage, not a number to
+// convert.
+bool is_int64(const json& v) {
+  return v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX));
+}
+
 int64_t integer(const json& object, const char* key, const std::string& file) {
   const json& v = object.at(key);
-  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)))
+  if (!is_int64(v))
     throw std::runtime_error(fmt::format("checkpoint: '{}' in {} is not a 64-bit integer: {}", key, file, v.dump()));
   return v.get<int64_t>();
 }
@@ -49,7 +53,7 @@ std::vector<int64_t> shape_of(const json& entry, const std::string& file) {
   if (!v.is_array()) throw std::runtime_error(fmt::format("checkpoint: 'shape' in {} is not an array", file));
   std::vector<int64_t> shape;
   for (const auto& d : v) {
-    if (!d.is_number_integer() || d.get<int64_t>() < 0 || (d.is_number_unsigned() && d.get<uint64_t>() > uint64_t(INT64_MAX)))
+    if (!is_int64(d) || d.get<int64_t>() < 0)
       throw std::runtime_error(fmt::format("checkpoint: 'shape' in {} holds {}, not a size", file, d.dump()));
     shape.push_back(d.get<int64_t>());
   }

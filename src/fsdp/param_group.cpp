@@ -154,7 +154,7 @@ ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const Mixe
 }
 
 void ParamGroup::allocate(const at::Tensor& t, size_t nbytes) const {
-  if (t.storage().nbytes() != nbytes) resize_storage_bytes(t, nbytes);
+  resize_storage_bytes(t, nbytes);  // nothing to do when it has that size
 }
 
 void ParamGroup::release(const at::Tensor& t) const {
