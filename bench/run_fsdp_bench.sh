@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
 steps=${2:-30}
-FSDPP_SETUP_BENCH=1 scripts/setup.sh >/dev/null  # python3-torch for the DDP baseline
+python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python  # PyTorch 2.15 for the DDP baseline
 bin=$build/bench/fsdpp_fsdp_bench
 launch="$build/fsdpp launch --no-prefix"
 out=bench/results/fsdp.md
@@ -27,7 +27,7 @@ run() { "$@" 2>&1 | grep -E '^(RESULT|BLAS)' | sed 's/^RESULT /- /'; }
     run $launch --nproc 2 -- "$bin" throughput --sharded --steps "$steps"
     run $launch --nproc 2 -- "$bin" throughput --sharded --no-overlap --steps "$steps"
     run $launch --nproc 2 -- "$bin" throughput --sharded --no-reshard --steps "$steps"
-    run $launch --nproc 2 -- /usr/bin/python3 bench/ddp_baseline.py --steps "$steps"
+    run $launch --nproc 2 -- "$python" bench/ddp_baseline.py --steps "$steps"
   done | grep -v '^BLAS' | awk '{
       key = $0; sub(/ tokens\/s=.*/, "", key); split($0, f, "tokens/s="); split(f[2], v, " ");
       n[key]++; vals[key, n[key]] = v[1]; if (!(key in order)) { order[key] = ++k; keys[k] = key } }

@@ -1,5 +1,8 @@
-# Finds what fsdpp builds on. Sets FSDPP_HAVE_GLOO.
-find_package(Torch REQUIRED)
+# Finds what fsdpp builds on. Sets FSDPP_HAVE_GLOO, FSDPP_HAVE_NCCL and FSDPP_HAVE_NCCL_CORE.
+
+# ---------------------------------------------------------------- LibTorch
+include(${CMAKE_CURRENT_LIST_DIR}/fsdppFindTorch.cmake)
+message(STATUS "fsdpp: LibTorch ${Torch_VERSION} at ${FSDPP_TORCH_ROOT}")
 
 # A header-only dependency: its CMake package where installed (Debian's -dev packages), otherwise
 # its headers from the include path or CMAKE_PREFIX_PATH (a GPU host may have PyTorch but no Debian
@@ -19,10 +22,17 @@ function(fsdpp_header_dependency package target header)
   target_include_directories(${target} INTERFACE ${${var}})
 endfunction()
 
-fsdpp_header_dependency(fmt fmt::fmt fmt/format.h)
-if(fmt_HEADERS)
-  target_compile_definitions(fmt::fmt INTERFACE FMT_HEADER_ONLY=1)
+# fmt: the copy LibTorch carries (its headers sit among LibTorch's), used header-only, so that a
+# process holds one fmt and loads no libfmt.so beside LibTorch.
+find_path(FSDPP_FMT_INCLUDE_DIR fmt/format.h PATHS ${TORCH_INCLUDE_DIRS} NO_DEFAULT_PATH)
+if(NOT FSDPP_FMT_INCLUDE_DIR)
+  message(FATAL_ERROR "fsdpp: this LibTorch (${FSDPP_TORCH_ROOT}) carries no fmt headers (fmt/format.h)")
 endif()
+file(STRINGS "${FSDPP_FMT_INCLUDE_DIR}/fmt/base.h" _fmt_version REGEX "^#define FMT_VERSION ")
+if(NOT _fmt_version)
+  file(STRINGS "${FSDPP_FMT_INCLUDE_DIR}/fmt/core.h" _fmt_version REGEX "^#define FMT_VERSION ")
+endif()
+string(REGEX REPLACE ".*FMT_VERSION ([0-9]+).*" "\\1" FSDPP_TORCH_FMT_VERSION "${_fmt_version}")
 fsdpp_header_dependency(nlohmann_json nlohmann_json::nlohmann_json nlohmann/json.hpp)
 fsdpp_header_dependency(CLI11 CLI11::CLI11 CLI/CLI.hpp)
 
@@ -36,31 +46,41 @@ if(NOT FSDPP_WITH_GLOO STREQUAL "OFF")
   endif()
 endif()
 message(STATUS "fsdpp: Gloo backend ${FSDPP_HAVE_GLOO}")
-# The NCCL backend's core needs only the CUDA runtime and NCCL, so it builds (and its test runs,
-# down to the error path) wherever the CUDA toolkit is, GPU or not.
+# ---------------------------------------------------------------- NCCL
+# The NCCL backend needs the CUDA runtime, NCCL and a CUDA build of LibTorch (its streams, events
+# and caching allocator). NCCL is the one LibTorch itself loads: the wheel's nvidia-nccl package
+# beside torch/ (same soname, so the process holds one NCCL), else the CUDA toolkit's.
 set(FSDPP_HAVE_NCCL_CORE OFF)
+set(FSDPP_HAVE_NCCL OFF)
 if(NOT FSDPP_WITH_NCCL STREQUAL "OFF")
   if(NOT CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
     set(CUDAToolkit_ROOT /usr/local/cuda)
   endif()
   find_package(CUDAToolkit QUIET)
   if(CUDAToolkit_FOUND)
-    find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
-    find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+    find_path(NCCL_INCLUDE_DIR nccl.h
+      HINTS "${FSDPP_TORCH_ROOT}/../nvidia/nccl/include" ${CUDAToolkit_INCLUDE_DIRS})
+    find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR
+      HINTS "${FSDPP_TORCH_ROOT}/../nvidia/nccl/lib" ${CUDAToolkit_LIBRARY_DIR})
     if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
       set(FSDPP_HAVE_NCCL_CORE ON)
+      file(STRINGS "${NCCL_INCLUDE_DIR}/nccl.h" _nccl_version REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")
+      string(REGEX REPLACE ".*MAJOR ([0-9]+).*MINOR ([0-9]+).*PATCH ([0-9]+).*" "\\1.\\2.\\3"
+             FSDPP_NCCL_VERSION "${_nccl_version}")
     endif()
   endif()
+  if(FSDPP_HAVE_NCCL_CORE AND (TARGET torch_cuda OR TORCH_CUDA_LIBRARIES))
+    set(FSDPP_HAVE_NCCL ON)
+  endif()
 endif()
-message(STATUS "fsdpp: NCCL core (CUDA runtime + NCCL, no LibTorch) ${FSDPP_HAVE_NCCL_CORE}")
-
-# The backend itself also needs a CUDA build of LibTorch (its CUDA streams and caching allocator).
-set(FSDPP_HAVE_NCCL OFF)
-if(FSDPP_HAVE_NCCL_CORE AND (TARGET torch_cuda OR TORCH_CUDA_LIBRARIES))
-  set(FSDPP_HAVE_NCCL ON)
-elseif(FSDPP_WITH_NCCL STREQUAL "ON")
+if(FSDPP_WITH_NCCL STREQUAL "ON" AND NOT FSDPP_HAVE_NCCL)
   message(FATAL_ERROR "FSDPP_WITH_NCCL=ON needs a CUDA build of LibTorch (this one is CPU-only: "
-                      "point CMAKE_PREFIX_PATH at torch.utils.cmake_prefix_path of a CUDA PyTorch) and NCCL "
-                      "(nccl.h and libnccl next to the CUDA toolkit or given as NCCL_INCLUDE_DIR/NCCL_LIBRARY)")
+                      "point CMAKE_PREFIX_PATH at torch.utils.cmake_prefix_path of a CUDA PyTorch), the "
+                      "CUDA toolkit (CUDAToolkit_ROOT) and NCCL (the nvidia-nccl wheel beside torch, the "
+                      "toolkit's, or NCCL_INCLUDE_DIR/NCCL_LIBRARY)")
 endif()
-message(STATUS "fsdpp: NCCL backend ${FSDPP_HAVE_NCCL}")
+if(FSDPP_HAVE_NCCL)
+  message(STATUS "fsdpp: NCCL backend ON: NCCL ${FSDPP_NCCL_VERSION} (${NCCL_LIBRARY}), CUDA ${CUDAToolkit_VERSION}")
+else()
+  message(STATUS "fsdpp: NCCL backend OFF")
+endif()

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <fmt/format.h>
 #include <limits.h>
 #include <link.h>
@@ -49,8 +50,12 @@ BlasInfo probe_blas(bool measure) {
     break;
   }
   if (info.library.empty()) {
-    info.library = "none loaded";
-    info.kind = "built into LibTorch";
+    // PyTorch's wheels link their BLAS (MKL on x86) into libtorch_cpu.so; its build settings say which.
+    const std::string config = at::show_config();
+    const auto at = config.find("BLAS_INFO=");
+    const auto end = at == std::string::npos ? at : config.find_first_of(", \n", at);
+    info.library = "inside libtorch_cpu.so";
+    info.kind = at == std::string::npos ? "unknown" : config.substr(at + 10, end - at - 10);
   }
   if (measure) {
     const int64_t n = 1024;

@@ -1,15 +1,15 @@
 #pragma once
-// Which BLAS library LibTorch multiplies with, and how fast. Debian's LibTorch calls the generic
-// libblas.so.3, which is the slow reference BLAS unless OpenBLAS provides it, so programs print
-// this at start-up to make a slow setup visible at once.
+// Which BLAS library LibTorch multiplies with, and how fast: a separate libblas/OpenBLAS/MKL that the
+// process loaded, or the one built into libtorch_cpu.so (MKL in PyTorch's x86 wheels). Programs
+// print this at start-up to make a slow setup visible at once.
 
 #include <string>
 
 namespace fsdpp {
 
 struct BlasInfo {
-  std::string library;  // resolved path of the loaded BLAS, or "unknown"
-  std::string kind;     // "OpenBLAS (pthread)", "reference BLAS", ...
+  std::string library;  // resolved path of the loaded BLAS, or "inside libtorch_cpu.so"
+  std::string kind;     // "OpenBLAS (pthread)", "reference BLAS", "mkl", ...
   double matmul_gflops = 0;  // float32 1024x1024 matmul on this process's threads
 };
 

@@ -26,6 +26,9 @@ std::shared_ptr<CommImpl> make_gloo_comm(std::shared_ptr<Store> store, int rank,
 std::shared_ptr<CommImpl> make_nccl_comm(std::shared_ptr<Store> store, int rank, int size,
                                          const BackendConfig& config);
 bool gloo_available();
+// The file that defines the Gloo functions fsdpp's backend calls ("" without Gloo); throws a
+// CommError when the backend's plugin cannot be opened.
+std::string gloo_library();
 
 // Records a failed operation for the launcher (see Note [collateral failures]).
 void note_failure(const std::string& what, std::exception_ptr error);

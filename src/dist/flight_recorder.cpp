@@ -3,6 +3,7 @@
 #include "fsdpp/files.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <map>

@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>

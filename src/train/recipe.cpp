@@ -1,6 +1,7 @@
 #include "train/recipe.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <climits>

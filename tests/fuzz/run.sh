@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Builds a libFuzzer target with clang (as C++17: LibTorch 1.13's headers do not compile as C++20 with
-# clang 14), AddressSanitizer and UndefinedBehaviorSanitizer (the code
-# under test compiled from source; the rest of fsdpp and LibTorch linked as built) and runs it for
-# a fixed number of inputs from a seed corpus.
+# Builds a libFuzzer target with clang, AddressSanitizer and UndefinedBehaviorSanitizer (the code
+# under test compiled from source; the rest of fsdpp and the LibTorch it was configured with linked
+# as built) and runs it for a fixed number of inputs from a seed corpus.
 #   tests/fuzz/run.sh BUILD_DIR recipe|checkpoint RUNS
 set -euo pipefail
 src=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,15 +22,21 @@ case $target in
   *) echo "fuzz: unknown target $target (recipe, checkpoint)" >&2; exit 2 ;;
 esac
 
+# The LibTorch that CMake found (cmake/fsdppDependencies.cmake): Torch_DIR is <torch>/share/cmake/Torch.
+torch_dir=$(sed -n 's/^Torch_DIR:PATH=//p' "$build/CMakeCache.txt")
+torch=$(cd "$torch_dir/../../.." && pwd)
+# The same backend macros as the library, so that the code compiled here matches the code it links.
+with_nccl=$(grep -q -- '-DFSDPP_WITH_NCCL=1' "$build/build.ninja" && echo 1 || echo 0)
+
 bin=$out/${target}_fuzz
-stamp=$(cat "${sources[@]}" "$build/libfsdpp.a" | md5sum | cut -d' ' -f1)
+stamp=$(cat "${sources[@]}" "$build/libfsdpp.so" | md5sum | cut -d' ' -f1)
 if [[ ! -x $bin || $(cat "$bin.stamp" 2>/dev/null) != "$stamp" ]]; then
   echo "fuzz: building $bin"
-  "$cxx" -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -DFSDPP_SOURCE_DIR="\"$src\"" -DFSDPP_WITH_GLOO=1 -DFSDPP_WITH_NCCL=0 \
-    -I"$src/include" -isystem /usr/include/torch/csrc/api/include \
-    "${sources[@]}" "$build/libfsdpp.a" \
-    -ltorch -ltorch_cpu -lc10 -lgloo -lfmt -ldl -lpthread -o "$bin"
+  "$cxx" -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+    -DFSDPP_SOURCE_DIR="\"$src\"" -DFSDPP_WITH_GLOO=1 -DFSDPP_WITH_NCCL=$with_nccl -DFMT_HEADER_ONLY=1 \
+    -I"$src/include" -isystem "$torch/include" -isystem "$torch/include/torch/csrc/api/include" \
+    "${sources[@]}" "$build/libfsdpp.so" -Wl,-rpath,"$build" \
+    -L"$torch/lib" -Wl,-rpath,"$torch/lib" -ltorch -ltorch_cpu -lc10 -ldl -lpthread -o "$bin"
   echo "$stamp" > "$bin.stamp"
 fi
 

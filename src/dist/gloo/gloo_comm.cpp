@@ -1,4 +1,5 @@
-// The Gloo backend: CPU tensors over Debian's libgloo (TCP transport).
+// The Gloo backend: CPU tensors over Debian's libgloo (TCP transport). Built as a plugin of its own,
+// libfsdpp_gloo.so, which libfsdpp opens on first use (Note [Gloo in its own lookup scope]).
 //
 // Note [one worker thread per communicator]
 // Each communicator owns a worker thread that runs its collectives one after another, in issue
@@ -21,6 +22,8 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -30,13 +33,14 @@
 #include <mutex>
 #include <thread>
 
-#include "../backend.hpp"
+#include "gloo_plugin.hpp"
 
 namespace fsdpp::dist::detail {
 
-bool gloo_available() { return true; }
-
 namespace {
+
+std::shared_ptr<CommImpl> make_comm(std::shared_ptr<Store> store, int rank, int size,
+                                    const BackendConfig& config);
 
 constexpr uint8_t kReduceScatterSlotPrefix = 0x41;  // gloo's own prefixes are 0x01-0x0f
 constexpr uint8_t kPointToPointSlotPrefix = 0x42;
@@ -306,7 +310,7 @@ class GlooComm : public CommImpl {
     const int new_size = static_cast<int>(members.size());
     auto store = make_prefix_store(fmt::format("split{}/color{}", seq, color), store_);
     join(*store, new_rank, new_size, config_.timeout);
-    return make_gloo_comm(std::move(store), new_rank, new_size, config_);
+    return make_comm(std::move(store), new_rank, new_size, config_);
   }
 
  private:
@@ -500,11 +504,28 @@ class GlooComm : public CommImpl {
   std::vector<Waiter> waiters_;
 };
 
-}  // namespace
-
-std::shared_ptr<CommImpl> make_gloo_comm(std::shared_ptr<Store> store, int rank, int size,
-                                         const BackendConfig& config) {
+std::shared_ptr<CommImpl> make_comm(std::shared_ptr<Store> store, int rank, int size,
+                                    const BackendConfig& config) {
   return std::make_shared<GlooComm>(std::move(store), rank, size, config);
 }
 
+const char* bound_gloo_library() {
+  static const std::string path = [] {
+    Dl_info info{};
+    const auto fn = static_cast<void (*)(const gloo::AllreduceOptions&)>(&gloo::allreduce);
+    return dladdr(reinterpret_cast<void*>(fn), &info) && info.dli_fname ? std::string(info.dli_fname)
+                                                                         : std::string("unknown");
+  }();
+  return path.c_str();
+}
+
+}  // namespace
+
 }  // namespace fsdpp::dist::detail
+
+extern "C" __attribute__((visibility("default"))) const fsdpp::dist::detail::GlooPlugin*
+fsdpp_gloo_plugin() {
+  static const fsdpp::dist::detail::GlooPlugin plugin{fsdpp::dist::detail::make_comm,
+                                                      fsdpp::dist::detail::bound_gloo_library};
+  return &plugin;
+}
