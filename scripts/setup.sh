@@ -49,10 +49,10 @@ if [[ ! -x $venv/bin/python ]]; then
 fi
 # The stamp names what was installed; pip runs only when the list changed or a package is gone.
 stamp=$venv/.fsdpp-requirements
-if [[ "$(cat "$stamp" 2>/dev/null)" != "${requirements[*]}" ]] ||
-   ! "$venv/bin/python" -c 'import torch, safetensors, numpy' 2>/dev/null; then
+check='import numpy, safetensors, torch; print(f"setup: PyTorch {torch.__version__} in", torch.__path__[0])'
+if [[ "$(cat "$stamp" 2>/dev/null)" != "${requirements[*]}" ]] || ! "$venv/bin/python" -c "$check" 2>/dev/null; then
   echo "setup: installing ${requirements[*]} into $venv (about 3 GB the first time)"
   "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q "${requirements[@]}"
   echo "${requirements[*]}" >"$stamp"
+  "$venv/bin/python" -c "$check"
 fi
-"$venv/bin/python" -c 'import torch; print(f"setup: PyTorch {torch.__version__} in", torch.__path__[0])'
