@@ -3,7 +3,7 @@
 #include <stdexcept>
 #include <string>
 
-#if FSDPP_WITH_NCCL || defined(FSDPP_CUDA_COMPILE_CHECK)
+#if FSDPP_WITH_NCCL
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
