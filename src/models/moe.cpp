@@ -23,7 +23,9 @@ struct AttachAuxLoss : torch::autograd::Function<AttachAuxLoss> {
                                                  torch::autograd::variable_list grads) {
     const double scale = ctx->saved_data["scale"].toDouble();
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["aux_dtype"].toInt());
-    return {grads[0], at::full({}, scale, at::TensorOptions().dtype(dtype)), at::Tensor()};
+    // On the incoming gradient's device: a CPU scalar here would reach the GPU through a
+    // synchronising host-to-device copy, which a CUDA graph capture refuses.
+    return {grads[0], at::full({}, scale, grads[0].options().dtype(dtype)), at::Tensor()};
   }
 };
 
