@@ -11,7 +11,6 @@ Prints one JSON line: tokens/s and the median step time over the steps after the
 import argparse
 import json
 import math
-import os
 import statistics
 import time
 
@@ -173,9 +172,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args()
     c = json.load(open(args.config))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29512")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    # One process: an in-memory store, so no port is needed (a fixed one may be taken).
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     torch.cuda.set_device(0)
     torch.manual_seed(0)
     model = Model(c).cuda()
