@@ -204,28 +204,47 @@ void load_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer) {
 
 std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::string& dir) {
   const auto saved = read_all(dir);
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  std::map<std::string, size_t> where;
+  // Everything the indexes claim is checked against the rows the ranks hold before any full tensor
+  // is allocated: a damaged index must not make the reader allocate its claimed shape.
+  std::map<std::string, std::vector<int64_t>> shapes;
   std::map<std::string, int64_t> covered;
   for (const auto& sv : saved)
     for (const auto& e : sv.index.at("entries")) {
       const auto name = e.at("name").get<std::string>();
       const auto& rows = sv.tensor(name);
       const auto shape = e.at("shape").get<std::vector<int64_t>>();
+      const auto offset = e.at("row_offset").get<int64_t>();
+      const auto trailing = rows.dim() > 0 ? rows.sizes().slice(1).vec() : std::vector<int64_t>{};
+      if (shape.empty() || std::vector<int64_t>(shape.begin() + 1, shape.end()) != trailing || offset < 0 ||
+          offset > shape[0] - rows.size(0))
+        throw std::runtime_error(fmt::format("checkpoint: '{}' in {}: shape {} with rows {}..{} does not fit the {} rows "
+                                             "held, of shape {}",
+                                             name, dir, fmt::join(shape, "x"), offset, offset + rows.size(0),
+                                             rows.size(0), fmt::join(rows.sizes(), "x")));
+      if (auto [it, fresh] = shapes.emplace(name, shape); !fresh && it->second != shape)
+        throw std::runtime_error(fmt::format("checkpoint: '{}' differs in shape between ranks in {}", name, dir));
+      covered[name] += rows.size(0);
+    }
+  for (const auto& [name, shape] : shapes)
+    if (covered[name] != shape[0])
+      throw std::runtime_error(fmt::format("checkpoint: {} of {} rows of '{}' are in {}", covered[name], shape[0], name, dir));
+
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::map<std::string, size_t> where;
+  for (const auto& sv : saved)
+    for (const auto& e : sv.index.at("entries")) {
+      const auto name = e.at("name").get<std::string>();
+      const auto& rows = sv.tensor(name);
       auto it = where.find(name);
       if (it == where.end()) {
         it = where.emplace(name, out.size()).first;
-        out.emplace_back(name, at::empty(shape, rows.options()));
+        out.emplace_back(name, at::empty(shapes[name], rows.options()));
       }
       auto& full = out[it->second].second;
-      if (full.sizes().vec() != shape || full.scalar_type() != rows.scalar_type())
-        throw std::runtime_error(fmt::format("checkpoint: '{}' differs in shape or dtype between ranks in {}", name, dir));
+      if (full.scalar_type() != rows.scalar_type())
+        throw std::runtime_error(fmt::format("checkpoint: '{}' differs in dtype between ranks in {}", name, dir));
       full.narrow(0, e.at("row_offset").get<int64_t>(), rows.size(0)).copy_(rows);
-      covered[name] += rows.size(0);
     }
-  for (const auto& [name, t] : out)
-    if (covered[name] != t.size(0))
-      throw std::runtime_error(fmt::format("checkpoint: {} of {} rows of '{}' are in {}", covered[name], t.size(0), name, dir));
   return out;
 }
 

@@ -237,6 +237,39 @@ TEST_CASE("a checkpoint index whose numbers are floats, strings or out of range 
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("a checkpoint index claiming a shape its rows do not fill is rejected before anything is allocated") {
+  const auto dir = test::fresh_store_path() + "-ckpt";
+  test::run_ranks(1, [&](dist::Comm& comm) {
+    auto model = fsdp::fully_shard(Net(8, 1), comm);
+    fsdp::save_sharded(*model.ptr(), dir);
+  });
+  const auto good = fsdpp::read_json_file(dir + "/rank0.json");
+  size_t k = 0;  // a matrix
+  while (good["entries"][k]["shape"].size() != 2) ++k;
+  const auto rows = good["entries"][k]["shape"][0].get<int64_t>();
+  const auto cols = good["entries"][k]["shape"][1].get<int64_t>();
+  // Found by fuzzing: a first dimension of 455555555555 made the reader allocate 5.4 TB.
+  const std::vector<nlohmann::json> shapes = {nlohmann::json::array({int64_t{455555555555}, cols}),
+                                              nlohmann::json::array({rows + 1, cols}),
+                                              nlohmann::json::array({rows, cols + 1}),
+                                              nlohmann::json::array({rows, cols, 1}),
+                                              nlohmann::json::array()};
+  for (const auto& shape : shapes) {
+    auto index = good;
+    index["entries"][k]["shape"] = shape;
+    fsdpp::write_file_atomically(dir + "/rank0.json", index.dump());
+    std::string msg;
+    try {
+      fsdp::read_full_parameters(dir);
+    } catch (const std::runtime_error& e) {
+      msg = e.what();
+    }
+    INFO("shape " << shape.dump() << ": " << msg);
+    CHECK(msg.find("'" + good["entries"][k]["name"].get<std::string>() + "'") != std::string::npos);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("reshard_after_forward as a group size: backward gathers within groups of 2 of 4 ranks") {
   const auto want = train_reference(1);
   test::run_ranks(4, [&](dist::Comm& comm) {
