@@ -49,10 +49,21 @@ struct WorkState {
   bool started = false, done = false;
   std::exception_ptr error;
   std::vector<at::Tensor> tensors;  // kept alive while the operation runs
+  // Called when an operation that was done for the host fails later, on the device (NCCL's
+  // asynchronous errors): wait() rethrows it from then on.
+  void fail(std::exception_ptr failure) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!error) error = std::move(failure);
+  }
+
   // Set by backends whose operations run on a device stream (NCCL). Such an operation is done, for
   // the host, once it is enqueued; wait() then calls this to make the caller's current stream wait
   // for it, without blocking the host (see Note [stream ordering] in the NCCL backend).
   std::function<void()> device_wait;
+  // Set by the same backends: whether the device has finished the operation (an event query, which
+  // never blocks). Until then the operation is in flight, for is_completed(), the flight recorder
+  // and the watchdog, although done for the host.
+  std::function<bool()> device_done;
   std::chrono::system_clock::time_point started_at, finished_at;
 };
 
@@ -78,10 +89,17 @@ class Work {
     }
   }
 
+  // Whether the operation has finished, on the device too where it runs on one. Never blocks.
   bool is_completed() const {
     if (!state_) return true;
-    std::lock_guard<std::mutex> lock(state_->mu);
-    return state_->done;
+    std::function<bool()> device_done;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      if (!state_->done) return false;
+      if (state_->error || !state_->device_done) return true;
+      device_done = state_->device_done;
+    }
+    return device_done();  // outside the lock: it may record a failure through fail()
   }
 
   const std::shared_ptr<detail::WorkState>& state() const { return state_; }

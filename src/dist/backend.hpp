@@ -2,6 +2,7 @@
 // Internal: what init.cpp needs from the backends and the shared rendezvous step.
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -29,6 +30,11 @@ bool gloo_available();
 // The file that defines the Gloo functions fsdpp's backend calls ("" without Gloo); throws a
 // CommError when the backend's plugin cannot be opened.
 std::string gloo_library();
+
+// Hooks the watchdog runs before it ends the process: backends whose operations can hang on a
+// device (NCCL) abort their communicators there, so that the process can exit and report.
+void add_abort_hook(std::function<void()> hook);
+void run_abort_hooks();
 
 // Records a failed operation for the launcher (see Note [collateral failures]).
 void note_failure(const std::string& what, std::exception_ptr error);

@@ -6,7 +6,9 @@
 // `fsdpp launch`); the launcher treats such ranks as collateral.
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "backend.hpp"
 
@@ -16,6 +18,36 @@ bool is_peer_loss(const std::string& message) {
   for (const char* s : {"closed by peer", "reset by peer", "Broken pipe", "Connection refused"})
     if (message.find(s) != std::string::npos) return true;
   return false;
+}
+
+namespace {
+
+struct AbortHooks {
+  std::mutex mu;
+  std::vector<std::function<void()>> hooks;
+};
+
+AbortHooks& abort_hooks() {
+  static auto* h = new AbortHooks;  // used by the watchdog thread, up to the process's end
+  return *h;
+}
+
+}  // namespace
+
+void add_abort_hook(std::function<void()> hook) {
+  auto& h = abort_hooks();
+  std::lock_guard<std::mutex> lock(h.mu);
+  h.hooks.push_back(std::move(hook));
+}
+
+void run_abort_hooks() {
+  auto& h = abort_hooks();
+  std::vector<std::function<void()>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(h.mu);
+    hooks = h.hooks;
+  }
+  for (const auto& hook : hooks) hook();
 }
 
 void note_failure(const std::string& what, std::exception_ptr error) {

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "dist/store.hpp"
+#include "backend.hpp"
 
 namespace fsdpp::dist {
 
@@ -280,6 +281,8 @@ struct Watchdog {
         std::cerr << fmt::format("fsdpp watchdog: rank {}: ending the process (exit code {}); analyse with: fsdpp fr analyze {}\n",
                                  options.rank, options.exit_code, options.dump_dir)
                   << std::flush;
+        // NCCL operations stuck on the device would keep the process from ending.
+        detail::run_abort_hooks();
         std::_Exit(options.exit_code);
       }
     }

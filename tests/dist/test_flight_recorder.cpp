@@ -1,8 +1,10 @@
 // Flight records: what is recorded, and the analysis that names a culprit.
+#include <atomic>
 #include <fstream>
 #include <thread>
 #include <nlohmann/json.hpp>
 
+#include "../../src/dist/backend.hpp"
 #include "dist/flight_recorder.hpp"
 #include "dist/ranks.hpp"
 
@@ -114,4 +116,43 @@ TEST_CASE("consistency check: ranks issuing different collectives fail at once, 
     // Nothing was sent: the communicator still works.
     comm.barrier().wait();
   });
+}
+
+TEST_CASE("an operation done for the host but not on the device is in flight until the device says so") {
+  // What the NCCL backend hands back: a Work finished at enqueue, whose completion the device
+  // reports through device_done (an event query there; a flag here).
+  auto state = std::make_shared<dist::detail::WorkState>("rank 0/1 all_reduce Float n=4");
+  auto on_device = std::make_shared<std::atomic<bool>>(false);
+  state->device_done = [on_device] { return on_device->load(); };
+  state->start();
+  state->finish();
+  const dist::Work work(state);
+  dist::FlightRecorder recorder("world", 0, 1, 16);
+  const auto t = at::ones({4});
+  recorder.record("all_reduce", &t, &t, -1, work);
+
+  CHECK_FALSE(work.is_completed());
+  CHECK(nlohmann::json::parse(recorder.to_json())["entries"][0]["state"] == "started");
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(recorder.overdue(std::chrono::milliseconds(10)).find("world seq 0 all_reduce") != std::string::npos);
+  work.wait();  // done for the host: returns
+
+  on_device->store(true);
+  CHECK(work.is_completed());
+  CHECK(nlohmann::json::parse(recorder.to_json())["entries"][0]["state"] == "completed");
+  CHECK(recorder.overdue(std::chrono::milliseconds(10)).empty());
+
+  // A failure found on the device afterwards (NCCL's asynchronous error) reaches wait().
+  state->fail(std::make_exception_ptr(dist::CommError("NCCL error 'remote process exited'")));
+  const auto msg = test::error_of([&] { work.wait(); });
+  CHECK(msg.find("rank 0/1 all_reduce Float n=4 failed: NCCL error 'remote process exited'") != std::string::npos);
+  CHECK(nlohmann::json::parse(recorder.to_json())["entries"][0]["state"] == "failed");
+}
+
+TEST_CASE("the watchdog's abort hooks all run") {
+  int runs = 0;
+  dist::detail::add_abort_hook([&] { ++runs; });
+  dist::detail::add_abort_hook([&] { runs += 10; });
+  dist::detail::run_abort_hooks();
+  CHECK(runs == 11);
 }

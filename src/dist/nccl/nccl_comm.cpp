@@ -4,7 +4,11 @@
 // stream wait for it, enqueues the NCCL call and returns a Work that is already done for the
 // host. Work::wait() makes the then-current stream wait for the operation's event, so nothing
 // blocks the host and compute that does not read the output overlaps the collective (Note [stream
-// ordering] in nccl_core.hpp). Tensors an operation reads or writes are marked as used on the
+// ordering] in nccl_core.hpp). Work::is_completed() asks the device: it queries the event recorded
+// after the operation, so the flight recorder shows operations in flight, the watchdog sees one
+// that hangs, and the pipeline's send budget waits for sends to leave. While an operation has not
+// completed, the same query polls NCCL's asynchronous error; on one, the communicator is aborted
+// and the operation fails. The watchdog aborts every NCCL communicator before it ends the process. Tensors an operation reads or writes are marked as used on the
 // communicator's stream (recordStream), so the caching allocator does not hand their memory out
 // again before the operation has finished, even when the caller drops them at once. Nothing here
 // but a barrier's wait synchronises with the host or queries an event, so a whole step may be
@@ -61,6 +65,13 @@ std::vector<size_t> offsets_of(const std::vector<size_t>& counts) {
   return off;
 }
 
+// Throws a CommError naming the rank; a free function, so that closures kept in a Work need no
+// pointer to the communicator, which may be gone before the Work is waited on.
+void check_cuda(cudaError_t e, int rank, int size, const char* what) {
+  if (e != cudaSuccess)
+    throw CommError(fmt::format("rank {}/{} {}: CUDA error '{}'", rank, size, what, cudaGetErrorString(e)));
+}
+
 class NcclComm final : public CommImpl {
  public:
   explicit NcclComm(std::unique_ptr<Core> core)
@@ -69,6 +80,9 @@ class NcclComm final : public CommImpl {
     cudaEvent_t e = nullptr;
     check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
     ready_ = EventPtr(e, [](cudaEvent_t ev) { cudaEventDestroy(ev); });
+    add_abort_hook([core = std::weak_ptr<Core>(core_)] {
+      if (auto c = core.lock()) c->abort();
+    });
   }
 
   int rank() const override { return core_->rank(); }
@@ -151,7 +165,7 @@ class NcclComm final : public CommImpl {
       return done;
     });
     if (done)
-      work.state()->device_wait = [done, this] { check(cudaEventSynchronize(done.get()), "barrier"); };
+      work.state()->device_wait = [done, r = rank(), n = size()] { check_cuda(cudaEventSynchronize(done.get()), r, n, "barrier"); };
     return work;
   }
 
@@ -171,10 +185,7 @@ class NcclComm final : public CommImpl {
     return fmt::format("rank {}/{} {} {} {}", rank(), size(), op, c10::toString(t.scalar_type()), sizes);
   }
 
-  void check(cudaError_t e, const char* what) const {
-    if (e != cudaSuccess)
-      throw CommError(fmt::format("rank {}/{} {}: CUDA error '{}'", rank(), size(), what, cudaGetErrorString(e)));
-  }
+  void check(cudaError_t e, const char* what) const { check_cuda(e, rank(), size(), what); }
 
   // Orders the operation after the work already on the caller's stream, enqueues it, and returns
   // a Work whose wait() orders the caller's stream after it.
@@ -188,8 +199,12 @@ class NcclComm final : public CommImpl {
       EventPtr done = enqueue(ready_.get());
       for (const auto& t : tensors)
         if (t.defined() && t.numel() > 0) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm_stream_);
-      state->device_wait = [done, device, this] {
-        check(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device).stream(), done.get(), 0), "cudaStreamWaitEvent");
+      state->device_wait = [done, device, r = rank(), n = size()] {
+        check_cuda(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device).stream(), done.get(), 0), r, n,
+                   "cudaStreamWaitEvent");
+      };
+      state->device_done = [done, core = std::weak_ptr<Core>(core_), op = std::weak_ptr<WorkState>(state)] {
+        return device_done(done.get(), core, op);
       };
       state->finish();
     } catch (const nccl::NcclError& e) {
@@ -200,7 +215,33 @@ class NcclComm final : public CommImpl {
     return Work(state);
   }
 
-  std::unique_ptr<Core> core_;
+  // Whether the operation whose completion `done` records has finished on the device. Inside a CUDA
+  // graph capture an event cannot be queried, and order comes from stream dependencies, so a
+  // captured operation counts as completed for the host.
+  static bool device_done(cudaEvent_t done, const std::weak_ptr<Core>& core, const std::weak_ptr<WorkState>& op) {
+    const auto c = core.lock();
+    if (!c) return true;  // the communicator is gone, and destroying it drained its stream
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(c->stream(), &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone)
+      return true;
+    const cudaError_t q = cudaEventQuery(done);
+    if (q == cudaSuccess) return true;
+    if (q == cudaErrorNotReady && !c->aborted() && c->async_error() == ncclSuccess) return false;
+    // The device failed, or NCCL did (a peer gone): the operation will never complete. Abort the
+    // communicator so that nothing waits on it forever, and fail the operation.
+    const std::string why = q != cudaErrorNotReady ? fmt::format("CUDA error '{}'", cudaGetErrorString(q))
+                            : c->aborted()        ? std::string("the communicator was aborted")
+                                                  : c->async_error_message();
+    c->abort();
+    if (const auto state = op.lock()) {
+      auto error = std::make_exception_ptr(CommError(why));
+      note_failure(state->what, error);
+      state->fail(error);
+    }
+    return true;
+  }
+
+  std::shared_ptr<Core> core_;
   c10::cuda::CUDAStream comm_stream_;
   EventPtr ready_;  // re-recorded by every operation; a stream wait uses the state it had then
 };

@@ -1,6 +1,7 @@
 #include "nccl_core.hpp"
 
 #include <cstring>
+#include <mutex>
 #include <sstream>
 
 namespace fsdpp::dist::nccl {
@@ -25,6 +26,38 @@ void check_init(ncclResult_t r, int rank, int size, const char* what) {
 
 }  // namespace
 
+// Events recorded after each operation, reused: creating and destroying one per operation costs a
+// driver call each, on the path of every collective.
+class EventPool : public std::enable_shared_from_this<EventPool> {
+ public:
+  ~EventPool() {
+    for (auto e : free_) cudaEventDestroy(e);
+  }
+  cudaError_t take(EventPtr& out) {
+    cudaEvent_t e = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        e = free_.back();
+        free_.pop_back();
+      }
+    }
+    if (!e)
+      if (const auto err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming); err != cudaSuccess) return err;
+    // The pool outlives every event it handed out: each holds it.
+    out = EventPtr(e, [pool = shared_from_this()](cudaEvent_t ev) { pool->give_back(ev); });
+    return cudaSuccess;
+  }
+
+ private:
+  void give_back(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(e);
+  }
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+};
+
 size_t Core::element_size(ncclDataType_t type) {
   switch (type) {
     case ncclInt8:
@@ -47,7 +80,7 @@ size_t Core::element_size(ncclDataType_t type) {
 }
 
 Core::Core(int rank, int size, int device, const Rendezvous& rendezvous, const std::string& key)
-    : rank_(rank), size_(size), device_(device) {
+    : rank_(rank), size_(size), device_(device), events_(std::make_shared<EventPool>()) {
   check_init(cudaSetDevice(device), rank, size, "cudaSetDevice");
   ncclUniqueId id;
   if (rank == 0) {
@@ -66,7 +99,8 @@ Core::Core(int rank, int size, int device, const Rendezvous& rendezvous, const s
   check(cudaMemsetAsync(scratch_, 0, sizeof(float), stream_), "cudaMemsetAsync");
 }
 
-Core::Core(int rank, int size, int device, ncclComm_t comm) : rank_(rank), size_(size), device_(device), comm_(comm) {
+Core::Core(int rank, int size, int device, ncclComm_t comm)
+    : rank_(rank), size_(size), device_(device), events_(std::make_shared<EventPool>()), comm_(comm) {
   check(cudaSetDevice(device), "cudaSetDevice");
   check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaMalloc(&scratch_, sizeof(float)), "cudaMalloc");
@@ -74,11 +108,33 @@ Core::Core(int rank, int size, int device, ncclComm_t comm) : rank_(rank), size_
 }
 
 Core::~Core() {
-  // Errors cannot leave a destructor; a failed communicator is aborted rather than destroyed.
-  if (stream_) cudaStreamSynchronize(stream_);
+  // Errors cannot leave a destructor. An aborted communicator's stream may never drain, so it is
+  // neither synchronised nor destroyed again.
+  if (!aborted_.load()) {
+    if (stream_) cudaStreamSynchronize(stream_);
+    if (comm_) ncclCommDestroy(comm_);
+  }
   if (scratch_) cudaFree(scratch_);
-  if (comm_) ncclCommDestroy(comm_);
   if (stream_) cudaStreamDestroy(stream_);
+}
+
+ncclResult_t Core::async_error() const {
+  if (!comm_ || aborted_.load()) return ncclSuccess;
+  ncclResult_t result = ncclSuccess;
+  if (ncclCommGetAsyncError(comm_, &result) != ncclSuccess) return ncclSystemError;
+  return result;
+}
+
+std::string Core::async_error_message() const {
+  const auto r = async_error();
+  std::string msg = prefix(rank_, size_, "communicator") + "NCCL error '" + ncclGetErrorString(r) + "'";
+  if (const char* last = comm_ ? ncclGetLastError(comm_) : nullptr; last && *last) msg += " (" + std::string(last) + ")";
+  return msg;
+}
+
+void Core::abort() {
+  if (!comm_ || aborted_.exchange(true)) return;
+  ncclCommAbort(comm_);
 }
 
 void Core::check(cudaError_t e, const char* what) const {
@@ -94,15 +150,15 @@ void Core::check(ncclResult_t r, const char* what) const {
 }
 
 void Core::wait_for(cudaEvent_t ready, const char* what) {
+  if (aborted_.load()) throw NcclError(prefix(rank_, size_, what) + "the communicator was aborted after an earlier failure");
   check(cudaSetDevice(device_), what);
   if (ready) check(cudaStreamWaitEvent(stream_, ready, 0), what);
 }
 
 EventPtr Core::finished(const char* what) {
-  cudaEvent_t e = nullptr;
-  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what);
-  EventPtr event(e, [](cudaEvent_t ev) { cudaEventDestroy(ev); });
-  check(cudaEventRecord(e, stream_), what);
+  EventPtr event;
+  check(events_->take(event), what);
+  check(cudaEventRecord(event.get(), stream_), what);
   return event;
 }
 

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -29,8 +30,11 @@ class NcclError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// An owned CUDA event (timing disabled), shared by the operations and waits that use it.
+// An owned CUDA event (timing disabled), shared by the operations and waits that use it. Events
+// come from a pool: the last owner returns the event instead of destroying it.
 using EventPtr = std::shared_ptr<std::remove_pointer_t<cudaEvent_t>>;
+
+class EventPool;
 
 // How ranks meet: rank 0 publishes the NCCL unique id under a key, the others read it (blocking
 // until it is there). The dist layer passes its Store.
@@ -77,6 +81,15 @@ class Core {
   // Size in bytes of one element of `type`.
   static size_t element_size(ncclDataType_t type);
 
+  // An error NCCL hit after an operation was enqueued (a peer gone, a network failure), or
+  // ncclSuccess; ncclCommGetAsyncError, safe to call from any thread.
+  ncclResult_t async_error() const;
+  std::string async_error_message() const;
+  // Ends the communicator's operations in flight (ncclCommAbort), so that a rank whose peers are
+  // gone or hung can exit; the communicator is unusable afterwards. Idempotent, any thread.
+  void abort();
+  bool aborted() const { return aborted_.load(); }
+
  private:
   Core(int rank, int size, int device, ncclComm_t comm);
   void check(cudaError_t e, const char* what) const;
@@ -85,6 +98,8 @@ class Core {
   EventPtr finished(const char* what);
 
   int rank_, size_, device_;
+  std::shared_ptr<EventPool> events_;
+  std::atomic<bool> aborted_{false};
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   void* scratch_ = nullptr;  // the barrier's element
