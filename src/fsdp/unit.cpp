@@ -102,7 +102,9 @@ std::vector<Unit*> Unit::tree_units() const { return tree_ ? tree_->units : std:
 
 int Unit::post_forward_group() const {
   const auto& v = options_.reshard_after_forward;
-  if (!v) return is_root() ? 0 : 1;
+  // Default: reshard, except the root (needed first in backward) and with static buffers, where
+  // resharding frees nothing and would only gather every unit again in backward.
+  if (!v) return is_root() || options_.static_buffers ? 0 : 1;
   if (const bool* b = std::get_if<bool>(&*v)) return *b ? 1 : 0;
   const int n = std::get<int>(*v);
   // N = 1 keeps everything (as false); N = world size keeps 1/world size (as true).

@@ -1,6 +1,6 @@
 // What CUDA graph capture of a whole step relies on, checked on CPU where the step runs eagerly:
 // with static buffers, fully_shard's communication buffers and unsharded parameters keep their
-// addresses from the first step on, as do gradients and the optimizer's state; every step issues the same collectives (operation, dtype,
+// addresses from the first step on (and each unit is gathered once per step), as do gradients and the optimizer's state; every step issues the same collectives (operation, dtype,
 // sizes, label) in the same order; inputs go through static buffers; and none of this changes a
 // single bit of training.
 #include <ATen/ATen.h>
@@ -25,6 +25,7 @@ struct RankLog {
   std::vector<double> losses;
   std::vector<std::vector<std::string>> ops;        // per step
   std::vector<std::vector<const void*>> addresses;  // per step
+  int units = 0;
 };
 
 std::vector<RankLog> train(bool static_buffers, int steps) {
@@ -44,9 +45,9 @@ std::vector<RankLog> train(bool static_buffers, int steps) {
   test::run_ranks(n, [&](dist::Comm& comm) {
     const int r = comm.rank();
     fsdp::FullyShardOptions o;
-    o.static_buffers = static_buffers;
-    o.reshard_after_forward = false;
+    o.static_buffers = static_buffers;  // reshard_after_forward left to its default
     auto root = fsdp::fully_shard(nets[r], comm, o);
+    logs[r].units = static_cast<int>(root->fsdp_unit().tree_units().size());
     fsdp::AdamW opt(root->sharded_parameters(), {.lr = 1e-2});
     auto x = at::zeros({B, T}, at::kLong), y = at::zeros({B, T}, at::kLong);  // static inputs
     const void* x_at = x.data_ptr();
@@ -115,5 +116,12 @@ TEST_CASE("capture-ready step on CPU: fixed buffer addresses, the same collectiv
     // Every buffer is in place, and the step talks: all-gathers and reduce-scatters of each unit.
     for (const void* a : fixed[r].addresses[0]) CHECK(a != nullptr);
     CHECK(fixed[r].ops[0].size() >= 6);
+    // Static buffers keep every unit gathered from forward to backward (resharding would free
+    // nothing): one all-gather per unit per step, where the default gathers all but the root twice.
+    auto gathers = [](const std::vector<std::string>& ops) {
+      return std::count_if(ops.begin(), ops.end(), [](const std::string& op) { return op.find(": all_gather ") != std::string::npos; });
+    };
+    CHECK(gathers(fixed[r].ops[0]) == fixed[r].units);
+    CHECK(gathers(plain[r].ops[0]) == 2 * plain[r].units - 1);
   }
 }
