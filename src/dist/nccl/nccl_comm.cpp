@@ -221,6 +221,13 @@ class NcclComm final : public CommImpl {
   static bool device_done(cudaEvent_t done, const std::weak_ptr<Core>& core, const std::weak_ptr<WorkState>& op) {
     const auto c = core.lock();
     if (!c) return true;  // the communicator is gone, and destroying it drained its stream
+    // The watchdog's thread asks too: in the default (global) capture mode its queries would
+    // invalidate a capture running on another thread, so this thread's mode is relaxed meanwhile.
+    struct RelaxedCapture {
+      cudaStreamCaptureMode previous = cudaStreamCaptureModeRelaxed;
+      RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&previous); }
+      ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&previous); }
+    } relaxed;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(c->stream(), &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone)
       return true;
