@@ -204,6 +204,21 @@ TEST_CASE("a checkpoint with a missing rank file is rejected naming the file") {
   std::filesystem::remove_all(dir);
 }
 
+namespace {
+
+// What read_full_parameters says of `dir` once its rank-0 index is `index` ("" when it reads).
+std::string read_error(const std::string& dir, const nlohmann::json& index) {
+  fsdpp::write_file_atomically(dir + "/rank0.json", index.dump());
+  try {
+    fsdp::read_full_parameters(dir);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
 TEST_CASE("a checkpoint index whose numbers are floats, strings or out of range is rejected naming the field") {
   const auto dir = test::fresh_store_path() + "-ckpt";
   test::run_ranks(1, [&](dist::Comm& comm) {
@@ -222,13 +237,7 @@ TEST_CASE("a checkpoint index whose numbers are floats, strings or out of range 
   for (const auto& [key, value, want] : damage) {
     auto index = good;
     index["entries"][0][key] = value;
-    fsdpp::write_file_atomically(dir + "/rank0.json", index.dump());
-    std::string msg;
-    try {
-      fsdp::read_full_parameters(dir);
-    } catch (const std::runtime_error& e) {
-      msg = e.what();
-    }
+    const auto msg = read_error(dir, index);
     INFO(key << " = " << value.dump() << ": " << msg);
     CHECK(msg.find(want) != std::string::npos);
   }
@@ -257,13 +266,7 @@ TEST_CASE("a checkpoint index claiming a shape its rows do not fill is rejected 
   for (const auto& shape : shapes) {
     auto index = good;
     index["entries"][k]["shape"] = shape;
-    fsdpp::write_file_atomically(dir + "/rank0.json", index.dump());
-    std::string msg;
-    try {
-      fsdp::read_full_parameters(dir);
-    } catch (const std::runtime_error& e) {
-      msg = e.what();
-    }
+    const auto msg = read_error(dir, index);
     INFO("shape " << shape.dump() << ": " << msg);
     CHECK(msg.find("'" + good["entries"][k]["name"].get<std::string>() + "'") != std::string::npos);
   }
