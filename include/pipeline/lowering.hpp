@@ -145,6 +145,49 @@ inline Program add_send_recv(const Program& compute, const std::vector<int>& own
   }
 }
 
+// Note [point-to-point order]
+// NCCL has no tags: between two ranks, on one communicator, the k-th receive a rank posts gets the
+// k-th message its peer sends. The executor gives each directed pair of ranks its own communicator,
+// so a lowered program is correct on NCCL only if, for every pair (a, b), the messages a sends to b
+// in program order are the ones b receives from a, in the same order. Gloo's tags would forgive a
+// mismatch; the plan does not rely on them, so that every schedule runs on both backends and can be
+// captured in a CUDA graph.
+
+// Throws a ScheduleError naming the first pair of ranks whose sends and receives disagree, and the
+// first message where they do.
+inline void check_point_to_point_order(const Program& lowered, const std::vector<int>& owner) {
+  using T = ActionType;
+  const int ranks = static_cast<int>(lowered.size());
+  // A message is named by the action that sends it: (sending stage, F or B, microbatch).
+  struct Message {
+    Action send, at;  // what the message is, and the action of this side that moves it
+  };
+  std::vector<std::vector<std::vector<Message>>> sent(ranks, std::vector<std::vector<Message>>(ranks)),
+      received(ranks, std::vector<std::vector<Message>>(ranks));
+  for (int r = 0; r < ranks; ++r)
+    for (const auto& a : lowered[r]) {
+      if (a.type == T::kSendF) sent[r][owner[a.stage + 1]].push_back({a, a});
+      if (a.type == T::kSendB) sent[r][owner[a.stage - 1]].push_back({a, a});
+      if (a.type == T::kRecvF) received[owner[a.stage - 1]][r].push_back({{a.stage - 1, T::kSendF, a.microbatch}, a});
+      if (a.type == T::kRecvB) received[owner[a.stage + 1]][r].push_back({{a.stage + 1, T::kSendB, a.microbatch}, a});
+    }
+  for (int a = 0; a < ranks; ++a)
+    for (int b = 0; b < ranks; ++b) {
+      const auto &out = sent[a][b], &in = received[a][b];
+      for (size_t k = 0; k < std::max(out.size(), in.size()); ++k) {
+        if (k < out.size() && k < in.size() && out[k].send == in[k].send) continue;
+        const std::string send = k < out.size() ? to_string(out[k].at) : "nothing";
+        const std::string recv = k < in.size() ? to_string(in[k].at) + " (the message of " + to_string(in[k].send) + ")"
+                                               : "nothing";
+        throw ScheduleError("rank " + std::to_string(a) + " -> rank " + std::to_string(b) + ": message " +
+                            std::to_string(k + 1) + " is " + send + " on rank " + std::to_string(a) + " but " + recv +
+                            " on rank " + std::to_string(b) +
+                            "; sends and receives between two ranks must come in the same order (NCCL matches "
+                            "them by order, not tag)");
+      }
+    }
+}
+
 // For FSDP stages: before each compute action, the stages of the next `max_active_stages`
 // distinct stages this rank computes are unsharded (UNSHARD issued ahead of use, so a rank's
 // unshards are spread over its start-up bubble), and stages that fell out of that window are

@@ -221,3 +221,37 @@ TEST_CASE("table schedules: stages and microbatches out of range are named with 
   std::filesystem::remove(csv);
   std::filesystem::remove(json);
 }
+
+TEST_CASE("sends and receives between two ranks come in the same order (NCCL matches by order)") {
+  // Note [point-to-point order]. Every pair of ranks, every message, in the lowered programs of the
+  // schedules that keep this order (with and without FSDP's UNSHARD/RESHARD/REDUCE_GRAD).
+  for (const std::string name : {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"})
+    for (int pp : {2, 4})
+      for (int v : {1, 2})
+        for (int m : {pp, 2 * pp, 2 * pp + 1}) {
+          const auto s = make_schedule(name);
+          const ScheduleSpec spec{pp, v, m};
+          try {
+            s->check(spec);
+          } catch (const ScheduleError&) {
+            continue;  // a layout this schedule does not take
+          }
+          for (bool fsdp : {false, true}) {
+            INFO(name << " pp=" << pp << " v=" << v << " m=" << m << " fsdp=" << fsdp);
+            const auto plan = make_plan(*s, spec, fsdp);
+            CHECK_NOTHROW(check_point_to_point_order(plan.lowered, plan.owner));
+          }
+        }
+  // Two forwards that rank 1 receives in the opposite order to rank 0's sends: named by the pair of
+  // ranks, the message and both actions.
+  std::istringstream csv("0F0,0SEND_F0,0F1,0SEND_F1\n1RECV_F1,1F1,1RECV_F0,1F0\n");
+  const auto program = parse_csv(csv);
+  std::string msg;
+  try {
+    check_point_to_point_order(program, {0, 1});
+  } catch (const ScheduleError& e) {
+    msg = e.what();
+  }
+  CHECK(msg.find("rank 0 -> rank 1: message 1 is 0SEND_F0 on rank 0 but 1RECV_F1 (the message of 0SEND_F1) on rank 1") !=
+        std::string::npos);
+}
