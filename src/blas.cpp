@@ -52,10 +52,10 @@ BlasInfo probe_blas(bool measure) {
   if (info.library.empty()) {
     // PyTorch's wheels link their BLAS (MKL on x86) into libtorch_cpu.so; its build settings say which.
     const std::string config = at::show_config();
-    const auto at = config.find("BLAS_INFO=");
-    const auto end = at == std::string::npos ? at : config.find_first_of(", \n", at);
+    const auto key = config.find("BLAS_INFO=");
+    const auto end = key == std::string::npos ? key : config.find_first_of(", \n", key);
     info.library = "inside libtorch_cpu.so";
-    info.kind = at == std::string::npos ? "unknown" : config.substr(at + 10, end - at - 10);
+    info.kind = key == std::string::npos ? "unknown" : config.substr(key + 10, end - key - 10);
   }
   if (measure) {
     const int64_t n = 1024;

@@ -60,8 +60,8 @@ struct WorkState {
   // the host, once it is enqueued; wait() then calls this to make the caller's current stream wait
   // for it, without blocking the host (see Note [stream ordering] in the NCCL backend).
   std::function<void()> device_wait;
-  // Set by the same backends: whether the device has finished the operation (an event query, which
-  // never blocks). Until then the operation is in flight, for is_completed(), the flight recorder
+  // Set by the same backends, before finish(): whether the device has finished the operation (an
+  // event query, which never blocks). Until then the operation is in flight, for is_completed(), the flight recorder
   // and the watchdog, although done for the host.
   std::function<bool()> device_done;
   std::chrono::system_clock::time_point started_at, finished_at;
@@ -92,14 +92,14 @@ class Work {
   // Whether the operation has finished, on the device too where it runs on one. Never blocks.
   bool is_completed() const {
     if (!state_) return true;
-    std::function<bool()> device_done;
     {
       std::lock_guard<std::mutex> lock(state_->mu);
       if (!state_->done) return false;
       if (state_->error || !state_->device_done) return true;
-      device_done = state_->device_done;
     }
-    return device_done();  // outside the lock: it may record a failure through fail()
+    // Outside the lock, since it may record a failure through fail(). device_done is set before
+    // finish() and never changed after, so reading it once `done` was seen under the lock is safe.
+    return state_->device_done();
   }
 
   const std::shared_ptr<detail::WorkState>& state() const { return state_; }

@@ -8,7 +8,8 @@
 // after the operation, so the flight recorder shows operations in flight, the watchdog sees one
 // that hangs, and the pipeline's send budget waits for sends to leave. While an operation has not
 // completed, the same query polls NCCL's asynchronous error; on one, the communicator is aborted
-// and the operation fails. The watchdog aborts every NCCL communicator before it ends the process. Tensors an operation reads or writes are marked as used on the
+// and the operation fails. The watchdog aborts every NCCL communicator before it ends the process.
+// Tensors an operation reads or writes are marked as used on the
 // communicator's stream (recordStream), so the caching allocator does not hand their memory out
 // again before the operation has finished, even when the caller drops them at once. Nothing here
 // but a barrier's wait synchronises with the host or queries an event, so a whole step may be
@@ -22,7 +23,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <fmt/format.h>
 
+#include <mutex>
 #include <numeric>
+#include <vector>
 
 #include "../backend.hpp"
 #include "nccl_core.hpp"
@@ -72,6 +75,27 @@ void check_cuda(cudaError_t e, int rank, int size, const char* what) {
     throw CommError(fmt::format("rank {}/{} {}: CUDA error '{}'", rank, size, what, cudaGetErrorString(e)));
 }
 
+// The process's live NCCL communicators, which the watchdog aborts before it ends the process
+// (one hook for all of them; communicators that are gone drop out as new ones come).
+void track_for_abort(const std::shared_ptr<Core>& core) {
+  struct Tracked {
+    std::mutex mu;
+    std::vector<std::weak_ptr<Core>> cores;
+  };
+  static auto* tracked = [] {
+    auto* t = new Tracked;  // used by the watchdog thread, up to the process's end
+    add_abort_hook([t] {
+      std::lock_guard<std::mutex> lock(t->mu);
+      for (const auto& w : t->cores)
+        if (auto c = w.lock()) c->abort();
+    });
+    return t;
+  }();
+  std::lock_guard<std::mutex> lock(tracked->mu);
+  std::erase_if(tracked->cores, [](const std::weak_ptr<Core>& w) { return w.expired(); });
+  tracked->cores.push_back(core);
+}
+
 class NcclComm final : public CommImpl {
  public:
   explicit NcclComm(std::unique_ptr<Core> core)
@@ -80,9 +104,7 @@ class NcclComm final : public CommImpl {
     cudaEvent_t e = nullptr;
     check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
     ready_ = EventPtr(e, [](cudaEvent_t ev) { cudaEventDestroy(ev); });
-    add_abort_hook([core = std::weak_ptr<Core>(core_)] {
-      if (auto c = core.lock()) c->abort();
-    });
+    track_for_abort(core_);
   }
 
   int rank() const override { return core_->rank(); }
