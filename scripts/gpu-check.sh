@@ -10,7 +10,9 @@
 # between calls). `run` does:
 #   1. the NCCL core test and the GPU test (NCCL through dist::Comm; fully_shard on CUDA against the
 #      CPU; a captured CUDA graph step bitwise equal to the eager step);
-#   2. the small MoE recipe on one GPU, eager and graph replay (steps/s, and equal losses);
+#   2. the small MoE recipe on one GPU, eager and graph replay (steps/s, and equal losses); with
+#      two or more GPUs also as a 1F1B pipeline over two GPUs (pp = 2), eager and graph replay (one
+#      GPU cannot: NCCL refuses two ranks of one communicator on the same device);
 #   3. the 16-expert top-2 bfloat16 model: fsdpp (graph replay) against PyTorch's fully_shard on
 #      the same model, batch and GPU.
 # A failing step does not stop the ones after it, so partial figures still come back; the exit
@@ -84,6 +86,21 @@ small_runs() {
       logging.output_dir="$out/runs/small-graph" --overwrite
 }
 
+pipeline_runs() {
+  local gpus
+  gpus=$(nvidia-smi -L | grep -c '^GPU')
+  if ((gpus < 2)); then
+    echo "pp = 2: not run: $gpus GPU (NCCL refuses two ranks of one communicator on one device)"
+    return 0
+  fi
+  local pp=(train.steps=100 eval.interval=0 eval.batches=2 checkpoint.enabled=false logging.interval=50
+            parallel.dp=1 parallel.pp=2 parallel.microbatches=4 parallel.max_outstanding_sends=2)
+  "$out/fsdpp" run recipes/moe-small-gpu.json "${pp[@]}" train.cuda_graph=false \
+    logging.output_dir="$out/runs/pp-eager" --overwrite &&
+    "$out/fsdpp" run recipes/moe-small-gpu.json "${pp[@]}" train.cuda_graph=true \
+      logging.output_dir="$out/runs/pp-graph" --overwrite
+}
+
 big_runs() {
   local big=(parallel.dp=1 train.global_batch=8 data.seq_len=1024 train.steps=30 eval.interval=0
              eval.batches=1 checkpoint.enabled=false logging.interval=10)
@@ -100,6 +117,7 @@ def summary(name):
     path = f"{out}/runs/{name}/summary.json"
     return json.load(open(path)) if os.path.exists(path) else None
 eager, graph, big = summary("small-eager"), summary("small-graph"), summary("big-fsdpp")
+pp_eager, pp_graph = summary("pp-eager"), summary("pp-graph")
 torch = None
 if os.path.exists(f"{out}/torch.json"):
     lines = open(f"{out}/torch.json").read().strip().splitlines()
@@ -118,6 +136,15 @@ if eager and graph:
               f"(equal: {eager['train_loss'] == graph['train_loss']})", ""]
 else:
     lines += ["moe-small eager vs graph: did not complete (see small_moe.log)", ""]
+if pp_eager and pp_graph:
+    lines += ["| moe-small, 1F1B over 2 GPUs, 4 microbatches (median step) | eager | CUDA graph replay | speed-up |",
+              "|---|---|---|---|",
+              f"| pp = 2 | {pp_eager['step_ms_median']:.2f} ms | {pp_graph['step_ms_median']:.2f} ms | "
+              f"{pp_eager['step_ms_median'] / pp_graph['step_ms_median']:.2f}x |", "",
+              f"Final training loss after 100 steps: eager {pp_eager['train_loss']!r}, graph {pp_graph['train_loss']!r} "
+              f"(equal: {pp_eager['train_loss'] == pp_graph['train_loss']})", ""]
+elif os.path.exists(f"{out}/pipeline.log"):
+    lines += ["pp = 2 eager vs graph: " + (open(f"{out}/pipeline.log").read().strip().splitlines() or ["no output"])[-1], ""]
 if big and torch:
     big_tok = 8 * 1024 / (big["step_ms_median"] / 1e3)
     lines += ["| 16 experts top-2, bf16, batch 8 x 1024, 1 GPU | median step | tokens/s |", "|---|---|---|",
@@ -140,6 +167,7 @@ run() {
   step nccl_core "$out/tests/fsdpp_test_nccl_core"
   step gpu_tests "$out/tests/fsdpp_test_gpu" -s
   step small_moe small_runs
+  step pipeline pipeline_runs
   step moe_16x2 big_runs
   step figures figures
   return 0  # each step's failure is already counted

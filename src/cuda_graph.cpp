@@ -59,6 +59,13 @@ void CapturedStep::replay() { impl_->graph.replay(); }
 
 int current_cuda_device() { return c10::cuda::current_device(); }
 
+bool stream_capturing(int device) {
+  const auto d = device < 0 ? c10::cuda::current_device() : static_cast<c10::DeviceIndex>(device);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(d).stream(), &status) == cudaSuccess &&
+         status != cudaStreamCaptureStatusNone;
+}
+
 }  // namespace fsdpp
 
 #else
@@ -72,6 +79,8 @@ std::unique_ptr<CapturedStep> CapturedStep::capture(const std::function<void()>&
 }
 
 void CapturedStep::replay() {}
+
+bool stream_capturing(int) { return false; }
 
 int current_cuda_device() {
   throw std::runtime_error("this fsdpp is built without CUDA (build against a CUDA LibTorch)");

@@ -29,6 +29,11 @@ class CapturedStep {
   std::unique_ptr<Impl> impl_;
 };
 
+// Whether the current stream of CUDA device `device` (-1: the current device) is being captured
+// into a graph: work issued now is recorded, not run, so the host must not wait for it. False in
+// builds without CUDA.
+bool stream_capturing(int device = -1);
+
 // The current CUDA device of this process (set by the NCCL backend to LOCAL_RANK); throws without
 // CUDA.
 int current_cuda_device();

@@ -69,6 +69,10 @@ inline bool is_compute(ActionType t) {
          t == ActionType::kBackwardInput || t == ActionType::kBackwardWeight;
 }
 
+inline bool is_send_recv(ActionType t) {
+  return t == ActionType::kSendF || t == ActionType::kRecvF || t == ActionType::kSendB || t == ActionType::kRecvB;
+}
+
 inline bool has_microbatch(ActionType t) {
   return t != ActionType::kUnshard && t != ActionType::kReshard && t != ActionType::kReduceGrad;
 }

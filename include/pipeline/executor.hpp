@@ -13,7 +13,9 @@
 // producing op saved it, keep what they need); backward only needs its shape and autograd edge.
 // Sends are asynchronous; with a budget (Plan::max_outstanding_sends) a send first waits for the
 // oldest in flight, which the plan's simulation has shown can never deadlock; the rest are waited
-// at the end of the step.
+// at the end of the step. On NCCL every wait is a stream dependency, so a step can be captured as
+// a CUDA graph: its receive buffers then come from the graph's pool, and the budget is recorded as
+// dependencies between the sends.
 //
 // FSDP stages: gradients accumulate unsharded over the microbatches (no communication), and
 // REDUCE_GRAD issues the stage's reduce-scatters asynchronously; they are waited at the next

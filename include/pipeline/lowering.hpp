@@ -152,40 +152,145 @@ inline Program add_send_recv(const Program& compute, const std::vector<int>& own
 // in program order are the ones b receives from a, in the same order. Gloo's tags would forgive a
 // mismatch; the plan does not rely on them, so that every schedule runs on both backends and can be
 // captured in a CUDA graph.
+//
+// add_send_recv places each receive right before the computation that consumes it, which is not
+// always the order the peer sends in: a zero-bubble rank may run I of microbatch 3 before the
+// backward of microbatch 2 reaches its peer. order_receives() then posts such a receive earlier,
+// right before the receive of the message its peer sends next. Posting a receive earlier never
+// blocks anything (a receive waits on the device, not in the program); it only keeps its buffer
+// alive longer. make_plan checks the result for every schedule, and a table that places its own
+// sends and receives (a lowered table) is refused when it breaks the order.
+
+// The receive that takes a send's message, and the send a receive takes; nullopt for other actions.
+inline std::optional<Action> matching_recv(const Action& send) {
+  if (send.type == ActionType::kSendF) return Action{send.stage + 1, ActionType::kRecvF, send.microbatch};
+  if (send.type == ActionType::kSendB) return Action{send.stage - 1, ActionType::kRecvB, send.microbatch};
+  return std::nullopt;
+}
+inline std::optional<Action> matching_send(const Action& recv) {
+  if (recv.type == ActionType::kRecvF) return Action{recv.stage - 1, ActionType::kSendF, recv.microbatch};
+  if (recv.type == ActionType::kRecvB) return Action{recv.stage + 1, ActionType::kSendB, recv.microbatch};
+  return std::nullopt;
+}
+
+namespace detail {
+
+// "line 2, column 5: 1RECV_F0" for an action of a table read from a file, "rank 1: 1RECV_F0"
+// otherwise.
+inline std::string action_at(const Program& program, int rank, size_t index, const Positions* where) {
+  const std::string a = to_string(program[rank][index]);
+  if (where && rank < static_cast<int>(where->size()) && index < (*where)[rank].size())
+    return (*where)[rank][index] + ": " + a;
+  return "rank " + std::to_string(rank) + ": " + a;
+}
+
+}  // namespace detail
 
 // Throws a ScheduleError naming the first pair of ranks whose sends and receives disagree, and the
-// first message where they do.
-inline void check_point_to_point_order(const Program& lowered, const std::vector<int>& owner) {
-  using T = ActionType;
+// first message where they do. `where` (optional) gives each action's place in a table file.
+inline void check_point_to_point_order(const Program& lowered, const std::vector<int>& owner,
+                                       const Positions* where = nullptr) {
   const int ranks = static_cast<int>(lowered.size());
-  // A message is named by the action that sends it: (sending stage, F or B, microbatch).
   struct Message {
-    Action send, at;  // what the message is, and the action of this side that moves it
+    Action send;   // what the message is, named by the action that sends it
+    size_t index;  // where this side moves it
   };
   std::vector<std::vector<std::vector<Message>>> sent(ranks, std::vector<std::vector<Message>>(ranks)),
       received(ranks, std::vector<std::vector<Message>>(ranks));
   for (int r = 0; r < ranks; ++r)
-    for (const auto& a : lowered[r]) {
-      if (a.type == T::kSendF) sent[r][owner[a.stage + 1]].push_back({a, a});
-      if (a.type == T::kSendB) sent[r][owner[a.stage - 1]].push_back({a, a});
-      if (a.type == T::kRecvF) received[owner[a.stage - 1]][r].push_back({{a.stage - 1, T::kSendF, a.microbatch}, a});
-      if (a.type == T::kRecvB) received[owner[a.stage + 1]][r].push_back({{a.stage + 1, T::kSendB, a.microbatch}, a});
+    for (size_t i = 0; i < lowered[r].size(); ++i) {
+      const Action& a = lowered[r][i];
+      if (const auto recv = matching_recv(a)) sent[r][owner.at(recv->stage)].push_back({a, i});
+      if (const auto send = matching_send(a)) received[owner.at(send->stage)][r].push_back({*send, i});
     }
   for (int a = 0; a < ranks; ++a)
     for (int b = 0; b < ranks; ++b) {
       const auto &out = sent[a][b], &in = received[a][b];
       for (size_t k = 0; k < std::max(out.size(), in.size()); ++k) {
         if (k < out.size() && k < in.size() && out[k].send == in[k].send) continue;
-        const std::string send = k < out.size() ? to_string(out[k].at) : "nothing";
-        const std::string recv = k < in.size() ? to_string(in[k].at) + " (the message of " + to_string(in[k].send) + ")"
-                                               : "nothing";
+        const std::string send = k < out.size() ? detail::action_at(lowered, a, out[k].index, where)
+                                                : "rank " + std::to_string(a) + " sends nothing";
+        const std::string recv = k < in.size() ? detail::action_at(lowered, b, in[k].index, where) + " (the message of " +
+                                                     to_string(in[k].send) + ")"
+                                               : "rank " + std::to_string(b) + " receives nothing";
         throw ScheduleError("rank " + std::to_string(a) + " -> rank " + std::to_string(b) + ": message " +
-                            std::to_string(k + 1) + " is " + send + " on rank " + std::to_string(a) + " but " + recv +
-                            " on rank " + std::to_string(b) +
+                            std::to_string(k + 1) + " is " + send + " but " + recv +
                             "; sends and receives between two ranks must come in the same order (NCCL matches "
                             "them by order, not tag)");
       }
     }
+}
+
+// Moves receives earlier until, for every pair of ranks, they come in the order the peer sends;
+// see Note [point-to-point order]. Receives whose send is missing are left alone (the validators
+// name them).
+inline void order_receives(Program& lowered, const std::vector<int>& owner) {
+  const int ranks = static_cast<int>(lowered.size());
+  for (int from = 0; from < ranks; ++from) {
+    std::vector<std::vector<Action>> messages(ranks);  // the receives of `from`'s sends, per receiver
+    for (const auto& a : lowered[from])
+      if (const auto recv = matching_recv(a)) messages[owner.at(recv->stage)].push_back(*recv);
+    for (int to = 0; to < ranks; ++to) {
+      auto& p = lowered[to];
+      const auto& seq = messages[to];
+      // Backwards: once the receives of later messages are in order, the receive of message k
+      // goes right before that of message k + 1 when it came after it.
+      for (size_t k = seq.size(); k-- > 1;) {
+        const auto here = std::find(p.begin(), p.end(), seq[k - 1]), next = std::find(p.begin(), p.end(), seq[k]);
+        if (here == p.end() || next == p.end() || here < next) continue;
+        const auto at = next - p.begin();
+        const Action recv = *here;
+        p.erase(here);
+        p.insert(p.begin() + at, recv);
+      }
+    }
+  }
+}
+
+// Checks the sends and receives of a program that places its own (a lowered table): exactly those
+// its computations need, each once: a SEND_F after each forward whose next stage is on another
+// rank, a RECV_F on that rank, and likewise SEND_B/RECV_B for input gradients. Where they sit is
+// checked by the simulator; their order between two ranks by check_point_to_point_order.
+inline void validate_send_recv(const Program& lowered, const std::vector<int>& owner, const Positions* where = nullptr) {
+  using T = ActionType;
+  const int ranks = static_cast<int>(lowered.size()), stages = static_cast<int>(owner.size());
+  Program compute(ranks);
+  for (int r = 0; r < ranks; ++r)
+    for (const auto& a : lowered[r])
+      if (!matching_recv(a) && !matching_send(a)) compute[r].push_back(a);
+  const Program needed = add_send_recv(compute, owner);
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<Action> need;
+    for (const auto& a : needed[r])
+      if (matching_recv(a) || matching_send(a)) need.push_back(a);
+    std::vector<Action> seen;
+    for (size_t i = 0; i < lowered[r].size(); ++i) {
+      const Action& a = lowered[r][i];
+      const auto peer = matching_recv(a) ? matching_recv(a) : matching_send(a);
+      if (!peer) continue;
+      const std::string at = detail::action_at(lowered, r, i, where);
+      if (peer->stage < 0 || peer->stage >= stages)
+        throw ScheduleError(at + ": stage " + std::to_string(a.stage) + " has no " +
+                            (a.type == T::kSendF || a.type == T::kRecvB ? "next" : "previous") + " stage to talk to");
+      if (std::find(seen.begin(), seen.end(), a) != seen.end()) throw ScheduleError(at + " appears twice");
+      seen.push_back(a);
+      if (std::find(need.begin(), need.end(), a) == need.end())
+        throw ScheduleError(at + " is not needed: stage " + std::to_string(peer->stage) + " is on rank " +
+                            std::to_string(owner[peer->stage]) +
+                            (owner[peer->stage] == r ? ", this rank, so the data does not travel" : ""));
+    }
+    for (const auto& a : need)
+      if (std::find(seen.begin(), seen.end(), a) == seen.end()) {
+        const bool send = matching_recv(a).has_value();
+        const bool forward = a.type == T::kSendF || a.type == T::kRecvF;
+        const std::string data =
+            std::to_string(a.stage) + (forward ? "F" : "B") + std::to_string(a.microbatch) + (forward ? "" : " (or I)");
+        const int peer = owner[(send ? *matching_recv(a) : *matching_send(a)).stage];
+        throw ScheduleError("rank " + std::to_string(r) + " has no " + to_string(a) + ": " +
+                            (send ? "the output of " + data + " goes to rank " : "the input of " + data + " comes from rank ") +
+                            std::to_string(peer));
+      }
+  }
 }
 
 // For FSDP stages: before each compute action, the stages of the next `max_active_stages`

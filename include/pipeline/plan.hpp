@@ -20,6 +20,7 @@ struct Plan {
 };
 
 // Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.
+// Between any two ranks, sends and receives come in the same order (Note [point-to-point order]).
 // With max_outstanding_sends > 0, a rank never has more sends in flight; the simulation proves
 // the budget cannot deadlock this schedule, or the plan is refused saying so.
 // `fsdp_stages` adds UNSHARD/RESHARD around each stage's use and REDUCE_GRAD after its last
@@ -40,22 +41,33 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, bool f
         p.owner[s] != stage_rank(schedule.layout(), s, spec.pp))
       throw ScheduleError(schedule.name() + ": stage " + std::to_string(s) + " is on rank " +
                           std::to_string(p.owner[s]) + ", not where its layout puts it");
-  p.lowered = add_send_recv(fsdp_stages ? add_unshard_reshard(p.compute) : p.compute, p.owner);
+  if (auto own = schedule.lowered_actions(spec)) {
+    validate_send_recv(*own, p.owner);
+    check_point_to_point_order(*own, p.owner);
+    p.lowered = fsdp_stages ? add_unshard_reshard(*own) : std::move(*own);
+  } else {
+    p.lowered = add_send_recv(fsdp_stages ? add_unshard_reshard(p.compute) : p.compute, p.owner);
+    order_receives(p.lowered, p.owner);
+  }
   if (fsdp_stages) p.lowered = add_reduce_grad(p.lowered, spec.microbatches);
   p.max_outstanding_sends = max_outstanding_sends;
   // Prove the lowered program runs to the end. Under a send budget, a send may wait for a receive
   // its peer has not posted yet because the peer itself waits; then that receive is posted earlier
-  // (where the peer is stuck), which breaks the cycle at the cost of a longer-lived buffer.
+  // (where the peer is stuck), which breaks the cycle at the cost of a longer-lived buffer, and the
+  // receives it overtook on its edge move with it (Note [point-to-point order]).
   for (int attempt = 0;; ++attempt) {
     std::vector<BudgetBlocker> blockers;
     try {
       simulate(p.lowered, p.owner, {}, max_outstanding_sends, &blockers);
-      return p;
+      break;
     } catch (const ScheduleError&) {
       if (blockers.empty() || attempt > 100000) throw;
       for (const auto& b : blockers) hoist_recv(p.lowered, b.rank, b.recv, b.stuck_at);
+      order_receives(p.lowered, p.owner);
     }
   }
+  check_point_to_point_order(p.lowered, p.owner);
+  return p;
 }
 
 }  // namespace fsdpp::pipeline

@@ -9,16 +9,22 @@
 //   layout()                     which stages a rank holds (loop: r, r+p, ...; V: r and 2p-1-r)
 //   check(spec)                  throw ScheduleError when the spec is outside what it supports
 //   compute_actions(spec)        one list of compute actions per rank
+// and may provide:
+//   lowered_actions(spec)        the same with its own SEND/RECV actions (a lowered table): make_plan
+//                                then keeps them where they are, after checking them, instead of
+//                                placing its own
 
 #include <algorithm>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "pipeline/action.hpp"
+#include "pipeline/lowering.hpp"
 
 namespace fsdpp::pipeline {
 
@@ -47,6 +53,7 @@ class Schedule {
       throw ScheduleError(name() + ": pp, stages per rank and microbatches must be positive");
   }
   virtual Program compute_actions(const ScheduleSpec& spec) const = 0;
+  virtual std::optional<Program> lowered_actions(const ScheduleSpec&) const { return std::nullopt; }
 };
 
 using ScheduleFactory = std::function<std::unique_ptr<Schedule>()>;
@@ -282,10 +289,35 @@ class TableSchedule : public Schedule {
                               std::to_string(a.microbatch) + ", but there are " + std::to_string(s.microbatches));
       }
   }
+  // Without its SEND/RECV actions, if it has any.
   Program compute_actions(const ScheduleSpec& s) const override {
     if (static_cast<int>(program_.size()) != s.pp)
       throw ScheduleError(name_ + ": the table has " + std::to_string(program_.size()) +
                           " rows but pp is " + std::to_string(s.pp));
+    Program compute(program_.size());
+    for (size_t r = 0; r < program_.size(); ++r)
+      for (const auto& a : program_[r])
+        if (!is_send_recv(a.type)) compute[r].push_back(a);
+    return compute;
+  }
+  // A table with SEND/RECV actions is taken as lowered: they must be the ones its computations need,
+  // and come in the same order on both ranks of each pair (Note [point-to-point order]). Errors name
+  // the table and the action's place in it.
+  std::optional<Program> lowered_actions(const ScheduleSpec& s) const override {
+    bool lowered = false;
+    for (const auto& rank : program_)
+      for (const auto& a : rank) lowered = lowered || is_send_recv(a.type);
+    if (!lowered) return std::nullopt;
+    if (static_cast<int>(program_.size()) != s.pp)
+      throw ScheduleError(name_ + ": the table has " + std::to_string(program_.size()) + " rows but pp is " +
+                          std::to_string(s.pp));
+    try {
+      const auto owner = infer_stage_ranks(program_, s.num_stages());
+      validate_send_recv(program_, owner, &where_);
+      check_point_to_point_order(program_, owner, &where_);
+    } catch (const ScheduleError& e) {
+      throw ScheduleError(name_ + ": " + e.what());
+    }
     return program_;
   }
 

@@ -53,8 +53,9 @@ struct SimResult {
 };
 
 // `max_outstanding_sends` > 0 makes a send wait, as the executor does, while that many earlier
-// sends of its rank are not yet matched by a posted receive; a budget that cannot be kept without
-// a deadlock is reported as one.
+// sends of its rank are counted in flight: from the oldest one not yet matched by a posted receive
+// on (a send leaves the count only after every older one has); a budget that cannot be kept
+// without a deadlock is reported as one.
 // A receive that a send under the budget waits for, while its rank is stuck at `stuck_at`.
 struct BudgetBlocker {
   int rank;
@@ -96,9 +97,12 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
       return std::pair{key(a.stage, T::kRecvB, a.microbatch), key(a.stage + 1, T::kSendB, a.microbatch)};
     return std::nullopt;
   };
+  // Sends leave a rank's count in the order they were issued, as the executor waits for them: the
+  // oldest first (on NCCL a wait is a stream dependency, and a stream can only wait for one given
+  // event, not for whichever finishes first).
   auto drop_matched = [&](int r) {
     auto& f = in_flight[r];
-    f.erase(std::remove_if(f.begin(), f.end(), [&](const Key& k) { return posted.count(k) > 0; }), f.end());
+    while (!f.empty() && posted.count(f.front())) f.erase(f.begin());
   };
   auto blocked = [&](int r, const Action& a) -> Block {
     const int s = a.stage, mb = a.microbatch;
@@ -154,6 +158,7 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
           res.peak_recv_buffers[r] = std::max(res.peak_recv_buffers[r], ++live_buf[r]);
         } else if (a.type == T::kSendF || a.type == T::kSendB) {
           // Under the budget, a send first waits until its oldest predecessor was received.
+          // (Checked above; sends issued after an unmatched one stay counted until it is matched.)
           drop_matched(r);
           sent[key(s, a.type, mb)] = t;
           const bool fwd = a.type == T::kSendF;

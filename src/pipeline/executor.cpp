@@ -1,6 +1,7 @@
 #include "pipeline/executor.hpp"
 
 #include "dist/flight_recorder.hpp"
+#include "fsdpp/cuda_graph.hpp"
 #include "fsdpp/storage.hpp"
 
 #include <ATen/ATen.h>
@@ -8,9 +9,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <deque>
-#include <thread>
 #include <set>
 
 namespace fsdpp::pipeline {
@@ -36,8 +35,10 @@ void release_storage(at::Tensor& output) {
   output.set_data(shell);
 }
 
-// Tags keep messages of different microbatches and directions apart on one edge.
-uint32_t tag(int mb, bool backward) { return static_cast<uint32_t>(mb) * 2 + (backward ? 1 : 0); }
+// One tag for every message: Gloo then matches sends and receives between two ranks by their
+// order, as NCCL does (Note [point-to-point order]), so a schedule that runs here runs on GPUs.
+// Op labels ("pp 1SEND_F0") name the messages in flight records.
+constexpr uint32_t kMessageTag = 0;
 
 }  // namespace
 
@@ -88,19 +89,23 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
 at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
   const int me = pp_.rank(), last = plan_.spec.num_stages() - 1, m = plan_.spec.microbatches;
   const auto act_options = at::TensorOptions(options_.device).dtype(options_.activation_dtype);
+  // Sends in flight, oldest first. Under the budget a send first waits for the oldest, as the
+  // plan's simulation assumes. On NCCL that wait is a stream dependency, not a host wait: while
+  // the step is being captured as a CUDA graph the host cannot know what has completed (every
+  // operation reads as done), so nothing is dropped from the front unwaited, and the budget is
+  // recorded in the graph as dependencies between the sends.
   std::deque<dist::Work> sends;
+  const bool captured = options_.device.is_cuda() && fsdpp::stream_capturing(options_.device.index());
   int live_buffers = 0;
-  auto send = [&](int to, const at::Tensor& t, uint32_t tg) {
+  auto send = [&](int to, const at::Tensor& t) {
     const int budget = plan_.max_outstanding_sends;
-    // Wait for any send to finish, not the oldest: the plan's simulation guarantees only that
-    // some in-flight send will be received without this rank's help.
-    for (;;) {
-      sends.erase(std::remove_if(sends.begin(), sends.end(), [](const dist::Work& w) { return w.is_completed(); }),
-                  sends.end());
-      if (budget <= 0 || static_cast<int>(sends.size()) < budget) break;
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (!captured)
+      while (!sends.empty() && sends.front().is_completed()) sends.pop_front();
+    while (budget > 0 && static_cast<int>(sends.size()) >= budget) {
+      sends.front().wait();
+      sends.pop_front();
     }
-    sends.push_back(edge(me, to).send(t, 1, tg));
+    sends.push_back(edge(me, to).send(t, 1, kMessageTag));
     ++stats_.sends;
     stats_.peak_sends_in_flight = std::max(stats_.peak_sends_in_flight, static_cast<int>(sends.size()));
   };
@@ -133,13 +138,13 @@ at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& input
       case T::kRecvF: {
         auto& sl = slot(s, mb);
         sl.recv_f = new_buffer();
-        sl.recv_f_work = edge(plan_.owner[s - 1], me).recv(sl.recv_f, 0, tag(mb, false));
+        sl.recv_f_work = edge(plan_.owner[s - 1], me).recv(sl.recv_f, 0, kMessageTag);
         break;
       }
       case T::kRecvB: {
         auto& sl = slot(s, mb);
         sl.recv_b = new_buffer();
-        sl.recv_b_work = edge(plan_.owner[s + 1], me).recv(sl.recv_b, 0, tag(mb, true));
+        sl.recv_b_work = edge(plan_.owner[s + 1], me).recv(sl.recv_b, 0, kMessageTag);
         break;
       }
       case T::kForward: {
@@ -165,7 +170,7 @@ at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& input
         break;
       }
       case T::kSendF:
-        send(plan_.owner[s + 1], slot(s, mb).output.detach().contiguous(), tag(mb, false));
+        send(plan_.owner[s + 1], slot(s, mb).output.detach().contiguous());
         release_storage(slot(s, mb).output);
         ++stats_.outputs_released;
         break;
@@ -202,7 +207,7 @@ at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& input
         break;
       }
       case T::kSendB:
-        send(plan_.owner[s - 1], slot(s, mb).grad_input.contiguous(), tag(mb, true));
+        send(plan_.owner[s - 1], slot(s, mb).grad_input.contiguous());
         break;
       case T::kUnshard:
         for (auto* u : units_of(s)) u->group().unshard_async();  // waited where forward needs it

@@ -398,9 +398,9 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
                          "has none)");
       if (rc.train.cuda_graph && rc.train.device != "cuda") t.fail("cuda_graph", "needs train.device \"cuda\"");
       if (rc.train.cuda_graph && rc.model.routing != "capacity")
-        t.fail("cuda_graph", fmt::format("needs model.routing \"capacity\" (static shapes), got \"{}\"", rc.model.routing));
-      if (rc.train.cuda_graph && rc.parallel.pp > 1)
-        t.fail("cuda_graph", "captures the step of pp = 1 runs only");
+        t.fail("cuda_graph", fmt::format("needs model.routing \"capacity\" (static shapes; \"{}\" routing reads each "
+                                         "expert's token count on the host, which a graph cannot replay)",
+                                         rc.model.routing));
     }
     {
       Reader e = top.section("eval");

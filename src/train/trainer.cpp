@@ -21,6 +21,7 @@
 #include "fsdp/adamw.hpp"
 #include "fsdp/checkpoint.hpp"
 #include "fsdpp/cuda_graph.hpp"
+#include "fsdpp/device_check.hpp"
 #include "fsdpp/files.hpp"
 #include "fsdpp/safetensors.hpp"
 #include "pipeline/executor.hpp"
@@ -154,6 +155,7 @@ class Trainer {
   std::vector<at::Tensor> inputs_, targets_;  // static inputs: one [micro_batch, seq_len] pair per microbatch of a step
   static constexpr int kGraphWarmupSteps = 3;
   int warmup_steps_done_ = 0;
+  bool checked_devices_ = false;  // FSDPP_CHECK_DEVICES: the first step ran under DefaultDeviceCheck
   std::unique_ptr<fsdpp::CapturedStep> graph_;
   at::Tensor graph_sums_;  // the captured step's figures, rewritten by every replay
   double current_lr_ = 0;
@@ -339,7 +341,22 @@ at::Tensor Trainer::step_body() {
 double Trainer::train_step(int64_t step) {
   fill_inputs(step);
   at::Tensor sums;
-  if (!r_.train.cuda_graph) {
+  if (!checked_devices_ && std::getenv("FSDPP_CHECK_DEVICES") && std::string(std::getenv("FSDPP_CHECK_DEVICES")) == "1") {
+    // Every tensor the step makes must be made on the step's device (include/fsdpp/device_check.hpp).
+    checked_devices_ = true;
+    std::vector<std::string> found;
+    {
+      fsdpp::DefaultDeviceCheck check;
+      sums = step_body();
+      found = check.findings();
+    }
+    if (!found.empty())
+      throw std::runtime_error(fmt::format("FSDPP_CHECK_DEVICES: the training step makes tensors on the default "
+                                           "device (the CPU, whatever train.device is):\n  {}",
+                                           fmt::join(found, "\n  ")));
+    log("FSDPP_CHECK_DEVICES: the step makes every tensor on its device");
+    if (r_.train.cuda_graph) ++warmup_steps_done_;  // it was one of the eager warm-up steps
+  } else if (!r_.train.cuda_graph) {
     sums = step_body();
   } else if (!graph_) {
     // Eager warm-up steps first: they create gradients, optimizer state and the communicators'

@@ -162,6 +162,37 @@ TEST_CASE("a custom schedule from a CSV file in tests/ runs end to end and match
   check_pipelined(make_plan(table, {2, 1, 4}), reference_grads(2, 4), reference_params(2, 4), "custom_1f1b.csv");
 }
 
+TEST_CASE("messages between two ranks match by order, as on NCCL: receives out of send order get the wrong data") {
+  // The executor sends every message with one tag, so Gloo matches them as NCCL does, and every
+  // test above also proves its plan's order. Here the zero-bubble V schedule without the
+  // lowering's reordering: rank 1 consumes gradients in another order than rank 0 sends them, and
+  // posting receives right before their use hands them the wrong messages.
+  const ScheduleSpec spec{2, 2, 4};
+  const auto plan = make_plan(*make_schedule("ZBVZeroBubble"), spec);
+  Plan unordered = plan;
+  unordered.lowered = add_send_recv(plan.compute, plan.owner);
+  REQUIRE_THROWS_AS(check_point_to_point_order(unordered.lowered, unordered.owner), ScheduleError);
+  const auto want = reference_grads(spec.num_stages(), spec.microbatches);
+  std::vector<double> error(2, 0), ordered_error(2, 0);
+  for (const Plan* p : std::vector<const Plan*>{&plan, &unordered})
+    test::run_ranks(spec.pp, [&](dist::Comm& comm) {
+      Model model(spec.num_stages());
+      std::vector<PipelineStage> mine;
+      for (int s = 0; s < spec.num_stages(); ++s)
+        if (p->owner[s] == comm.rank())
+          mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); }, model.layers[s]->parameters()});
+      PipelineExecutor exec(*p, comm, mine, [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+                            {{kMicro, kDim}});
+      const auto b = make_batch(spec.microbatches);
+      exec.step(b.x, b.y);
+      double worst = 0;
+      for (const auto& st : mine) worst = std::max(worst, rel(model.layers[st.index]->weight.grad(), want[st.index][0]));
+      (p == &plan ? ordered_error : error)[comm.rank()] = worst;
+    });
+  CHECK(std::max(ordered_error[0], ordered_error[1]) < 1e-5);
+  CHECK(std::max(error[0], error[1]) > 1e-2);
+}
+
 TEST_CASE("a send budget is never exceeded and changes no result") {
   for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{{"1F1B", 1}, {"Interleaved1F1B", 2}, {"ZBVZeroBubble", 2}})
     for (int budget : {1, 2}) {

@@ -1,6 +1,8 @@
 // Schedules as data: text form, built-ins, lowering, validation and simulation.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -223,9 +225,11 @@ TEST_CASE("table schedules: stages and microbatches out of range are named with 
 }
 
 TEST_CASE("sends and receives between two ranks come in the same order (NCCL matches by order)") {
-  // Note [point-to-point order]. Every pair of ranks, every message, in the lowered programs of the
-  // schedules that keep this order (with and without FSDP's UNSHARD/RESHARD/REDUCE_GRAD).
-  for (const std::string name : {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"})
+  // Note [point-to-point order]. Every built-in, with and without FSDP's actions and a send budget:
+  // make_plan checks the order itself; checked again here on every pair of ranks.
+  int plans = 0;
+  for (const auto& name : schedule_names()) {
+    if (name == "Reversed") continue;  // registered by another test case
     for (int pp : {2, 4})
       for (int v : {1, 2})
         for (int m : {pp, 2 * pp, 2 * pp + 1}) {
@@ -236,22 +240,86 @@ TEST_CASE("sends and receives between two ranks come in the same order (NCCL mat
           } catch (const ScheduleError&) {
             continue;  // a layout this schedule does not take
           }
-          for (bool fsdp : {false, true}) {
-            INFO(name << " pp=" << pp << " v=" << v << " m=" << m << " fsdp=" << fsdp);
-            const auto plan = make_plan(*s, spec, fsdp);
-            CHECK_NOTHROW(check_point_to_point_order(plan.lowered, plan.owner));
-          }
+          for (bool fsdp : {false, true})
+            for (int budget : {0, 1, 2}) {
+              INFO(name << " pp=" << pp << " v=" << v << " m=" << m << " fsdp=" << fsdp << " budget=" << budget);
+              const auto plan = make_plan(*s, spec, fsdp, budget);
+              CHECK_NOTHROW(check_point_to_point_order(plan.lowered, plan.owner));
+              CHECK_NOTHROW(simulate(plan.lowered, plan.owner, {}, budget));  // every receive before its use
+              ++plans;
+            }
         }
+  }
+  CHECK(plans >= 6 * 6);  // each built-in, in at least one layout
   // Two forwards that rank 1 receives in the opposite order to rank 0's sends: named by the pair of
   // ranks, the message and both actions.
-  std::istringstream csv("0F0,0SEND_F0,0F1,0SEND_F1\n1RECV_F1,1F1,1RECV_F0,1F0\n");
-  const auto program = parse_csv(csv);
-  std::string msg;
-  try {
-    check_point_to_point_order(program, {0, 1});
-  } catch (const ScheduleError& e) {
-    msg = e.what();
-  }
-  CHECK(msg.find("rank 0 -> rank 1: message 1 is 0SEND_F0 on rank 0 but 1RECV_F1 (the message of 0SEND_F1) on rank 1") !=
+  std::string msg = error_of([] { check_point_to_point_order(from_csv("0F0,0SEND_F0,0F1,0SEND_F1\n1RECV_F1,1F1,1RECV_F0,1F0\n"), {0, 1}); });
+  CHECK(msg.find("rank 0 -> rank 1: message 1 is rank 0: 0SEND_F0 but rank 1: 1RECV_F1 (the message of 0SEND_F1)") !=
         std::string::npos);
+}
+
+TEST_CASE("zero-bubble schedules consume out of their peers' send order; the lowering posts those receives earlier") {
+  for (const auto& [name, spec] : {std::pair<std::string, ScheduleSpec>{"ZBVZeroBubble", {2, 2, 4}},
+                                   {"InterleavedZeroBubble", {2, 2, 8}}}) {
+    INFO(name);
+    const auto s = make_schedule(name);
+    const auto compute = s->compute_actions(spec);
+    const auto owner = infer_stage_ranks(compute, spec.num_stages());
+    auto lowered = add_send_recv(compute, owner);  // each receive right before its use
+    CHECK(error_of([&] { check_point_to_point_order(lowered, owner); }).find("must come in the same order") !=
+          std::string::npos);
+    const auto before = simulate(lowered, owner);
+    order_receives(lowered, owner);
+    CHECK_NOTHROW(check_point_to_point_order(lowered, owner));
+    const auto after = simulate(lowered, owner);  // still runs, at the same speed
+    CHECK(after.makespan == before.makespan);
+    // Nothing but receives moved.
+    auto without_recvs = [](Program p) {
+      for (auto& rank : p)
+        rank.erase(std::remove_if(rank.begin(), rank.end(),
+                                  [](const Action& a) { return a.type == ActionType::kRecvF || a.type == ActionType::kRecvB; }),
+                   rank.end());
+      return p;
+    };
+    CHECK(without_recvs(lowered) == without_recvs(add_send_recv(compute, owner)));
+  }
+}
+
+TEST_CASE("a lowered table keeps its own sends and receives, which are checked") {
+  const auto dir = std::filesystem::temp_directory_path();
+  const auto csv = (dir / "fsdpp-lowered.csv").string();
+  // A built-in's lowered program, written out and read back as a table: the same plan.
+  const auto builtin = make_plan(*make_schedule("Interleaved1F1B"), {2, 2, 4});
+  {
+    std::ofstream f(csv);
+    write_csv(f, builtin.lowered);
+  }
+  const auto table = make_plan(*load_table_schedule(csv), {2, 2, 4});
+  CHECK(table.lowered == builtin.lowered);
+  CHECK(table.compute == builtin.compute);
+  // Receives posted by hand in the opposite order to the sends: the table's line and column.
+  std::ofstream(csv) << "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
+                        "1RECV_F1,1RECV_F0,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1\n";
+  auto msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 2}); });
+  CHECK(msg.find(csv + ": rank 0 -> rank 1: message 1 is line 1, column 5: 0SEND_F0 but line 2, column 1: 1RECV_F1 "
+                       "(the message of 0SEND_F1)") != std::string::npos);
+  // A receive that is missing, one that is not needed, one twice.
+  std::ofstream(csv) << "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
+                        "1RECV_F0,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1\n";
+  msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 2}); });
+  CHECK(msg.find(csv + ": rank 1 has no 1RECV_F1: the input of 1F1 comes from rank 0") != std::string::npos);
+  std::ofstream(csv) << "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1,0RECV_B1\n"
+                        "1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1\n";
+  msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 2}); });
+  CHECK(msg.find(csv + ": line 1, column 53: 0RECV_B1 appears twice") != std::string::npos);
+  std::ofstream(csv) << "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
+                        "1RECV_F0,1F0,1SEND_F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1\n";
+  msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 2}); });
+  CHECK(msg.find(csv + ": line 2, column 14: 1SEND_F0: stage 1 has no next stage to talk to") != std::string::npos);
+  // A receive after the computation that needs it: the simulator names the rank and action.
+  std::ofstream(csv) << "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
+                        "1RECV_F0,1F0,1B0,1SEND_B0,1F1,1RECV_F1,1B1,1SEND_B1\n";
+  msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 2}); });
+  CHECK(msg.find("rank 1: 1F1 has no input (no 1RECV_F1 before it)") != std::string::npos);
+  std::filesystem::remove(csv);
 }

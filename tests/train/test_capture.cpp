@@ -5,13 +5,16 @@
 // single bit of training.
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <optional>
 #include <map>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
 #include "dist/flight_recorder.hpp"
+#include "fsdpp/device_check.hpp"
 #include "dist/ranks.hpp"
 #include "fsdp/adamw.hpp"
 #include "fsdp/fully_shard.hpp"
@@ -26,6 +29,7 @@ struct RankLog {
   std::vector<std::vector<std::string>> ops;        // per step
   std::vector<std::vector<const void*>> addresses;  // per step
   int units = 0;
+  std::vector<std::string> default_device_tensors;  // made in the first step (DefaultDeviceCheck)
 };
 
 std::vector<RankLog> train(bool static_buffers, int steps) {
@@ -58,6 +62,8 @@ std::vector<RankLog> train(bool static_buffers, int steps) {
       x.copy_(data.narrow(1, 0, T));
       y.copy_(data.narrow(1, 1, T));
       const auto begin = std::chrono::system_clock::now();
+      std::optional<DefaultDeviceCheck> check;
+      if (step == 0) check.emplace();
       opt.zero_grad();
       const auto loss = models::lm_loss(root->forward(x), y);
       std::vector<const void*> mid;  // between forward and backward: the same places
@@ -65,6 +71,8 @@ std::vector<RankLog> train(bool static_buffers, int steps) {
         for (const void* a : u->group().buffer_addresses()) mid.push_back(a);
       loss.backward();
       opt.step();
+      if (check) logs[r].default_device_tensors = check->findings();
+      check.reset();
       logs[r].losses.push_back(loss.item<double>());
       // This rank's operations of the step, per communicator (fully_shard's are split off the one
       // given) in issue order; communicators by name.
@@ -123,5 +131,47 @@ TEST_CASE("capture-ready step on CPU: fixed buffer addresses, the same collectiv
     };
     CHECK(gathers(fixed[r].ops[0]) == fixed[r].units);
     CHECK(gathers(plain[r].ops[0]) == 2 * plain[r].units - 1);
+    // Every tensor the step makes is made on the step's device: none would cross to a GPU.
+    CHECK(fixed[r].default_device_tensors == std::vector<std::string>{});
+    CHECK(plain[r].default_device_tensors == std::vector<std::string>{});
   }
+}
+
+namespace {
+
+// The pattern DefaultDeviceCheck exists for: a backward that makes its gradient on the default
+// device, as the MoE's auxiliary-loss hook once did.
+struct ScalarGradOnDefaultDevice : torch::autograd::Function<ScalarGradOnDefaultDevice> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x, at::Tensor aux) { return x; }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list grads) {
+    return {grads[0], at::full({}, 0.5, at::TensorOptions().dtype(grads[0].scalar_type()))};
+  }
+};
+struct ScalarGradOnInputDevice : torch::autograd::Function<ScalarGradOnInputDevice> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x, at::Tensor aux) { return x; }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list grads) {
+    return {grads[0], at::full({}, 0.5, grads[0].options())};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("DefaultDeviceCheck names tensors made without a device, in forward and in backward") {
+  const auto x = at::randn({4, 3}).requires_grad_(true), aux = at::zeros({}).requires_grad_(true);
+  {
+    DefaultDeviceCheck check;
+    auto y = ScalarGradOnInputDevice::apply(x * 2 + 1, aux);   // operators' own tensors follow their inputs
+    auto z = at::zeros({4, 3}, x.options()) + at::ones_like(y);  // options from an input
+    (y * z).sum().backward();
+    CHECK(check.findings() == std::vector<std::string>{});
+  }
+  DefaultDeviceCheck check;
+  auto y = ScalarGradOnDefaultDevice::apply(x, aux);
+  for (int i = 0; i < 2; ++i) (y + at::zeros({4, 3})).sum().backward({}, /*retain_graph=*/true);
+  const auto found = check.findings();
+  REQUIRE(found.size() == 2);
+  CHECK(found[0] == "aten::zeros without a device, in forward (2 times)");
+  CHECK(found[1].find("aten::full without a device, in the backward of ") == 0);
+  CHECK(found[1].find("ScalarGradOnDefaultDevice") != std::string::npos);
+  CHECK(found[1].find("(2 times)") != std::string::npos);
 }

@@ -257,11 +257,16 @@ int processes_mentioning(const std::string& needle) {
 
 }  // namespace
 
-TEST_CASE("run: every traced step issues the same collectives in the same order (capture-ready), dp and pp") {
+TEST_CASE("run: every traced step issues the same collectives in the same order and makes its tensors on its device (capture-ready), dp and pp") {
   for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=2"}) {
     CAPTURE(layout);
     const auto dir = fresh_dir("same-steps");
-    train_run(dir, "train.steps=6 model.routing=capacity " + layout + " --trace");
+    // The first step also runs under DefaultDeviceCheck: every tensor it makes is on its device.
+    const auto r = sh("FSDPP_CHECK_DEVICES=1 " + kBin + " run " + kRecipe + " logging.output_dir=" + dir +
+                      " train.steps=6 model.routing=capacity " + layout + " --trace");
+    INFO(r.out);
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("FSDPP_CHECK_DEVICES: the step makes every tensor on its device") != std::string::npos);
     const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
     std::map<std::pair<int, int>, std::string> track;  // (pid, tid) -> track name
     for (const auto& e : trace["traceEvents"])
