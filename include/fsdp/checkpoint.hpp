@@ -4,7 +4,9 @@
 // and "<name>.exp_avg" / "<name>.exp_avg_sq" for the optimizer) with an index <dir>/rank<r>.json
 // (name, global shape, first row, row count, dtype, optimizer step); loading reads every index and
 // takes the rows this rank now owns, wherever they were saved. Files are written under a temporary
-// name and renamed, so a crash never leaves a half-written file under the final name.
+// name and renamed, so a crash never leaves a half-written file under the final name. Each index
+// records its tensor file's size and CRC-32C, and every reader checks them: a damaged byte anywhere
+// in the file is an error naming the file, never wrong numbers.
 
 #include <ATen/core/Tensor.h>
 
@@ -31,6 +33,10 @@ void save_shards(const std::vector<Shard>& shards, int rank, int world, const st
 // The roots must be resharded (their sharded parameters are written).
 void load_shards(const std::vector<Shard>& shards, const std::string& dir,
                  AdamW* optimizer = nullptr);
+
+// Checks every rank's files of a checkpoint (sizes and checksums, each index against its tensors)
+// without a model, one rank's file in memory at a time. Throws naming the file and the damage.
+void verify_sharded(const std::string& dir);
 
 // Every parameter in full, assembled from all ranks' files of a checkpoint, in index order. One
 // process; throws naming the file or parameter when rows are missing or inconsistent.

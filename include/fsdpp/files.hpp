@@ -1,6 +1,8 @@
 #pragma once
 // File helpers shared by checkpoints, the trainer, reports and flight records.
 
+#include <cstddef>
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -12,5 +14,24 @@ void write_file_atomically(const std::string& path, const std::string& text);
 
 // Parses a JSON file. Throws std::runtime_error: "<path> is missing" or "<path> is not valid JSON: ...".
 nlohmann::json read_json_file(const std::string& path);
+
+// CRC-32C (Castagnoli, the checksum of iSCSI, ext4 and SSE 4.2's crc32 instruction): `crc` is the
+// value of the bytes before `data`, so a file can be summed in pieces. Uses the instruction where
+// the processor has it (several GB/s), a table otherwise.
+uint32_t crc32c(const void* data, size_t bytes, uint32_t crc = 0);
+namespace detail {
+uint32_t crc32c_portable(const void* data, size_t bytes, uint32_t crc = 0);  // the table, always
+}
+
+// A file's size and CRC-32C, read through once.
+struct FileDigest {
+  uint64_t bytes = 0;
+  uint32_t crc32c = 0;
+  bool operator==(const FileDigest&) const = default;
+};
+// Throws std::runtime_error naming the file when it cannot be read.
+FileDigest digest_file(const std::string& path);
+// "e3069283": how checksums appear in indexes and messages.
+std::string crc_hex(uint32_t crc);
 
 }  // namespace fsdpp

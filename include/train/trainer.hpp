@@ -55,6 +55,16 @@ void check_output_dir(const Recipe& recipe, const RunOptions& options);
 // The newest complete checkpoint under an output directory, if any.
 std::optional<std::string> latest_checkpoint(const std::string& output_dir);
 
+// Every committed checkpoint under an output directory, newest first (the one `latest` names, then
+// the other step-<N> directories that hold a trainer.json, by step).
+std::vector<std::string> committed_checkpoints(const std::string& output_dir);
+
+// Checks a checkpoint directory without a model: trainer.json against its own checksum, every file
+// it lists (rank indexes) against their sizes and CRC-32C, and every rank's tensor file against its
+// index (fsdp::verify_sharded). Throws std::runtime_error naming the file and the damage. Returns
+// the number of files and bytes checked.
+std::pair<int, uint64_t> verify_checkpoint(const std::string& dir);
+
 // Writes one safetensors file of full parameters, under the unwrapped model's names, from a
 // checkpoint directory (checkpoints/step-<N>) or an output directory (its latest checkpoint). The
 // model config goes to the file's metadata ("fsdpp.model_config"). Returns the checkpoint read.

@@ -145,6 +145,32 @@ std::vector<std::filesystem::path> resource_roots() {
   return unique;
 }
 
+// `fsdpp ckpt verify`: one checkpoint, or every committed checkpoint of a run directory, newest
+// first. Exit 1 when any is damaged.
+int verify_checkpoints(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> dirs;
+  if (fs::exists(fs::path(path) / "trainer.json") || fs::exists(fs::path(path) / "rank0.json"))
+    dirs.push_back(path);
+  else
+    dirs = train::committed_checkpoints(path);
+  if (dirs.empty()) {
+    std::cerr << fmt::format("fsdpp ckpt verify: {} is neither a checkpoint nor a run directory with one\n", path);
+    return 1;
+  }
+  int damaged = 0;
+  for (const auto& dir : dirs) {
+    try {
+      const auto [files, bytes] = train::verify_checkpoint(dir);
+      std::cout << fmt::format("{}: ok ({} files, {:.1f} MB, sizes and CRC-32C checked)\n", dir, files, bytes / 1e6);
+    } catch (const std::exception& e) {
+      std::cout << fmt::format("{}: DAMAGED: {}\n", dir, e.what());
+      ++damaged;
+    }
+  }
+  return damaged ? 1 : 0;
+}
+
 int list_bundled() {
   namespace fs = std::filesystem;
   const auto roots = resource_roots();
@@ -312,6 +338,11 @@ int main(int argc, char** argv) {
   cmd_consolidate->add_option("checkpoint", ckpt_in, "run directory (its latest checkpoint) or checkpoint directory")
       ->required()->check(CLI::ExistingDirectory);
   cmd_consolidate->add_option("-o,--output", ckpt_out, "output file (default: <checkpoint>/model.safetensors)");
+  std::string verify_in;
+  auto* cmd_verify = cmd_ckpt->add_subcommand(
+      "verify", "check a checkpoint's files against their sizes and CRC-32C checksums, without a model");
+  cmd_verify->add_option("checkpoint", verify_in, "checkpoint directory, or run directory (every checkpoint in it)")
+      ->required()->check(CLI::ExistingDirectory);
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -342,6 +373,7 @@ int main(int argc, char** argv) {
       std::cout << fmt::format("wrote {} from {}\n", out, dir);
       return 0;
     }
+    if (cmd_verify->parsed()) return verify_checkpoints(verify_in);
     if (cmd_analyze->parsed()) {
       bool found = false;
       std::cout << dist::analyze_flight_records(fr_dir, &found);

@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <fstream>
@@ -80,33 +81,62 @@ std::vector<Saved> read_all(const std::string& dir) {
   }
 }
 
-std::vector<Saved> read_all_checked(const std::string& dir) {
+// The data file against the size and CRC-32C its index records (indexes written before checksums
+// have none).
+void check_digest(const json& index, const std::string& file, const std::string& index_file) {
+  if (!index.contains("data")) return;
+  const json& d = index.at("data");
+  const int64_t bytes = integer(d, "bytes", index_file);
+  const std::string want = d.at("crc32c").get<std::string>();
+  std::error_code ec;
+  const auto size = fs::file_size(file, ec);
+  if (ec) throw std::runtime_error(fmt::format("checkpoint: {} is missing", file));
+  if (static_cast<int64_t>(size) != bytes)
+    throw std::runtime_error(fmt::format("checkpoint: {} is {} bytes, but {} records {} (cut short or overwritten)", file,
+                                         size, index_file, bytes));
+  const auto got = crc_hex(digest_file(file).crc32c);
+  if (got != want)
+    throw std::runtime_error(fmt::format("checkpoint: {} is damaged: its CRC-32C is {}, {} records {}", file, got,
+                                         index_file, want));
+}
+
+// One rank's index and tensors, checked for the fields loading relies on. `first` is rank 0's index.
+Saved read_rank(const std::string& dir, int64_t r, const json& first) {
+  Saved sv;
+  const auto index_file = (fs::path(dir) / fmt::format("rank{}.json", r)).string();
+  sv.index = r == 0 ? first : read_json(index_file);
+  sv.file = (fs::path(dir) / fmt::format("rank{}.safetensors", r)).string();
+  check_digest(sv.index, sv.file, index_file);
+  sv.data = read_safetensors(sv.file);
+  for (const auto& e : sv.index.at("entries")) {
+    const auto& t = sv.tensor(e.at("name").get<std::string>());
+    const auto shape = shape_of(e, index_file);
+    const int64_t rows = integer(e, "rows", index_file), offset = integer(e, "row_offset", index_file);
+    if (e.contains("step")) integer(e, "step", index_file);
+    bool ok = !shape.empty() && offset >= 0 && rows >= 0 && offset <= shape[0] - rows &&
+              t.dim() == int64_t(shape.size()) && t.size(0) == rows;
+    for (size_t d = 1; ok && d < shape.size(); ++d) ok = t.size(int64_t(d)) == shape[d];
+    if (!ok)
+      throw std::runtime_error(fmt::format("checkpoint: entry '{}' of {} does not match its tensor",
+                                           e.at("name").get<std::string>(), sv.file));
+  }
+  return sv;
+}
+
+// Rank 0's index, which names the world size; `each` is called with every rank's files in turn.
+void for_each_rank(const std::string& dir, const std::function<void(Saved&&)>& each) {
   const json first = read_json(fs::path(dir) / "rank0.json");
   if (first.value("format", "") != kFormat)
     throw std::runtime_error(fmt::format("checkpoint: {}/rank0.json is not a {} index", dir, kFormat));
   const int64_t world = integer(first, "world_size", dir + "/rank0.json");
   if (world < 1 || world > 1 << 16)
     throw std::runtime_error(fmt::format("checkpoint: {}/rank0.json has world_size {}", dir, world));
-  std::vector<Saved> saved(world);
-  for (int64_t r = 0; r < world; ++r) {
-    auto& sv = saved[r];
-    const auto index_file = (fs::path(dir) / fmt::format("rank{}.json", r)).string();
-    sv.index = r == 0 ? first : read_json(index_file);
-    sv.file = (fs::path(dir) / fmt::format("rank{}.safetensors", r)).string();
-    sv.data = read_safetensors(sv.file);
-    for (const auto& e : sv.index.at("entries")) {
-      const auto& t = sv.tensor(e.at("name").get<std::string>());
-      const auto shape = shape_of(e, index_file);
-      const int64_t rows = integer(e, "rows", index_file), offset = integer(e, "row_offset", index_file);
-      if (e.contains("step")) integer(e, "step", index_file);
-      bool ok = !shape.empty() && offset >= 0 && rows >= 0 && offset <= shape[0] - rows &&
-                t.dim() == int64_t(shape.size()) && t.size(0) == rows;
-      for (size_t d = 1; ok && d < shape.size(); ++d) ok = t.size(int64_t(d)) == shape[d];
-      if (!ok)
-        throw std::runtime_error(fmt::format("checkpoint: entry '{}' of {} does not match its tensor",
-                                             e.at("name").get<std::string>(), sv.file));
-    }
-  }
+  for (int64_t r = 0; r < world; ++r) each(read_rank(dir, r, first));
+}
+
+std::vector<Saved> read_all_checked(const std::string& dir) {
+  std::vector<Saved> saved;
+  for_each_rank(dir, [&](Saved&& sv) { saved.push_back(std::move(sv)); });
   return saved;
 }
 
@@ -133,11 +163,14 @@ void save_shards(const std::vector<Shard>& shards, int rank, int world, const st
       }
     entries.push_back(std::move(e));
   }
-  const json index = {{"format", kFormat}, {"world_size", world}, {"rank", rank}, {"entries", entries}};
+  json index = {{"format", kFormat}, {"world_size", world}, {"rank", rank}, {"entries", entries}};
   const auto base = fs::path(dir) / fmt::format("rank{}", rank);
   // The tensors first, the index last: an index always describes a complete file.
   write_safetensors(base.string() + ".safetensors.tmp", tensors, {{"format", kFormat}});
   fs::rename(base.string() + ".safetensors.tmp", base.string() + ".safetensors");
+  // Its size and checksum go into the index: loading then finds damage to any byte.
+  const auto digest = digest_file(base.string() + ".safetensors");
+  index["data"] = {{"file", base.filename().string() + ".safetensors"}, {"bytes", digest.bytes}, {"crc32c", crc_hex(digest.crc32c)}};
   write_file_atomically(base.string() + ".json", index.dump(1));
 }
 
@@ -200,6 +233,14 @@ void load_shards(const std::vector<Shard>& shards, const std::string& dir, AdamW
 void load_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer) {
   root.fsdp_unit().reshard();
   load_shards(shards(root), dir, optimizer);
+}
+
+void verify_sharded(const std::string& dir) {
+  try {
+    for_each_rank(dir, [](Saved&&) {});
+  } catch (const json::exception& e) {
+    throw std::runtime_error(fmt::format("checkpoint: an index in {} is malformed: {}", dir, e.what()));
+  }
 }
 
 std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::string& dir) {

@@ -88,6 +88,13 @@ void maybe_fire(const char* kind, int rank, int64_t step) {
   raise(SIGKILL);
 }
 
+// The CRC-32C of a JSON record without its own "crc32c" field, as written (dump(1)).
+std::string record_checksum(json record) {
+  record.erase("crc32c");
+  const auto text = record.dump(1);
+  return crc_hex(crc32c(text.data(), text.size()));
+}
+
 bool stdout_is_terminal() {
   if (const char* e = std::getenv("FSDPP_STDOUT_TTY")) return std::string(e) == "1";
   return isatty(STDOUT_FILENO);
@@ -441,12 +448,25 @@ void Trainer::save_checkpoint(int64_t step) {
   world().barrier().wait();
   fsdp::save_shards(all_shards(), rank_, world().size(), tmp.string(), optimizer_.get());
   maybe_fire("kill_in_checkpoint", rank_, step);
+  // Every rank's index (which records its tensor file's checksum), by size and CRC-32C, goes into
+  // the commit record, which records its own: every byte of a checkpoint is covered.
+  const auto index = digest_file((tmp / fmt::format("rank{}.json", rank_)).string());
+  std::vector<double> digests(2 * static_cast<size_t>(world().size()), 0.0);
+  digests[2 * rank_] = static_cast<double>(index.bytes);
+  digests[2 * rank_ + 1] = static_cast<double>(index.crc32c);
+  digests = sum_over_world(digests);
   if (lead()) {
-    const json meta = {{"format", kRunCheckpointFormat}, {"step", step},           {"world_size", world().size()},
-                       {"dp", r_.parallel.dp},            {"pp", r_.parallel.pp}, {"model", to_json(r_.model)},
-                       {"recipe", r_.resolved},
-                       // The data order is a function of the seed; the position, of the step.
-                       {"data", {{"seed", r_.train.seed}, {"samples_consumed", step * r_.train.global_batch}}}};
+    json files = json::object();
+    for (int r = 0; r < world().size(); ++r)
+      files[fmt::format("rank{}.json", r)] = {{"bytes", static_cast<int64_t>(digests[2 * r])},
+                                               {"crc32c", crc_hex(static_cast<uint32_t>(digests[2 * r + 1]))}};
+    json meta = {{"format", kRunCheckpointFormat}, {"step", step},           {"world_size", world().size()},
+                 {"dp", r_.parallel.dp},            {"pp", r_.parallel.pp}, {"model", to_json(r_.model)},
+                 {"recipe", r_.resolved},
+                 // The data order is a function of the seed; the position, of the step.
+                 {"data", {{"seed", r_.train.seed}, {"samples_consumed", step * r_.train.global_batch}}},
+                 {"files", files}};
+    meta["crc32c"] = record_checksum(meta);
     write_file_atomically((tmp / "trainer.json").string(), meta.dump(1) + "\n");
   }
   world().barrier().wait();  // every rank's files are in place
@@ -470,7 +490,28 @@ void Trainer::save_checkpoint(int64_t step) {
 }
 
 int64_t Trainer::restore() {
-  const auto dir = *latest_checkpoint(out_.string());
+  // The newest checkpoint that verifies: the lead rank checks every file once, all ranks take its
+  // choice; a damaged one is skipped, saying why.
+  const auto candidates = committed_checkpoints(out_.string());
+  std::string dir;
+  for (const auto& candidate : candidates) {
+    double ok = 0;
+    if (lead()) {
+      try {
+        verify_checkpoint(candidate);
+        ok = 1;
+      } catch (const std::exception& e) {
+        log(fmt::format("--resume: skipping {}: {}", candidate, e.what()));
+      }
+    }
+    if (sum_over_world({ok})[0] > 0) {
+      dir = candidate;
+      break;
+    }
+  }
+  if (dir.empty())
+    throw std::runtime_error(fmt::format("--resume: none of the {} checkpoints under {}/checkpoints verifies", candidates.size(),
+                                         out_.string()));
   const json meta = read_json_file((fs::path(dir) / "trainer.json").string());
   const json saved_model = meta.at("model"), now_model = to_json(r_.model);
   for (const auto& [k, v] : now_model.items())
@@ -632,7 +673,8 @@ RunResult run_training(const Recipe& recipe, dist::Comm world, const RunOptions&
 
 void check_output_dir(const Recipe& recipe, const RunOptions& options) {
   const auto out = recipe.output_dir();
-  const auto latest = latest_checkpoint(out);
+  const auto all = committed_checkpoints(out);
+  const auto latest = all.empty() ? std::nullopt : std::optional<std::string>(all.front());
   if (options.resume && !latest)
     throw std::runtime_error(fmt::format("--resume: no checkpoint under {}/checkpoints to resume from", out));
   if (!options.resume && latest && !options.overwrite)
@@ -647,6 +689,64 @@ std::optional<std::string> latest_checkpoint(const std::string& output_dir) {
   std::string name;
   if (f && std::getline(f, name) && fs::exists(dir / name / "trainer.json")) return (dir / name).string();
   return std::nullopt;
+}
+
+std::vector<std::string> committed_checkpoints(const std::string& output_dir) {
+  const fs::path dir = fs::path(output_dir) / "checkpoints";
+  std::vector<std::string> out;
+  const auto latest = latest_checkpoint(output_dir);
+  if (latest) out.push_back(*latest);
+  std::vector<std::string> steps;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const auto name = e.path().filename().string();
+    if (e.is_directory() && name.rfind("step-", 0) == 0 && fs::exists(e.path() / "trainer.json") &&
+        (!latest || e.path().string() != *latest))
+      steps.push_back(e.path().string());
+  }
+  std::sort(steps.rbegin(), steps.rend());  // step-<N> names sort by step
+  out.insert(out.end(), steps.begin(), steps.end());
+  return out;
+}
+
+std::pair<int, uint64_t> verify_checkpoint(const std::string& dir) {
+  const auto meta_file = (fs::path(dir) / "trainer.json").string();
+  json meta = json::object();
+  // A directory fsdp::save_sharded wrote has no trainer.json: its ranks' files are still checked.
+  if (fs::exists(meta_file) || !fs::exists(fs::path(dir) / "rank0.json")) {
+    try {
+      meta = read_json_file(meta_file);
+    } catch (const std::runtime_error& e) {
+      throw std::runtime_error(std::string("checkpoint: ") + e.what());
+    }
+  }
+  try {
+    if (meta.contains("crc32c") && meta.at("crc32c").get<std::string>() != record_checksum(meta))
+      throw std::runtime_error(fmt::format("checkpoint: {} is damaged: its contents do not match the CRC-32C it records",
+                                           meta_file));
+    const json files = meta.value("files", json::object());
+    for (const auto& [name, d] : files.items()) {
+      const auto file = (fs::path(dir) / name).string();
+      std::error_code ec;
+      const auto size = fs::file_size(file, ec);
+      if (ec) throw std::runtime_error(fmt::format("checkpoint: {} is missing", file));
+      if (size != d.at("bytes").get<uint64_t>())
+        throw std::runtime_error(fmt::format("checkpoint: {} is {} bytes, but {} records {} (cut short or overwritten)", file,
+                                             size, meta_file, d.at("bytes").get<uint64_t>()));
+      const auto got = crc_hex(digest_file(file).crc32c);
+      if (got != d.at("crc32c").get<std::string>())
+        throw std::runtime_error(fmt::format("checkpoint: {} is damaged: its CRC-32C is {}, {} records {}", file, got,
+                                             meta_file, d.at("crc32c").get<std::string>()));
+    }
+  } catch (const json::exception& e) {
+    throw std::runtime_error(fmt::format("checkpoint: {} is malformed: {}", meta_file, e.what()));
+  }
+  fsdp::verify_sharded(dir);
+  int files = 0;
+  uint64_t bytes = 0;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file()) ++files, bytes += e.file_size();
+  return {files, bytes};
 }
 
 namespace {

@@ -4,6 +4,8 @@
 #include "fsdp/models.hpp"
 #include "fsdpp/files.hpp"
 
+#include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <tuple>
 
@@ -270,6 +272,49 @@ TEST_CASE("a checkpoint index claiming a shape its rows do not fill is rejected 
     INFO("shape " << shape.dump() << ": " << msg);
     CHECK(msg.find("'" + good["entries"][k]["name"].get<std::string>() + "'") != std::string::npos);
   }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a damaged byte in a checkpoint's tensor data, or a cut-short file, is found by its checksum, naming the file") {
+  const auto dir = test::fresh_store_path() + "-ckpt";
+  test::run_ranks(2, [&](dist::Comm& comm) {
+    auto model = fsdp::fully_shard(Net(8, 1), comm);
+    fsdp::save_sharded(*model.ptr(), dir);
+  });
+  const auto file = dir + "/rank1.safetensors";
+  std::string original;
+  {
+    std::ifstream in(file, std::ios::binary);
+    original.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  auto error_of = [&](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  auto write = [&](const std::string& bytes) { std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes; };
+  CHECK(error_of([&] { fsdp::verify_sharded(dir); }) == "no error");
+  // One bit of the last tensor's last byte: a valid file with a wrong number, which only the
+  // checksum can tell.
+  auto flipped = original;
+  flipped.back() ^= 0x01;
+  write(flipped);
+  for (const auto& msg : {error_of([&] { fsdp::verify_sharded(dir); }), error_of([&] { fsdp::read_full_parameters(dir); })}) {
+    CHECK(msg.find(file + " is damaged: its CRC-32C is ") != std::string::npos);
+    CHECK(msg.find("rank1.json records") != std::string::npos);
+  }
+  test::run_ranks(2, [&](dist::Comm& comm) {
+    auto model = fsdp::fully_shard(Net(8, 1), comm);
+    CHECK(error_of([&] { fsdp::load_sharded(*model.ptr(), dir); }).find(file + " is damaged") != std::string::npos);
+  });
+  write(original.substr(0, original.size() - 4));
+  CHECK(error_of([&] { fsdp::verify_sharded(dir); }).find(file + " is " + std::to_string(original.size() - 4) + " bytes, but") !=
+        std::string::npos);
+  write(original);
+  CHECK(error_of([&] { fsdp::verify_sharded(dir); }) == "no error");
   std::filesystem::remove_all(dir);
 }
 

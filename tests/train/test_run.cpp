@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <map>
 #include <sstream>
@@ -338,6 +339,70 @@ TEST_CASE("run: SIGKILL during a checkpoint write leaves the previous checkpoint
   CHECK_NOTHROW(fsdp::read_full_parameters(checkpoint(dir, 4)));
   const auto out = train_run(dir, args + " --resume");
   CHECK(out.find("step-00000004") != std::string::npos);
+  const auto pa = fsdp::read_full_parameters(checkpoint(ref, 12)), pb = fsdp::read_full_parameters(checkpoint(dir, 12));
+  REQUIRE(pa.size() == pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].second.equal(pb[i].second));
+  fs::remove_all(dir);
+  fs::remove_all(ref);
+}
+
+TEST_CASE("run: damaged checkpoints are named by `ckpt verify`, and --resume falls back to the newest that verifies") {
+  const auto dir = fresh_dir("damaged"), ref = fresh_dir("damaged-ref");
+  const std::string args = "train.steps=12 checkpoint.interval=4 checkpoint.keep=3 logging.interval=1 parallel.dp=2";
+  train_run(ref, args);
+  train_run(dir, args + " --stop-after 8");
+  const auto ok = sh(kBin + " ckpt verify " + dir);
+  INFO(ok.out);
+  CHECK(ok.rc == 0);
+  CHECK(ok.out.find(checkpoint(dir, 8) + ": ok (") != std::string::npos);
+  CHECK(ok.out.find(checkpoint(dir, 4) + ": ok (") != std::string::npos);
+
+  // Each kind of damage, on a copy of step 4: named by file.
+  auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  auto write = [](const std::string& path, const std::string& bytes) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  };
+  const auto copy = fresh_dir("damaged-copy");
+  struct Damage {
+    std::string file, what;
+    std::function<std::string(std::string)> change;
+  };
+  const std::vector<Damage> damage = {
+      {"rank1.safetensors", "rank1.safetensors is damaged: its CRC-32C is", [](std::string b) { b[b.size() / 2] ^= 0x40; return b; }},
+      {"rank0.safetensors", "rank0.safetensors is ", [](std::string b) { return b.substr(0, b.size() - 100); }},
+      {"rank1.json", "rank1.json is damaged: its CRC-32C is",
+       [](std::string b) { b[b.find("\"row_offset\": ") + 14] ^= 0x01; return b; }},  // a digit: still valid JSON
+      {"trainer.json", "trainer.json is damaged: its contents do not match",
+       [](std::string b) { b[b.find("\"step\": 4") + 8] = '5'; return b; }},
+  };
+  for (const auto& d : damage) {
+    CAPTURE(d.file);
+    fs::remove_all(copy);
+    fs::copy(checkpoint(dir, 4), copy);
+    write(copy + "/" + d.file, d.change(read(copy + "/" + d.file)));
+    const auto r = sh(kBin + " ckpt verify " + copy);
+    INFO(r.out);
+    CHECK(r.rc == 1);
+    CHECK(r.out.find(copy + ": DAMAGED: checkpoint: " + copy + "/" + d.what) != std::string::npos);
+  }
+  fs::remove_all(copy);
+
+  // The newest checkpoint damaged: --resume says so, takes step 4, and ends where the
+  // uninterrupted run did, bit for bit.
+  const auto file = checkpoint(dir, 8) + "/rank1.safetensors";
+  auto bytes = read(file);
+  bytes[bytes.size() - 1] ^= 0x01;
+  write(file, bytes);
+  const auto bad = sh(kBin + " ckpt verify " + dir);
+  CHECK(bad.rc == 1);
+  CHECK(bad.out.find(checkpoint(dir, 8) + ": DAMAGED: checkpoint: " + file + " is damaged") != std::string::npos);
+  CHECK(bad.out.find(checkpoint(dir, 4) + ": ok (") != std::string::npos);
+  const auto out = train_run(dir, args + " --resume");
+  CHECK(out.find("--resume: skipping " + checkpoint(dir, 8) + ": checkpoint: " + file + " is damaged") != std::string::npos);
+  CHECK(out.find("resumed from " + checkpoint(dir, 4)) != std::string::npos);
   const auto pa = fsdp::read_full_parameters(checkpoint(ref, 12)), pb = fsdp::read_full_parameters(checkpoint(dir, 12));
   REQUIRE(pa.size() == pb.size());
   for (size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].second.equal(pb[i].second));

@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <vector>
 #include <filesystem>
 #include <fstream>
 
+#include "fsdpp/files.hpp"
 #include "fsdpp/safetensors.hpp"
 
 using namespace fsdpp;
@@ -122,4 +124,34 @@ TEST_CASE("safetensors: damaged files give errors that say what is wrong") {
   CHECK(read_error(path).find("does not fit") != std::string::npos);
   fs::remove(path);
   CHECK(read_error(path).find("cannot open") != std::string::npos);
+}
+
+TEST_CASE("CRC-32C: the standard check value, any split, and the instruction path equal to the table") {
+  const std::string check = "123456789";
+  CHECK(crc32c(check.data(), check.size()) == 0xE3069283u);  // the check value of CRC-32C (RFC 3720's polynomial)
+  CHECK(fsdpp::detail::crc32c_portable(check.data(), check.size()) == 0xE3069283u);
+  CHECK(crc32c(nullptr, 0) == 0u);
+  // Lengths and alignments the word loop and its tail both see; summed in two pieces too.
+  std::vector<unsigned char> bytes(1000);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>((i * 2654435761u) >> 13);
+  for (size_t begin : {0, 1, 3, 7})
+    for (size_t n : {0, 1, 7, 8, 9, 63, 64, 65, 993 - 7}) {
+      CAPTURE(begin);
+      CAPTURE(n);
+      const uint32_t whole = crc32c(bytes.data() + begin, n);
+      CHECK(whole == fsdpp::detail::crc32c_portable(bytes.data() + begin, n));
+      const size_t half = n / 3;
+      CHECK(crc32c(bytes.data() + begin + half, n - half, crc32c(bytes.data() + begin, half)) == whole);
+    }
+  // A file's digest is its bytes' CRC; one changed bit changes it.
+  const auto path = temp_file("crc");
+  std::ofstream(path, std::ios::binary) << std::string(bytes.begin(), bytes.end());
+  const auto d = digest_file(path);
+  CHECK(d.bytes == bytes.size());
+  CHECK(d.crc32c == crc32c(bytes.data(), bytes.size()));
+  bytes[500] ^= 0x10;
+  std::ofstream(path, std::ios::binary) << std::string(bytes.begin(), bytes.end());
+  CHECK(digest_file(path).crc32c != d.crc32c);
+  CHECK(crc_hex(0xE3069283u) == "e3069283");
+  fs::remove(path);
 }
