@@ -7,6 +7,8 @@
 //   kill:rank=R:step=N                the trainer ends rank R with SIGKILL as step N begins
 //   kill_in_checkpoint:rank=R:step=N  the trainer ends rank R after it wrote its files of the
 //                                     checkpoint at step N, before the checkpoint is committed
+// A fault fires on the group's first start only; ":attempt=K" makes it fire on restart K instead
+// (TORCHELASTIC_RESTART_COUNT), ":attempt=any" on every start (a failure that restarts cannot cure).
 
 #include <cstdint>
 #include <string>
@@ -17,9 +19,11 @@ struct Fault {
   std::string kind;  // empty: none
   int rank = -1;
   int64_t at = -1;  // count or step
+  int attempt = 0;  // the start of the group it fires on; -1: every start
+  bool disarmed = false;  // not this start
   // Whether `kind` is due on this rank at `at` (the trainer's kinds).
   bool due(const std::string& k, int rank_now, int64_t at_now) const {
-    return kind == k && rank == rank_now && at == at_now;
+    return !disarmed && kind == k && rank == rank_now && at == at_now;
   }
 };
 

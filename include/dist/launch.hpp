@@ -2,7 +2,8 @@
 // The launcher behind `fsdpp launch`: starts the local ranks of one node with torchrun's
 // environment variables, prefixes their output lines with their rank, and makes the whole group
 // fail fast: when one rank fails, the others are stopped (SIGTERM, then SIGKILL after a grace
-// period) and the first failure's exit code is returned.
+// period) and the first failure's exit code is returned, or, with max_restarts, the group is
+// started again.
 
 #include <chrono>
 #include <cstdint>
@@ -20,12 +21,18 @@ struct LaunchOptions {
   std::vector<std::string> command;  // program and its arguments
   std::chrono::milliseconds stop_grace = std::chrono::seconds(5);  // SIGTERM to SIGKILL
   bool prefix_output = true;
+  // After a failure (once every rank is stopped), start the whole group again, up to this many
+  // times. Ranks see the attempt in TORCHELASTIC_RESTART_COUNT, as under torchrun's
+  // --max-restarts; `fsdpp run` then resumes from the latest checkpoint. With several nodes the
+  // launchers agree through the store: a failure on one node restarts every node.
+  int max_restarts = 0;
 };
 
 struct LaunchResult {
   int exit_code = 0;      // 0, the first failing rank's exit code, or 128 + its signal
   int failed_rank = -1;   // global rank, -1 when all succeeded
   std::string reason;     // "rank 1 (pid 123) was killed by signal 9 (SIGKILL)"
+  int restarts = 0;       // how many times the group was started again
 };
 
 // Runs the ranks to completion. Throws std::invalid_argument for inconsistent options. Installs

@@ -35,6 +35,7 @@ struct RunOptions {
   int64_t trace_steps = 3;
   std::optional<int64_t> stop_after;  // stop (with a checkpoint) once this many steps are done
   std::optional<bool> tty;            // progress bar; default: stdout is a terminal
+  int restart = 0;                    // which restart of the group this is (metrics, summary)
 };
 
 struct RunResult {

@@ -215,6 +215,7 @@ struct RunArgs {
   int nproc = 0;
   train::RunOptions options;
   int64_t stop_after = 0;
+  int max_restarts = 0;
 };
 
 int run_recipe(RunArgs& a) {
@@ -222,6 +223,13 @@ int run_recipe(RunArgs& a) {
   if (dist::launched_by_launcher()) {
     // The recipe sets up the communicators; run_training checks it against the world size.
     const auto recipe = train::load_recipe(a.recipe, a.overrides);
+    // A restarted group (fsdpp launch or torchrun with --max-restarts) continues from the latest
+    // checkpoint, or starts afresh when the failure came before the first one.
+    if (const char* n = std::getenv("TORCHELASTIC_RESTART_COUNT"); n && std::atoi(n) > 0) {
+      a.options.restart = std::atoi(n);
+      a.options.resume = !train::committed_checkpoints(recipe.output_dir()).empty();
+      a.options.overwrite = !a.options.resume;
+    }
     dist::InitOptions init;
     init.backend = recipe.train.device == "cuda" ? dist::Backend::kNccl : dist::Backend::kGloo;
     init.watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(recipe.dist.watchdog_timeout_s * 1000));
@@ -235,6 +243,7 @@ int run_recipe(RunArgs& a) {
   train::check_output_dir(recipe, a.options);
   dist::LaunchOptions o;
   o.nproc = recipe.world_size();
+  o.max_restarts = a.max_restarts;
   o.command = {self_exe(), "run", a.recipe};
   for (const auto& ov : a.overrides) o.command.push_back(ov);
   if (a.options.resume) o.command.push_back("--resume");
@@ -264,6 +273,9 @@ int main(int argc, char** argv) {
   cmd_launch->add_option("--master-port", master_port, "port of the store (default: a free port)")
       ->check(CLI::Range(0, 65535));
   cmd_launch->add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
+  cmd_launch->add_option("--max-restarts", launch.max_restarts,
+                         "after a failure, start every rank again, up to N times (TORCHELASTIC_RESTART_COUNT)")
+      ->check(CLI::NonNegativeNumber);
   cmd_launch->add_option("command", launch.command, "program and arguments, after --")->required();
 
   int demo_nproc = 2;
@@ -305,6 +317,9 @@ int main(int argc, char** argv) {
   cmd_run->add_flag("--resume", run.options.resume, "continue from the latest checkpoint in the output directory");
   cmd_run->add_flag("--overwrite", run.options.overwrite, "start afresh even if the output directory holds checkpoints");
   cmd_run->add_flag("--trace", run.options.trace, "write trace.json: compute and communication of a few steps, all ranks");
+  cmd_run->add_option("--max-restarts", run.max_restarts,
+                      "after a failure, start every rank again from the latest checkpoint, up to N times")
+      ->check(CLI::NonNegativeNumber);
   cmd_run->add_option("--stop-after", run.stop_after, "stop after this many steps (with a checkpoint), as if interrupted")
       ->check(CLI::PositiveNumber);
   run.options.trace_steps = 3;

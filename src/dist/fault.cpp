@@ -24,14 +24,20 @@ Fault parse(const char* text) {
     const auto eq = part.find('=');
     const std::string key = part.substr(0, eq), value = eq == std::string::npos ? "" : part.substr(eq + 1);
     if (key == "rank") f.rank = std::atoi(value.c_str());
+    else if (key == "attempt") f.attempt = value == "any" ? -1 : std::atoi(value.c_str());
     else f.at = std::atoll(value.c_str()), at_key = key;
   }
+  // This process's start of the group (TORCHELASTIC_RESTART_COUNT, 0 on the first).
+  const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const int attempt_now = restart ? std::atoi(restart) : 0;
+  if (f.attempt >= 0 && f.attempt != attempt_now) f.disarmed = true;
   const bool ok = f.rank >= 0 && f.at >= 0 &&
                   ((f.kind == "skip_all_gather" && at_key == "count") ||
                    ((f.kind == "kill" || f.kind == "kill_in_checkpoint") && at_key == "step"));
   if (!ok)
     throw std::invalid_argument(fmt::format(
-        "FSDPP_FAULT={}: expected skip_all_gather:rank=R:count=N, kill:rank=R:step=N or kill_in_checkpoint:rank=R:step=N",
+        "FSDPP_FAULT={}: expected skip_all_gather:rank=R:count=N, kill:rank=R:step=N or kill_in_checkpoint:rank=R:step=N, "
+        "optionally followed by :attempt=K or :attempt=any",
         text));
   return f;
 }
@@ -47,7 +53,7 @@ namespace detail {
 
 bool skip_this_all_gather() {
   // Called by every all_gather: without this fault, one test of a static.
-  static const bool armed = injected_fault().kind == "skip_all_gather";
+  static const bool armed = injected_fault().kind == "skip_all_gather" && !injected_fault().disarmed;
   if (!armed) return false;
   const Fault& f = injected_fault();
   static const int rank = [] {

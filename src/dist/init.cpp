@@ -182,7 +182,11 @@ Comm init_from_env(const InitOptions& options) {
   }
   auto config = backend_config(options, env.master_addr);
   config.device = env.local_rank;  // one GPU per local rank, as under torchrun
-  auto world = make_prefix_store("fsdpp/world", store);
+  // Each start of the group (TORCHELASTIC_RESTART_COUNT, under fsdpp launch or torchrun with
+  // restarts) rendezvous under its own keys: the store outlives a failed start, and its keys.
+  const std::string attempt = env_or("TORCHELASTIC_RESTART_COUNT", "0");
+  const std::string prefix = attempt == "0" ? "fsdpp" : "fsdpp/restart" + attempt;
+  auto world = make_prefix_store(prefix + "/world", store);
   detail::join(*world, env.rank, env.world_size, options.timeout);
   Comm comm(options.backend == Backend::kNccl
                 ? detail::make_nccl_comm(world, env.rank, env.world_size, config)
@@ -200,7 +204,7 @@ Comm init_from_env(const InitOptions& options) {
     // A connection of its own: the watchdog polls the store from its thread.
     TcpStoreOptions wo = so;
     wo.is_server = false;
-    w.store = make_prefix_store("fsdpp/fr", make_tcp_store(wo));
+    w.store = make_prefix_store(prefix + "/fr", make_tcp_store(wo));
     start_watchdog(w);
   }
   return comm;

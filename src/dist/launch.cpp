@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <optional>
 #include <stdexcept>
+#include <thread>
 
 #include "dist/store.hpp"
 
@@ -148,7 +149,7 @@ pid_t spawn(const std::string& program, const std::vector<std::string>& args,
 }
 
 std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& addr, uint16_t port,
-                                  int local_rank, const std::string& error_file) {
+                                  int local_rank, const std::string& error_file, int attempt) {
   static const char* kOwned[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                  "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                                  "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
@@ -174,7 +175,9 @@ std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& add
   env.push_back("MASTER_ADDR=" + addr);
   env.push_back(fmt::format("MASTER_PORT={}", port));
   env.push_back("TORCHELASTIC_USE_AGENT_STORE=True");  // node 0's launcher hosts the store
-  env.push_back("TORCHELASTIC_RESTART_COUNT=0");  // PyTorch's env:// reads it with the above
+  // Which start of the group this is (0, then 1 after the first restart), as torchrun says it: the
+  // ranks rendezvous under keys of their own, and the trainer resumes from its latest checkpoint.
+  env.push_back(fmt::format("TORCHELASTIC_RESTART_COUNT={}", attempt));
   env.push_back("FSDPP_ERROR_FILE=" + error_file);
   // As torchrun does: ranks sharing a node should not each spawn a thread per core.
   if (!has_omp && o.nproc > 1) env.push_back("OMP_NUM_THREADS=1");
@@ -183,45 +186,39 @@ std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& add
 
 }  // namespace
 
-LaunchResult launch(const LaunchOptions& o) {
-  if (o.nproc < 1) throw std::invalid_argument("fsdpp launch: --nproc must be at least 1");
-  if (o.nnodes < 1) throw std::invalid_argument("fsdpp launch: --nnodes must be at least 1");
-  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
-    throw std::invalid_argument(fmt::format("fsdpp launch: --node-rank {} is outside [0, {})",
-                                            o.node_rank, o.nnodes));
-  if (o.command.empty()) throw std::invalid_argument("fsdpp launch: no program given after --");
-  if (o.nnodes > 1 && (o.master_addr.empty() || o.master_port == 0))
-    throw std::invalid_argument(
-        "fsdpp launch: with --nnodes > 1, give --master-addr and --master-port (the address and "
-        "port of node 0, the same on every node)");
-  const std::string program = resolve_program(o.command[0]);
-  const std::string addr = o.master_addr.empty() ? "127.0.0.1" : o.master_addr;
+namespace {
 
-  // Node 0's launcher hosts the rendezvous store for the whole job, so it outlives any rank.
+// What one start of the local ranks needs beyond the options.
+struct Attempt {
+  int number = 0;  // 0, then 1 after the first restart
+  std::string program, addr, error_dir;
+  uint16_t port = 0;
+  // With several nodes and restarts: the job's store, through which a failure on one node stops
+  // (and restarts) the ranks on every node.
   std::shared_ptr<Store> store;
-  uint16_t port = o.master_port;
-  if (o.node_rank == 0) {
-    TcpStoreOptions so;
-    so.host = addr;
-    so.port = o.master_port;
-    so.is_server = true;
-    store = make_tcp_store(so);
-    port = tcp_store_port(*store);
+  bool interrupted = false;  // set when a signal stopped the ranks (never restarted)
+};
+
+std::string failure_key(int attempt) { return fmt::format("fsdpp/launch/{}/failed", attempt); }
+
+// The failure a node's launcher published for this attempt ("<exit code>|<reason>"), if any. A
+// store that is gone (node 0's launcher ended) has nothing more to say.
+std::optional<Failure> published_failure(Store* store, int attempt) {
+  std::vector<uint8_t> v;
+  try {
+    if (!store || !store->check({failure_key(attempt)})) return std::nullopt;
+    v = store->get(failure_key(attempt));
+  } catch (const std::exception&) {
+    return std::nullopt;
   }
+  const std::string text(v.begin(), v.end());
+  const auto bar = text.find('|');
+  if (bar == std::string::npos) return Failure{-1, 1, text};
+  return Failure{-1, std::atoi(text.substr(0, bar).c_str()), text.substr(bar + 1)};
+}
 
-  if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
-    throw std::runtime_error("fsdpp launch: pipe failed");
-  g_signal.store(0);
-  struct sigaction sa {}, old_int{}, old_term{};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, &old_int);
-  sigaction(SIGTERM, &sa, &old_term);
-
-  char dir_template[] = "/tmp/fsdpp-launch-XXXXXX";
-  const std::string error_dir = mkdtemp(dir_template) ? dir_template : "";
-  if (error_dir.empty()) throw std::runtime_error("fsdpp launch: cannot create a directory in /tmp");
-
+// Starts this node's ranks and supervises them to the end: fail fast, as in the header.
+LaunchResult run_attempt(const LaunchOptions& o, Attempt& at) {
   const pid_t self = getpid();
   std::vector<Rank> ranks(o.nproc);
   for (int i = 0; i < o.nproc; ++i) {
@@ -229,8 +226,8 @@ LaunchResult launch(const LaunchOptions& o) {
     if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0)
       throw std::runtime_error("fsdpp launch: pipe failed");
     ranks[i].global_rank = o.node_rank * o.nproc + i;
-    ranks[i].error_file = fmt::format("{}/rank{}", error_dir, ranks[i].global_rank);
-    ranks[i].pid = spawn(program, o.command, rank_env(o, addr, port, i, ranks[i].error_file),
+    ranks[i].error_file = fmt::format("{}/rank{}.{}", at.error_dir, ranks[i].global_rank, at.number);
+    ranks[i].pid = spawn(at.program, o.command, rank_env(o, at.addr, at.port, i, ranks[i].error_file, at.number),
                          out[1], err[1], self);
     close(out[1]);
     close(err[1]);
@@ -254,6 +251,23 @@ LaunchResult launch(const LaunchOptions& o) {
 
   std::optional<Failure> primary, collateral;
   auto settle_until = std::chrono::steady_clock::time_point::max();
+  auto next_store_poll = std::chrono::steady_clock::time_point::min();
+  // A failure on another node, published through the store (with several nodes and restarts).
+  auto failure_elsewhere = [&] { return published_failure(at.store.get(), at.number); };
+  // The attempt's failure; one of this node's is published for the other nodes.
+  auto take = [&](const Failure& f) {
+    result.failed_rank = f.rank;
+    result.exit_code = f.exit_code;
+    result.reason = f.reason;
+    if (at.store && f.rank >= 0) {
+      const auto text = fmt::format("{}|{} (on node {})", f.exit_code, f.reason, o.node_rank);
+      try {
+        at.store->set(failure_key(at.number), std::vector<uint8_t>(text.begin(), text.end()));
+      } catch (const std::exception&) {
+        // Node 0 is gone; its launcher has ended the job already.
+      }
+    }
+  };
   int running = o.nproc;
   auto pipes_open = [&] {
     for (auto& r : ranks)
@@ -301,6 +315,7 @@ LaunchResult launch(const LaunchOptions& o) {
           result.exit_code = 128 + sig;
           result.reason = fmt::format("interrupted by {}", signal_name(sig));
         }
+        at.interrupted = true;
         begin_stop();
       }
     }
@@ -324,10 +339,12 @@ LaunchResult launch(const LaunchOptions& o) {
       }
     }
     if (!primary && collateral && std::chrono::steady_clock::now() > settle_until) primary = collateral;
+    if (!primary && !stopping && at.store && std::chrono::steady_clock::now() > next_store_poll) {
+      primary = failure_elsewhere();
+      next_store_poll = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+    }
     if (primary && !stopping) {
-      result.failed_rank = primary->rank;
-      result.exit_code = primary->exit_code;
-      result.reason = primary->reason;
+      take(*primary);
       write_all(STDERR_FILENO,
                 fmt::format("fsdpp launch: {}; stopping the other ranks\n", result.reason));
       begin_stop();
@@ -342,8 +359,110 @@ LaunchResult launch(const LaunchOptions& o) {
   for (auto& r : ranks)
     for (int s = 0; s < 2; ++s)
       if (r.fds[s] >= 0) close(r.fds[s]);
+  // Every rank here ended, and the only failures were of ranks that lost a peer: the peer may be
+  // on another node, whose launcher names it; otherwise the first of them is the failure.
+  if (!primary && collateral && !at.interrupted) {
+    while (!(primary = failure_elsewhere()) && std::chrono::steady_clock::now() < settle_until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    take(primary ? *primary : *collateral);
+    write_all(STDERR_FILENO, fmt::format("fsdpp launch: {}\n", result.reason));
+  }
+  return result;
+}
 
-  std::filesystem::remove_all(error_dir);
+}  // namespace
+
+LaunchResult launch(const LaunchOptions& o) {
+  if (o.nproc < 1) throw std::invalid_argument("fsdpp launch: --nproc must be at least 1");
+  if (o.nnodes < 1) throw std::invalid_argument("fsdpp launch: --nnodes must be at least 1");
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
+    throw std::invalid_argument(fmt::format("fsdpp launch: --node-rank {} is outside [0, {})",
+                                            o.node_rank, o.nnodes));
+  if (o.max_restarts < 0) throw std::invalid_argument("fsdpp launch: --max-restarts must be at least 0");
+  if (o.command.empty()) throw std::invalid_argument("fsdpp launch: no program given after --");
+  if (o.nnodes > 1 && (o.master_addr.empty() || o.master_port == 0))
+    throw std::invalid_argument(
+        "fsdpp launch: with --nnodes > 1, give --master-addr and --master-port (the address and "
+        "port of node 0, the same on every node)");
+  Attempt at;
+  at.program = resolve_program(o.command[0]);
+  at.addr = o.master_addr.empty() ? "127.0.0.1" : o.master_addr;
+
+  // Node 0's launcher hosts the rendezvous store for the whole job, so it outlives any rank (and
+  // any restart). With several nodes and restarts, the other launchers join it too.
+  std::shared_ptr<Store> store;
+  at.port = o.master_port;
+  if (o.node_rank == 0) {
+    TcpStoreOptions so;
+    so.host = at.addr;
+    so.port = o.master_port;
+    so.is_server = true;
+    store = make_tcp_store(so);
+    at.port = tcp_store_port(*store);
+  } else if (o.max_restarts > 0) {
+    TcpStoreOptions so;
+    so.host = at.addr;
+    so.port = o.master_port;
+    store = make_tcp_store(so);
+  }
+  if (o.nnodes > 1 && o.max_restarts > 0) at.store = store;
+
+  if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
+    throw std::runtime_error("fsdpp launch: pipe failed");
+  g_signal.store(0);
+  struct sigaction sa {}, old_int{}, old_term{};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+
+  char dir_template[] = "/tmp/fsdpp-launch-XXXXXX";
+  at.error_dir = mkdtemp(dir_template) ? dir_template : "";
+  if (at.error_dir.empty()) throw std::runtime_error("fsdpp launch: cannot create a directory in /tmp");
+
+  LaunchResult result;
+  for (;; ++at.number) {
+    if (at.store && at.number > 0) {
+      // Every node's launcher starts the next attempt together (the ranks' rendezvous would wait
+      // for the others anyway; this keeps a slow node from being taken for a failed one).
+      const auto key = fmt::format("fsdpp/launch/{}/nodes", at.number);
+      at.store->add(key, 1);
+      while (at.store->add(key, 0) < o.nnodes && !g_signal.load())
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    result = run_attempt(o, at);
+    result.restarts = at.number;
+    if (at.store && result.exit_code == 0) {
+      // Node 0's launcher hosts the store: it stays until every node's ranks are done, so that no
+      // node loses the store while its ranks finish (or fail, and restart the job).
+      const auto key = fmt::format("fsdpp/launch/{}/done", at.number);
+      try {
+        at.store->add(key, 1);
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (o.node_rank == 0 && at.store->add(key, 0) < o.nnodes && !at.store->check({failure_key(at.number)}) &&
+               std::chrono::steady_clock::now() < give_up && !g_signal.load())
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        if (const auto f = published_failure(at.store.get(), at.number)) {  // this node's ranks were done, another's failed
+          result.exit_code = f->exit_code;
+          result.reason = f->reason;
+        }
+      } catch (const std::exception&) {
+        // Node 0 ended first: the job is over.
+      }
+    }
+    if (result.exit_code == 0 || at.interrupted) break;
+    if (at.number >= o.max_restarts) {
+      if (o.max_restarts > 0)
+        write_all(STDERR_FILENO, fmt::format("fsdpp launch: giving up after {} restart{}; the last failure: {}\n",
+                                             o.max_restarts, o.max_restarts == 1 ? "" : "s", result.reason));
+      break;
+    }
+    write_all(STDERR_FILENO, fmt::format("fsdpp launch: restart {} of {}: starting every rank again (the run resumes "
+                                         "from its latest checkpoint) after: {}\n",
+                                         at.number + 1, o.max_restarts, result.reason));
+  }
+
+  std::filesystem::remove_all(at.error_dir);
   sigaction(SIGINT, &old_int, nullptr);
   sigaction(SIGTERM, &old_term, nullptr);
   close(g_signal_pipe[0]);

@@ -141,7 +141,8 @@ class Trainer {
   void span(const std::string& name, const std::string& track, std::chrono::system_clock::time_point begin) {
     tracer_.span(name, track, begin, std::chrono::system_clock::now());
   }
-  void metric(const json& j) {
+  void metric(json j) {
+    if (o_.restart > 0) j["restart"] = o_.restart;  // which start of the group wrote the line
     if (metrics_) *metrics_ << j.dump() << "\n" << std::flush;
   }
 
@@ -528,6 +529,9 @@ int64_t Trainer::restore() {
 RunResult Trainer::run() {
   prepare_output();
   build();
+  if (o_.restart > 0)
+    log(fmt::format("restart {}: {}", o_.restart,
+                    o_.resume ? "continuing from the latest checkpoint that verifies" : "no checkpoint yet, starting afresh"));
   int64_t step = o_.resume ? restore() : 0;
 
   const bool write_metrics = r_.logging.metrics == "all" || (r_.logging.metrics == "rank0" && lead());
@@ -648,7 +652,8 @@ RunResult Trainer::run() {
                           {"train_loss", result.train_loss},
                           {"val_loss", result.val_loss},
                           {"dp", r_.parallel.dp},
-                          {"pp", r_.parallel.pp}};
+                          {"pp", r_.parallel.pp},
+                          {"restarts", o_.restart}};
     write_file_atomically((out_ / "summary.json").string(), summary.dump(1) + "\n");
     std::cout << fmt::format("done: {} steps in {} ({:.1f}k tok/s); train loss {:.4f}, validation loss {:.4f} nats/byte\n"
                              "outputs: {}/ (loss.svg, metrics/, {}summary.json{})",

@@ -4,6 +4,7 @@
 //   exit CODE RANK      RANK exits with CODE after init; the others block in a receive from it
 //   kill RANK           RANK kills itself with SIGKILL; the others block likewise
 //   sleep               every rank prints "ready" and sleeps (for Ctrl-C and orphan tests)
+//   exit-first CODE RANK  on the group's first start, as exit; on a restart, as collectives
 //   hang RANK           labelled all_gathers; RANK skips the second one (a fault to diagnose)
 // Extra arguments are ignored; tests pass a unique token to find stray processes afterwards.
 // FSDPP_TEST_TIMEOUT_MS sets the rendezvous timeout.
@@ -70,7 +71,22 @@ int main(int argc, char** argv) {
     opts.timeout = std::chrono::milliseconds(std::atoi(ms));
   try {
     auto comm = dist::init_from_env(opts);
-    if (mode == "collectives") return collectives(comm);
+    const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    const bool restarted = restart && std::atoi(restart) > 0;
+    if (mode == "collectives" || (mode == "exit-first" && restarted)) {
+      if (restarted) std::cout << "restart " << restart << ": ";
+      return collectives(comm);
+    }
+    if (mode == "exit-first") {
+      const int victim = std::atoi(argv[3]);
+      comm.barrier().wait();
+      if (comm.rank() == victim) {
+        std::cout << "rank " << victim << " failing now" << std::endl;
+        return std::atoi(argv[2]);
+      }
+      block_on(comm, victim);
+      return 0;
+    }
     if (mode == "exit" || mode == "kill") {
       const int victim = std::atoi(argv[mode == "exit" ? 3 : 2]);
       comm.barrier().wait();

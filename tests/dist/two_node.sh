@@ -54,4 +54,30 @@ for r in 2 3; do
   grep -q "^\[rank$r\]: rank $r/4 ok" "$work/node1.log" || { echo "FAIL: rank $r missing on node 1"; status=1; }
 done
 [[ $status -eq 0 ]] && echo "PASS: 4 ranks on 2 network namespaces rendezvoused and ran collectives"
+
+# Restarts agree across nodes: rank 2 (node 1) fails on the first start; both launchers start their
+# ranks again, and the second start runs everywhere.
+restart() {  # node_rank namespace
+  FSDPP_TEST_TIMEOUT_MS=30000 ip netns exec "$2" timeout 90 "$fsdpp" launch --nnodes 2 --node-rank "$1" \
+    --nproc 2 --master-addr "$addr_a" --master-port $((port + 1)) --max-restarts 1 -- "$rank_bin" exit-first 3 2 \
+    >"$work/restart$1.log" 2>&1
+}
+restart 0 "$ns_a" & pid_a=$!
+restart 1 "$ns_b" & pid_b=$!
+wait "$pid_a"; rc_a=$?
+wait "$pid_b"; rc_b=$?
+echo "--- restart: node 0, exit $rc_a"; cat "$work/restart0.log"
+echo "--- restart: node 1, exit $rc_b"; cat "$work/restart1.log"
+[[ $rc_a -eq 0 && $rc_b -eq 0 ]] || { echo "FAIL: a launcher exited non-zero after the restart"; status=1; }
+for node in 0 1; do
+  grep -q "fsdpp launch: restart 1 of 1: .*rank 2 (pid [0-9]*) exited with code 3" "$work/restart$node.log" ||
+    { echo "FAIL: node $node did not restart for rank 2's failure"; status=1; }
+done
+for r in 0 1; do
+  grep -q "^\[rank$r\]: restart 1: rank $r/4 ok" "$work/restart0.log" || { echo "FAIL: rank $r not ok after the restart"; status=1; }
+done
+for r in 2 3; do
+  grep -q "^\[rank$r\]: restart 1: rank $r/4 ok" "$work/restart1.log" || { echo "FAIL: rank $r not ok after the restart"; status=1; }
+done
+[[ $status -eq 0 ]] && echo "PASS: a failure on node 1 restarted both nodes, and the second start ran everywhere"
 exit $status

@@ -410,6 +410,54 @@ TEST_CASE("run: damaged checkpoints are named by `ckpt verify`, and --resume fal
   fs::remove_all(ref);
 }
 
+TEST_CASE("run: --max-restarts starts the group again from its latest checkpoint, and gives up on a failure that repeats") {
+  const auto dir = fresh_dir("restart"), ref = fresh_dir("restart-ref");
+  const std::string args = "train.steps=12 checkpoint.interval=4 logging.interval=1 parallel.dp=2";
+  train_run(ref, args);
+  // Rank 1 killed as step 7 begins, on the first start only: one restart finishes the run, bitwise
+  // equal to the run that never failed.
+  auto r = sh("FSDPP_FAULT=kill:rank=1:step=7 " + kBin + " run " + kRecipe + " logging.output_dir=" + dir + " " + args +
+              " --max-restarts 1");
+  INFO(r.out);
+  CHECK(r.rc == 0);
+  CHECK(r.out.find("fsdpp launch: restart 1 of 1: starting every rank again (the run resumes from its latest "
+                   "checkpoint) after: rank 1 (pid") != std::string::npos);
+  CHECK(r.out.find("was killed by SIGKILL") != std::string::npos);
+  CHECK(r.out.find("restart 1: continuing from the latest checkpoint") != std::string::npos);
+  CHECK(r.out.find("resumed from " + checkpoint(dir, 4)) != std::string::npos);
+  const auto pa = fsdp::read_full_parameters(checkpoint(ref, 12)), pb = fsdp::read_full_parameters(checkpoint(dir, 12));
+  REQUIRE(pa.size() == pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].second.equal(pb[i].second));
+  // Visible in the metrics (the lines the restarted group wrote) and the summary.
+  std::map<int64_t, int> restart_of_step;
+  std::ifstream f(fs::path(dir) / "metrics" / "rank0.jsonl");
+  for (std::string line; std::getline(f, line);) {
+    const auto j = json::parse(line);
+    if (j.contains("loss")) restart_of_step[j["step"]] = j.value("restart", 0);
+  }
+  CHECK(restart_of_step.size() == 12);
+  CHECK(restart_of_step[4] == 0);
+  CHECK(restart_of_step[5] == 1);
+  CHECK(restart_of_step[12] == 1);
+  CHECK(json::parse(std::ifstream(fs::path(dir) / "summary.json"))["restarts"] == 1);
+
+  // Without restarts the run fails as before.
+  r = sh("FSDPP_FAULT=kill:rank=1:step=7 " + kBin + " run " + kRecipe + " logging.output_dir=" + dir + " " + args +
+         " --overwrite --max-restarts 0");
+  CHECK(r.rc == 137);
+  CHECK(r.out.find("fsdpp launch: restart") == std::string::npos);
+  // A failure on every start: two restarts, then the cause.
+  r = sh("FSDPP_FAULT=kill:rank=1:step=7:attempt=any " + kBin + " run " + kRecipe + " logging.output_dir=" + dir + " " +
+         args + " --overwrite --max-restarts 2");
+  INFO(r.out);
+  CHECK(r.rc == 137);
+  CHECK(r.out.find("restart 2 of 2:") != std::string::npos);
+  CHECK(r.out.find("fsdpp launch: restart 3") == std::string::npos);
+  CHECK(r.out.find("fsdpp launch: giving up after 2 restarts; the last failure: rank 1 (pid") != std::string::npos);
+  fs::remove_all(dir);
+  fs::remove_all(ref);
+}
+
 TEST_CASE("run: a rank that skips one all_gather: every rank dumps, the run ends, the analysis names it") {
   const auto dir = fresh_dir("hang");
   const auto t0 = std::chrono::steady_clock::now();
