@@ -1,9 +1,18 @@
 // Stores over LibTorch's c10d::TCPStore and c10d::FileStore.
 #include "dist/store.hpp"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <optional>
 
 namespace fsdpp::dist {
 
@@ -67,12 +76,62 @@ class PrefixStore : public Store {
   std::shared_ptr<Store> base_;
 };
 
+// Note [store bind address]
+// c10d::TCPStore's server listens on every interface. Given a numeric address to host on (the
+// launcher's 127.0.0.1 for a single-node run, or node 0's own address), fsdpp binds the listening
+// socket to that address itself and hands it to the store (masterListenFd): a single-node run's
+// store is then reachable from this machine only, and a multi-node one only through the address
+// the job names. A host name keeps c10d's own socket (every interface).
+
+// A listening socket bound to `host:port` when `host` is a numeric IPv4 or IPv6 address; nullopt
+// for a host name. Throws CommError when the address cannot be bound.
+std::optional<int> listen_on(const std::string& host, uint16_t port) {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&addr);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&addr);
+  if (inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(port);
+    len = sizeof(sockaddr_in);
+  } else if (inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(port);
+    len = sizeof(sockaddr_in6);
+  } else {
+    return std::nullopt;
+  }
+  const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw CommError(fmt::format("cannot host the rendezvous store: socket: {}", std::strerror(errno)));
+  const int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(fd, SOMAXCONN) != 0) {
+    const int e = errno;
+    close(fd);
+    throw CommError(fmt::format("cannot host the rendezvous store on {}:{}: {}", host, port, std::strerror(e)));
+  }
+  return fd;
+}
+
+uint16_t bound_port(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  return ntohs(addr.ss_family == AF_INET ? reinterpret_cast<sockaddr_in*>(&addr)->sin_port
+                                         : reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+}
+
 }  // namespace
 
 std::shared_ptr<Store> make_tcp_store(const TcpStoreOptions& options) {
   c10d::TCPStoreOptions o;
   o.port = options.port;
   o.isServer = options.is_server;
+  if (options.is_server)
+    if (const auto fd = listen_on(options.host, options.port)) {  // Note [store bind address]
+      o.masterListenFd = *fd;
+      o.port = bound_port(*fd);
+    }
   o.waitWorkers = false;  // joining is checked by the rendezvous, with a better message
   o.timeout = options.timeout;
   c10::intrusive_ptr<c10d::TCPStore> store;

@@ -1,6 +1,11 @@
 // `fsdpp launch` with real processes: exit codes, signals, Ctrl-C, no orphans, rendezvous errors.
+#include <arpa/inet.h>
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -9,6 +14,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <set>
+#include <sstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -55,6 +63,75 @@ std::vector<int> processes_with(const std::string& token) {
   return pids;
 }
 
+// A listening TCP socket, decoded from /proc/net/tcp or tcp6.
+struct Listener {
+  std::string address;
+  int port = 0;
+  bool loopback = false;
+};
+
+// The listening TCP sockets that `pids` hold.
+std::vector<Listener> listeners_of(const std::vector<int>& pids) {
+  std::set<std::string> inodes;
+  for (int pid : pids) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+      const auto target = std::filesystem::read_symlink(e.path(), ec).string();
+      if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+    }
+  }
+  std::vector<Listener> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream f(table);
+    std::string line;
+    std::getline(f, line);  // header
+    while (std::getline(f, line)) {
+      std::istringstream in(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      in >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
+      if (state != "0A" || !inodes.count(inode)) continue;  // 0A: LISTEN
+      const auto colon = local.find(':');
+      const std::string hex = local.substr(0, colon);
+      Listener l;
+      l.port = std::stoi(local.substr(colon + 1), nullptr, 16);
+      l.address = hex;
+      // IPv4: one little-endian word, first octet in the last two hex digits. IPv6: four words;
+      // ::1 is 0...0 01000000, a mapped 127.x.y.z ends in 0000FFFF then the IPv4 word.
+      if (hex.size() == 8) l.loopback = hex.substr(6, 2) == "7F";
+      else l.loopback = hex == "00000000000000000000000001000000" || (hex.substr(16, 8) == "FFFF0000" && hex.substr(30, 2) == "7F");
+      out.push_back(l);
+    }
+  }
+  return out;
+}
+
+// An IPv4 address of this machine that is not loopback, if it has one.
+std::optional<std::string> outside_address() {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return std::nullopt;
+  std::optional<std::string> found;
+  for (auto* a = list; a && !found; a = a->ifa_next)
+    if (a->ifa_addr && a->ifa_addr->sa_family == AF_INET && (a->ifa_flags & IFF_UP) && !(a->ifa_flags & IFF_LOOPBACK)) {
+      char text[INET_ADDRSTRLEN];
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof(text));
+      found = text;
+    }
+  freeifaddrs(list);
+  return found;
+}
+
+// Whether a TCP connection to address:port is accepted.
+bool accepts(const std::string& address, int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, address.c_str(), &a.sin_addr);
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  close(fd);
+  return ok;
+}
+
 const std::string kLaunch = std::string(FSDPP_BIN) + " launch";
 const std::string kRank = FSDPP_TEST_RANK_BIN;
 
@@ -91,7 +168,7 @@ TEST_CASE("a rank killed with SIGKILL is reported as such, and the others are st
   CHECK(processes_with(token).empty());
 }
 
-TEST_CASE("Ctrl-C (SIGINT to the launcher) stops every rank") {
+TEST_CASE("a single-node job listens on loopback only, and Ctrl-C (SIGINT to the launcher) stops every rank") {
   const auto token = unique_token();
   const auto log = std::filesystem::temp_directory_path() / (token + ".log");
   const pid_t pid = fork();
@@ -117,6 +194,21 @@ TEST_CASE("Ctrl-C (SIGINT to the launcher) stops every rank") {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   REQUIRE(processes_with(token).size() == 3);  // the launcher and its two ranks
+  // A single-node job listens on loopback only: the store (hosted by the launcher) and anything a
+  // rank listens on cannot be reached from the network (Note [store bind address]).
+  const auto listening = listeners_of(processes_with(token));
+  CHECK(!listening.empty());
+  for (const auto& l : listening) {
+    INFO("listening on " << l.address << ":" << l.port);
+    CHECK(l.loopback);
+    CHECK(accepts("127.0.0.1", l.port));
+    if (const auto outside = outside_address()) {
+      INFO("this machine's address " << *outside);
+      CHECK_FALSE(accepts(*outside, l.port));
+    } else {
+      MESSAGE("this machine has no IPv4 address besides loopback; the listening addresses were checked");
+    }
+  }
   const auto t0 = std::chrono::steady_clock::now();
   kill(pid, SIGINT);
   int status = 0;
