@@ -1,6 +1,10 @@
 #include "fsdpp/files.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <array>
+#include <cerrno>
 #include <bit>
 #include <cstdio>
 #include <cstring>
@@ -23,7 +27,17 @@ void write_file_atomically(const std::string& path, const std::string& text) {
     f.flush();
     if (!f) throw std::runtime_error("cannot write " + tmp + " (disk full or not writable?)");
   }
+  sync_to_disk(tmp);
   std::filesystem::rename(tmp, path);
+}
+
+void sync_to_disk(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("cannot open " + path + " to sync it: " + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int e = errno;
+  ::close(fd);
+  if (rc != 0) throw std::runtime_error("syncing " + path + " to disk failed: " + std::strerror(e));
 }
 
 nlohmann::json read_json_file(const std::string& path) {

@@ -31,15 +31,22 @@ void load_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer = n
 void save_shards(const std::vector<Shard>& shards, int rank, int world, const std::string& dir,
                  AdamW* optimizer = nullptr);
 // The roots must be resharded (their sharded parameters are written).
+// `present_only`: read only the ranks' files present in `dir` (one node's directory of a checkpoint
+// on local storage); the rows this rank owns must be among them.
 void load_shards(const std::vector<Shard>& shards, const std::string& dir,
-                 AdamW* optimizer = nullptr);
+                 AdamW* optimizer = nullptr, bool present_only = false);
 
 // Checks every rank's files of a checkpoint (sizes and checksums, each index against its tensors)
 // without a model, one rank's file in memory at a time. Throws naming the file and the damage.
-void verify_sharded(const std::string& dir);
+void verify_sharded(const std::string& dir, bool present_only = false);
 
 // Every parameter in full, assembled from all ranks' files of a checkpoint, in index order. One
 // process; throws naming the file or parameter when rows are missing or inconsistent.
-std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::string& dir);
+// `dirs`: one checkpoint directory, or the directories of every node of a checkpoint on local
+// storage (each rank's files are taken from whichever holds them).
+std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::vector<std::string>& dirs);
+inline std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::string& dir) {
+  return read_full_parameters(std::vector<std::string>{dir});
+}
 
 }  // namespace fsdpp::fsdp

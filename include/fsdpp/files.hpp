@@ -9,8 +9,13 @@
 namespace fsdpp {
 
 // Writes `text` to `path` through `path`.tmp and a rename, so that a reader (or a crash) never sees
-// half a file under the final name. Throws std::runtime_error naming the file when writing fails.
+// half a file under the final name; the bytes reach the disk before the rename. Throws
+// std::runtime_error naming the file when writing fails.
 void write_file_atomically(const std::string& path, const std::string& text);
+
+// Flushes a file's or a directory's contents (a directory: its entries, after renames) to the disk
+// (fsync). Throws std::runtime_error naming the path when that fails.
+void sync_to_disk(const std::string& path);
 
 // Parses a JSON file. Throws std::runtime_error: "<path> is missing" or "<path> is not valid JSON: ...".
 nlohmann::json read_json_file(const std::string& path);

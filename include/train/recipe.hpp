@@ -14,7 +14,7 @@
 //               "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "grad_clip": 1.0},
 //     "train": {"steps": 600, "global_batch": 32, "grad_accum": 1, "seed": 1234},
 //     "eval": {"interval": 100, "batches": 8},
-//     "checkpoint": {"interval": 0, "keep": 2},
+//     "checkpoint": {"interval": 0, "keep": 2, "storage": "shared"},
 //     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"},
 //     "dist": {"watchdog_timeout_s": 300, "check_collectives": false}
 //   }
@@ -92,6 +92,10 @@ struct CheckpointOptions {
   bool enabled = true;   // false: no checkpoints at all (benchmarks)
   int64_t interval = 0;  // 0: only at the end
   int64_t keep = 2;
+  // "shared": one directory every rank sees. "local": each node writes its own ranks' files to its
+  // own disk (the same path on every node); the commit is agreed by all ranks, and resuming takes
+  // the newest step every node committed (at the same dp x pp).
+  std::string storage = "shared";
 };
 
 struct LoggingOptions {

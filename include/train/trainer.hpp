@@ -63,13 +63,19 @@ std::vector<std::string> committed_checkpoints(const std::string& output_dir);
 // Checks a checkpoint directory without a model: trainer.json against its own checksum, every file
 // it lists (rank indexes) against their sizes and CRC-32C, and every rank's tensor file against its
 // index (fsdp::verify_sharded). Throws std::runtime_error naming the file and the damage. Returns
-// the number of files and bytes checked.
-std::pair<int, uint64_t> verify_checkpoint(const std::string& dir);
+// the number of files and bytes checked. A checkpoint on local storage (or with `present_only`)
+// is checked as far as this node's directory holds it.
+std::pair<int, uint64_t> verify_checkpoint(const std::string& dir, bool present_only = false);
 
 // Writes one safetensors file of full parameters, under the unwrapped model's names, from a
 // checkpoint directory (checkpoints/step-<N>) or an output directory (its latest checkpoint). The
 // model config goes to the file's metadata ("fsdpp.model_config"). Returns the checkpoint read.
-std::string consolidate_checkpoint(const std::string& path, const std::string& output_file);
+// Several paths: the directories of one checkpoint on local storage, one per node (each rank's
+// files are taken from whichever holds them). Returns the checkpoint directories read.
+std::string consolidate_checkpoint(const std::vector<std::string>& paths, const std::string& output_file);
+inline std::string consolidate_checkpoint(const std::string& path, const std::string& output_file) {
+  return consolidate_checkpoint(std::vector<std::string>{path}, output_file);
+}
 
 // An unsharded model with the weights of a checkpoint directory, an output directory or a
 // consolidated safetensors file.

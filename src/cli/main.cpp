@@ -345,14 +345,17 @@ int main(int argc, char** argv) {
   cmd_generate->add_option("--top-k", sample.top_k, "sample among the k likeliest bytes (0: all)")->check(CLI::Range(0, 256));
   cmd_generate->add_option("--seed", sample.seed, "sampling seed");
 
-  std::string ckpt_in, ckpt_out;
+  std::vector<std::string> ckpt_in;
+  std::string ckpt_out;
   auto* cmd_ckpt = app.add_subcommand("ckpt", "checkpoints");
   cmd_ckpt->require_subcommand(1);
   auto* cmd_consolidate = cmd_ckpt->add_subcommand(
       "consolidate", "write one safetensors file of full parameters (PyTorch / Hugging Face names and loaders)");
-  cmd_consolidate->add_option("checkpoint", ckpt_in, "run directory (its latest checkpoint) or checkpoint directory")
+  cmd_consolidate->add_option("checkpoint", ckpt_in,
+                              "run directory (its latest checkpoint) or checkpoint directory; with checkpoint.storage "
+                              "\"local\", one per node")
       ->required()->check(CLI::ExistingDirectory);
-  cmd_consolidate->add_option("-o,--output", ckpt_out, "output file (default: <checkpoint>/model.safetensors)");
+  cmd_consolidate->add_option("-o,--output", ckpt_out, "output file (default: <first checkpoint>/model.safetensors)");
   std::string verify_in;
   auto* cmd_verify = cmd_ckpt->add_subcommand(
       "verify", "check a checkpoint's files against their sizes and CRC-32C checksums, without a model");
@@ -383,7 +386,7 @@ int main(int argc, char** argv) {
     }
     if (cmd_consolidate->parsed()) {
       namespace fs = std::filesystem;
-      const auto out = ckpt_out.empty() ? (fs::path(ckpt_in) / "model.safetensors").string() : ckpt_out;
+      const auto out = ckpt_out.empty() ? (fs::path(ckpt_in.front()) / "model.safetensors").string() : ckpt_out;
       const auto dir = train::consolidate_checkpoint(ckpt_in, out);
       std::cout << fmt::format("wrote {} from {}\n", out, dir);
       return 0;

@@ -71,13 +71,17 @@ json read_json(const fs::path& path) {
 }
 
 // Every rank's index and tensors, checked for the fields loading relies on.
-std::vector<Saved> read_all_checked(const std::string& dir);
-std::vector<Saved> read_all(const std::string& dir) {
+// Which ranks' files to read: all of them (a checkpoint on shared storage, or the directories of
+// every node), or only those present (one node's directory of a checkpoint on local storage).
+enum class Ranks { kAll, kPresent };
+
+std::vector<Saved> read_all_checked(const std::vector<std::string>& dirs, Ranks which);
+std::vector<Saved> read_all(const std::vector<std::string>& dirs, Ranks which = Ranks::kAll) {
   try {
-    return read_all_checked(dir);
+    return read_all_checked(dirs, which);
   } catch (const json::exception& e) {
     // A field of the wrong type or missing: the index is damaged.
-    throw std::runtime_error(fmt::format("checkpoint: an index in {} is malformed: {}", dir, e.what()));
+    throw std::runtime_error(fmt::format("checkpoint: an index in {} is malformed: {}", fmt::join(dirs, ", "), e.what()));
   }
 }
 
@@ -100,11 +104,11 @@ void check_digest(const json& index, const std::string& file, const std::string&
                                          index_file, want));
 }
 
-// One rank's index and tensors, checked for the fields loading relies on. `first` is rank 0's index.
-Saved read_rank(const std::string& dir, int64_t r, const json& first) {
+// One rank's index and tensors, checked for the fields loading relies on.
+Saved read_rank(const std::string& dir, int64_t r) {
   Saved sv;
   const auto index_file = (fs::path(dir) / fmt::format("rank{}.json", r)).string();
-  sv.index = r == 0 ? first : read_json(index_file);
+  sv.index = read_json(index_file);
   sv.file = (fs::path(dir) / fmt::format("rank{}.safetensors", r)).string();
   check_digest(sv.index, sv.file, index_file);
   sv.data = read_safetensors(sv.file);
@@ -123,20 +127,46 @@ Saved read_rank(const std::string& dir, int64_t r, const json& first) {
   return sv;
 }
 
-// Rank 0's index, which names the world size; `each` is called with every rank's files in turn.
-void for_each_rank(const std::string& dir, const std::function<void(Saved&&)>& each) {
-  const json first = read_json(fs::path(dir) / "rank0.json");
-  if (first.value("format", "") != kFormat)
-    throw std::runtime_error(fmt::format("checkpoint: {}/rank0.json is not a {} index", dir, kFormat));
-  const int64_t world = integer(first, "world_size", dir + "/rank0.json");
-  if (world < 1 || world > 1 << 16)
-    throw std::runtime_error(fmt::format("checkpoint: {}/rank0.json has world_size {}", dir, world));
-  for (int64_t r = 0; r < world; ++r) each(read_rank(dir, r, first));
+// The world size the checkpoint in `dirs` was saved at, from the first index found (every index
+// names it), with the directory of each rank's files ("" where none holds them).
+std::vector<std::string> rank_dirs(const std::vector<std::string>& dirs) {
+  std::optional<json> first;
+  std::string first_file;
+  for (const auto& dir : dirs) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      const auto name = e.path().filename().string();
+      if (name.rfind("rank", 0) == 0 && name.size() > 9 && name.compare(name.size() - 5, 5, ".json") == 0 &&
+          (!first || name < fs::path(first_file).filename().string())) {
+        first = read_json(e.path());
+        first_file = e.path().string();
+      }
+    }
+  }
+  if (!first) throw std::runtime_error(fmt::format("checkpoint: {}/rank0.json is missing", dirs.front()));
+  if (first->value("format", "") != kFormat)
+    throw std::runtime_error(fmt::format("checkpoint: {} is not a {} index", first_file, kFormat));
+  const int64_t world = integer(*first, "world_size", first_file);
+  if (world < 1 || world > 1 << 16) throw std::runtime_error(fmt::format("checkpoint: {} has world_size {}", first_file, world));
+  std::vector<std::string> where(world);
+  for (int64_t r = 0; r < world; ++r)
+    for (const auto& dir : dirs)
+      if (where[r].empty() && fs::exists(fs::path(dir) / fmt::format("rank{}.json", r))) where[r] = dir;
+  return where;
 }
 
-std::vector<Saved> read_all_checked(const std::string& dir) {
+// Calls `each` with every rank's files in turn (only those present, with Ranks::kPresent).
+void for_each_rank(const std::vector<std::string>& dirs, Ranks which, const std::function<void(Saved&&)>& each) {
+  const auto where = rank_dirs(dirs);
+  for (int64_t r = 0; r < static_cast<int64_t>(where.size()); ++r) {
+    if (where[r].empty() && which == Ranks::kPresent) continue;
+    each(read_rank(where[r].empty() ? dirs.front() : where[r], r));  // a missing index: named as missing
+  }
+}
+
+std::vector<Saved> read_all_checked(const std::vector<std::string>& dirs, Ranks which) {
   std::vector<Saved> saved;
-  for_each_rank(dir, [&](Saved&& sv) { saved.push_back(std::move(sv)); });
+  for_each_rank(dirs, which, [&](Saved&& sv) { saved.push_back(std::move(sv)); });
   return saved;
 }
 
@@ -167,6 +197,7 @@ void save_shards(const std::vector<Shard>& shards, int rank, int world, const st
   const auto base = fs::path(dir) / fmt::format("rank{}", rank);
   // The tensors first, the index last: an index always describes a complete file.
   write_safetensors(base.string() + ".safetensors.tmp", tensors, {{"format", kFormat}});
+  sync_to_disk(base.string() + ".safetensors.tmp");
   fs::rename(base.string() + ".safetensors.tmp", base.string() + ".safetensors");
   // Its size and checksum go into the index: loading then finds damage to any byte.
   const auto digest = digest_file(base.string() + ".safetensors");
@@ -180,8 +211,8 @@ void save_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer) {
   comm.barrier().wait();  // the checkpoint is complete when every rank's files are in place
 }
 
-void load_shards(const std::vector<Shard>& shards, const std::string& dir, AdamW* optimizer) {
-  const auto saved = read_all(dir);
+void load_shards(const std::vector<Shard>& shards, const std::string& dir, AdamW* optimizer, bool present_only) {
+  const auto saved = read_all({dir}, present_only ? Ranks::kPresent : Ranks::kAll);
   at::NoGradGuard no_grad;
   std::optional<int64_t> steps_loaded;
   for (const auto& s : shards) {
@@ -214,7 +245,10 @@ void load_shards(const std::vector<Shard>& shards, const std::string& dir, AdamW
       }
     if (!found) throw std::runtime_error(fmt::format("checkpoint: '{}' is not in {}", s.name, dir));
     if (covered != s.info.local_rows)
-      throw std::runtime_error(fmt::format("checkpoint: rows {}..{} of '{}' are not all in {}", lo, hi, s.name, dir));
+      throw std::runtime_error(fmt::format("checkpoint: rows {}..{} of '{}' are not all in {}{}", lo, hi, s.name, dir,
+                                           present_only ? " (on local storage a node holds its own ranks' rows: resume "
+                                                          "at the layout the checkpoint was saved at)"
+                                                        : ""));
     if (state) {
       // A checkpoint saved without optimizer state starts the optimizer afresh.
       if (!step) {
@@ -235,16 +269,17 @@ void load_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer) {
   load_shards(shards(root), dir, optimizer);
 }
 
-void verify_sharded(const std::string& dir) {
+void verify_sharded(const std::string& dir, bool present_only) {
   try {
-    for_each_rank(dir, [](Saved&&) {});
+    for_each_rank({dir}, present_only ? Ranks::kPresent : Ranks::kAll, [](Saved&&) {});
   } catch (const json::exception& e) {
     throw std::runtime_error(fmt::format("checkpoint: an index in {} is malformed: {}", dir, e.what()));
   }
 }
 
-std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::string& dir) {
-  const auto saved = read_all(dir);
+std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::vector<std::string>& dirs) {
+  const auto saved = read_all(dirs);
+  const auto dir = fmt::format("{}", fmt::join(dirs, " + "));
   // Everything the indexes claim is checked against the rows the ranks hold before any full tensor
   // is allocated: a damaged index must not make the reader allocate its claimed shape.
   std::map<std::string, std::vector<int64_t>> shapes;

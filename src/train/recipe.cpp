@@ -412,6 +412,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       c.boolean("enabled", rc.checkpoint.enabled);
       c.integer("interval", rc.checkpoint.interval, 0, kBig);
       c.integer("keep", rc.checkpoint.keep, 1, 1 << 20);
+      c.string("storage", rc.checkpoint.storage, {"shared", "local"});
     }
     {
       Reader l = top.section("logging");

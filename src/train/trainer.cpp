@@ -13,6 +13,8 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -95,6 +97,12 @@ std::string record_checksum(json record) {
   return crc_hex(crc32c(text.data(), text.size()));
 }
 
+// An integer from the environment, or `fallback` when it is unset.
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
 bool stdout_is_terminal() {
   if (const char* e = std::getenv("FSDPP_STDOUT_TTY")) return std::string(e) == "1";
   return isatty(STDOUT_FILENO);
@@ -104,7 +112,8 @@ class Trainer {
  public:
   Trainer(const Recipe& r, dist::Comm world, const RunOptions& o)
       : r_(r), o_(o), mesh_(std::move(world), {{"pp", r.parallel.pp}, {"dp", r.parallel.dp}}),
-        out_(r.output_dir()), rank_(mesh_.world().rank()),
+        out_(r.output_dir()), rank_(mesh_.world().rank()), local_rank_(env_int("LOCAL_RANK", rank_)),
+        node_(env_int("GROUP_RANK", 0)),
         progress_(r.train.steps, o.tty.value_or(stdout_is_terminal()), std::cout), tracer_(rank_) {}
 
   RunResult run();
@@ -112,6 +121,10 @@ class Trainer {
  private:
   dist::Comm& world() { return mesh_.world(); }
   bool lead() const { return rank_ == 0; }
+  // Checkpoints on local storage: each node's disk holds its own ranks' files, and the node's first
+  // rank manages the directory there (rank 0 does on shared storage).
+  bool local_storage() const { return r_.checkpoint.storage == "local"; }
+  bool checkpoint_writer() const { return local_storage() ? local_rank_ == 0 : lead(); }
   int dp_rank() const { return mesh_.coord("dp"); }
   void log(const std::string& line) {
     if (lead()) progress_.print(line);
@@ -151,6 +164,7 @@ class Trainer {
   dist::DeviceMesh mesh_;
   fs::path out_;
   int rank_;
+  int local_rank_, node_;  // LOCAL_RANK and GROUP_RANK, as the launcher or torchrun set them
   Progress progress_;
   Tracer tracer_;
 
@@ -184,6 +198,10 @@ void Trainer::prepare_output() {
     }
     fs::create_directories(out_ / "metrics");
     write_file_atomically((out_ / "recipe.json").string(), r_.resolved.dump(2) + "\n");
+  }
+  if (checkpoint_writer() && !lead()) {  // another node's disk (local storage)
+    if (!o_.resume) fs::remove_all(out_ / "checkpoints");
+    fs::create_directories(out_);
   }
   world().barrier().wait();
 }
@@ -442,77 +460,113 @@ void Trainer::save_checkpoint(int64_t step) {
   const auto t0 = Clock::now();
   const fs::path dir = out_ / "checkpoints";
   const fs::path tmp = dir / (".tmp-" + step_dir_name(step)), final_dir = dir / step_dir_name(step);
-  if (lead()) {
+  if (checkpoint_writer()) {
     fs::remove_all(tmp);
     fs::create_directories(tmp);
   }
   world().barrier().wait();
-  fsdp::save_shards(all_shards(), rank_, world().size(), tmp.string(), optimizer_.get());
+  fsdp::save_shards(all_shards(), rank_, world().size(), tmp.string(), optimizer_.get());  // written and synced
   maybe_fire("kill_in_checkpoint", rank_, step);
   // Every rank's index (which records its tensor file's checksum), by size and CRC-32C, goes into
   // the commit record, which records its own: every byte of a checkpoint is covered.
   const auto index = digest_file((tmp / fmt::format("rank{}.json", rank_)).string());
-  std::vector<double> digests(2 * static_cast<size_t>(world().size()), 0.0);
-  digests[2 * rank_] = static_cast<double>(index.bytes);
-  digests[2 * rank_ + 1] = static_cast<double>(index.crc32c);
+  std::vector<double> digests(3 * static_cast<size_t>(world().size()), 0.0);
+  digests[3 * rank_] = static_cast<double>(index.bytes);
+  digests[3 * rank_ + 1] = static_cast<double>(index.crc32c);
+  digests[3 * rank_ + 2] = node_;
   digests = sum_over_world(digests);
-  if (lead()) {
+  if (checkpoint_writer()) {
     json files = json::object();
-    for (int r = 0; r < world().size(); ++r)
-      files[fmt::format("rank{}.json", r)] = {{"bytes", static_cast<int64_t>(digests[2 * r])},
-                                               {"crc32c", crc_hex(static_cast<uint32_t>(digests[2 * r + 1]))}};
+    for (int r = 0; r < world().size(); ++r) {
+      json f = {{"bytes", static_cast<int64_t>(digests[3 * r])}, {"crc32c", crc_hex(static_cast<uint32_t>(digests[3 * r + 1]))}};
+      if (local_storage()) f["node"] = static_cast<int>(digests[3 * r + 2]);
+      files[fmt::format("rank{}.json", r)] = f;
+    }
     json meta = {{"format", kRunCheckpointFormat}, {"step", step},           {"world_size", world().size()},
                  {"dp", r_.parallel.dp},            {"pp", r_.parallel.pp}, {"model", to_json(r_.model)},
                  {"recipe", r_.resolved},
                  // The data order is a function of the seed; the position, of the step.
                  {"data", {{"seed", r_.train.seed}, {"samples_consumed", step * r_.train.global_batch}}},
+                 {"storage", r_.checkpoint.storage},
                  {"files", files}};
     meta["crc32c"] = record_checksum(meta);
     write_file_atomically((tmp / "trainer.json").string(), meta.dump(1) + "\n");
   }
-  world().barrier().wait();  // every rank's files are in place
-  if (lead()) {
+  // Every rank's files are written and synced (on every node's disk, with local storage): from here
+  // on the checkpoint is complete, and each directory commits it.
+  world().barrier().wait();
+  if (checkpoint_writer()) {
     // Commit: the rename is atomic, and `latest` moves only after it.
     const fs::path old = dir / (".old-" + step_dir_name(step));
     fs::remove_all(old);
     if (fs::exists(final_dir)) fs::rename(final_dir, old);
     fs::rename(tmp, final_dir);
     fs::remove_all(old);
+    sync_to_disk(dir.string());
     write_file_atomically((dir / "latest").string(), step_dir_name(step) + "\n");
     std::vector<fs::path> done;
     for (const auto& e : fs::directory_iterator(dir))
       if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) done.push_back(e.path());
     std::sort(done.begin(), done.end());
     for (size_t i = 0; i + static_cast<size_t>(r_.checkpoint.keep) < done.size(); ++i) fs::remove_all(done[i]);
-    log(fmt::format("checkpoint: {} ({:.1f} s)", final_dir.string(),
-                    std::chrono::duration<double>(Clock::now() - t0).count()));
   }
+  log(fmt::format("checkpoint: {} ({:.1f} s)", final_dir.string(), std::chrono::duration<double>(Clock::now() - t0).count()));
   world().barrier().wait();
 }
 
 int64_t Trainer::restore() {
-  // The newest checkpoint that verifies: the lead rank checks every file once, all ranks take its
-  // choice; a damaged one is skipped, saying why.
   const auto candidates = committed_checkpoints(out_.string());
   std::string dir;
-  for (const auto& candidate : candidates) {
-    double ok = 0;
-    if (lead()) {
-      try {
-        verify_checkpoint(candidate);
-        ok = 1;
-      } catch (const std::exception& e) {
-        log(fmt::format("--resume: skipping {}: {}", candidate, e.what()));
+  if (!local_storage()) {
+    // The newest checkpoint that verifies: the lead rank checks every file once, all ranks take its
+    // choice; a damaged one is skipped, saying why.
+    for (const auto& candidate : candidates) {
+      double ok = 0;
+      if (lead()) {
+        try {
+          verify_checkpoint(candidate);
+          ok = 1;
+        } catch (const std::exception& e) {
+          log(fmt::format("--resume: skipping {}: {}", candidate, e.what()));
+        }
+      }
+      if (sum_over_world({ok})[0] > 0) {
+        dir = candidate;
+        break;
       }
     }
-    if (sum_over_world({ok})[0] > 0) {
-      dir = candidate;
-      break;
+  } else {
+    // Local storage: each node has its own list of committed checkpoints, and every rank checks the
+    // files its node holds. The step to resume from is the newest that every rank has verified:
+    // the least of the ranks' newest, or, when some rank lacks that one, the same below it.
+    std::map<int64_t, std::string> mine;  // step -> directory, verified here
+    for (const auto& candidate : candidates) {
+      try {
+        verify_checkpoint(candidate, /*present_only=*/true);
+        mine[read_json_file((fs::path(candidate) / "trainer.json").string()).at("step").get<int64_t>()] = candidate;
+      } catch (const std::exception& e) {
+        if (checkpoint_writer())
+          std::cout << fmt::format("[node {}] --resume: skipping {}: {}", node_, candidate, e.what()) << std::endl;
+      }
+    }
+    for (int64_t below = std::numeric_limits<int64_t>::max();;) {
+      auto it = mine.lower_bound(below);
+      const double newest = it == mine.begin() ? -1.0 : double(std::prev(it)->first);
+      auto t = at::tensor(std::vector<double>{newest}, at::kDouble).to(device_);
+      world().all_reduce(t, {dist::ReduceOp::kMin}).wait();
+      const auto step = static_cast<int64_t>(t.cpu().item<double>());
+      if (step < 0) break;
+      if (sum_over_world({mine.count(step) ? 1.0 : 0.0})[0] == world().size()) {
+        dir = mine.at(step);
+        break;
+      }
+      below = step;
     }
   }
   if (dir.empty())
-    throw std::runtime_error(fmt::format("--resume: none of the {} checkpoints under {}/checkpoints verifies", candidates.size(),
-                                         out_.string()));
+    throw std::runtime_error(fmt::format("--resume: none of the {} checkpoints under {}/checkpoints verifies{}",
+                                         candidates.size(), out_.string(),
+                                         local_storage() ? " on every node" : ""));
   const json meta = read_json_file((fs::path(dir) / "trainer.json").string());
   const json saved_model = meta.at("model"), now_model = to_json(r_.model);
   for (const auto& [k, v] : now_model.items())
@@ -520,7 +574,7 @@ int64_t Trainer::restore() {
       throw std::runtime_error(fmt::format("--resume: {} was written with model.{} = {}, the recipe now says {}", dir, k,
                                            saved_model.contains(k) ? saved_model[k].dump() : "nothing", v.dump()));
   for (auto& root : roots_) root->reshard();
-  fsdp::load_shards(all_shards(), dir, optimizer_.get());
+  fsdp::load_shards(all_shards(), dir, optimizer_.get(), /*present_only=*/local_storage());
   const int64_t step = meta.at("step");
   log(fmt::format("resumed from {} (step {}, saved at dp {} x pp {})", dir, step, meta.value("dp", 0), meta.value("pp", 0)));
   return step;
@@ -714,7 +768,7 @@ std::vector<std::string> committed_checkpoints(const std::string& output_dir) {
   return out;
 }
 
-std::pair<int, uint64_t> verify_checkpoint(const std::string& dir) {
+std::pair<int, uint64_t> verify_checkpoint(const std::string& dir, bool present_only) {
   const auto meta_file = (fs::path(dir) / "trainer.json").string();
   json meta = json::object();
   // A directory fsdp::save_sharded wrote has no trainer.json: its ranks' files are still checked.
@@ -734,6 +788,8 @@ std::pair<int, uint64_t> verify_checkpoint(const std::string& dir) {
       const auto file = (fs::path(dir) / name).string();
       std::error_code ec;
       const auto size = fs::file_size(file, ec);
+      // On local storage a node holds its own ranks' files; trainer.json names every rank's node.
+      if (ec && (present_only || d.contains("node"))) continue;
       if (ec) throw std::runtime_error(fmt::format("checkpoint: {} is missing", file));
       if (size != d.at("bytes").get<uint64_t>())
         throw std::runtime_error(fmt::format("checkpoint: {} is {} bytes, but {} records {} (cut short or overwritten)", file,
@@ -746,7 +802,7 @@ std::pair<int, uint64_t> verify_checkpoint(const std::string& dir) {
   } catch (const json::exception& e) {
     throw std::runtime_error(fmt::format("checkpoint: {} is malformed: {}", meta_file, e.what()));
   }
-  fsdp::verify_sharded(dir);
+  fsdp::verify_sharded(dir, present_only || meta.value("storage", "shared") == "local");
   int files = 0;
   uint64_t bytes = 0;
   for (const auto& e : fs::directory_iterator(dir))
@@ -765,16 +821,24 @@ std::string find_checkpoint(const std::string& path) {
 
 }  // namespace
 
-std::string consolidate_checkpoint(const std::string& path, const std::string& output_file) {
-  const auto dir = find_checkpoint(path);
-  const json meta = read_json_file((fs::path(dir) / "trainer.json").string());
-  const auto full = fsdp::read_full_parameters(dir);
+std::string consolidate_checkpoint(const std::vector<std::string>& paths, const std::string& output_file) {
+  std::vector<std::string> dirs;
+  json meta;
+  for (const auto& path : paths) {
+    dirs.push_back(find_checkpoint(path));
+    const json m = read_json_file((fs::path(dirs.back()) / "trainer.json").string());
+    if (dirs.size() == 1) meta = m;
+    else if (m.at("step") != meta.at("step"))
+      throw std::runtime_error(fmt::format("{} holds step {} but {} step {}: give the directories of one checkpoint",
+                                           dirs.back(), m.at("step").dump(), dirs.front(), meta.at("step").dump()));
+  }
+  const auto full = fsdp::read_full_parameters(dirs);
   const auto tmp = output_file + ".tmp";
   write_safetensors(tmp, full,
                     {{"format", "pt"}, {"fsdpp.model_config", meta.at("model").dump()},
                      {"fsdpp.step", std::to_string(meta.at("step").get<int64_t>())}});
   fs::rename(tmp, output_file);
-  return dir;
+  return fmt::format("{}", fmt::join(dirs, " + "));
 }
 
 models::MoETransformer load_model(const std::string& path) {

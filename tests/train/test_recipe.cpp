@@ -123,6 +123,11 @@ TEST_CASE("recipe: layout rules (world size, batch divisibility, schedules, stag
                           "parallel.schedule=" + kSource + "/tests/pipeline/custom_1f1b.csv"}) == "valid");
 }
 
+TEST_CASE("recipe: checkpoint storage is shared or local") {
+  CHECK(problems(base(), {"checkpoint.storage=local"}) == "valid");
+  expect(problems(base(), {"checkpoint.storage=nfs"}), "checkpoint.storage: must be one of");
+}
+
 TEST_CASE("recipe: device and CUDA graph rules") {
   CHECK(problems(base(), {"train.device=cpu"}) == "valid");
   expect(problems(base(), {"train.device=tpu"}), "train.device: must be one of");

@@ -75,6 +75,17 @@ std::string checkpoint(const std::string& dir, int64_t step) {
   return (fs::path(dir) / "checkpoints" / name).string();
 }
 
+// The two checkpoints hold bitwise equal parameters, under the same names.
+void check_same_parameters(const std::string& a, const std::string& b) {
+  const auto pa = fsdp::read_full_parameters(a), pb = fsdp::read_full_parameters(b);
+  REQUIRE(pa.size() == pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    CAPTURE(pa[i].first);
+    CHECK(pa[i].first == pb[i].first);
+    CHECK(pa[i].second.equal(pb[i].second));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("run: an invalid recipe fails before any rank starts, naming the problem") {
@@ -339,9 +350,7 @@ TEST_CASE("run: SIGKILL during a checkpoint write leaves the previous checkpoint
   CHECK_NOTHROW(fsdp::read_full_parameters(checkpoint(dir, 4)));
   const auto out = train_run(dir, args + " --resume");
   CHECK(out.find("step-00000004") != std::string::npos);
-  const auto pa = fsdp::read_full_parameters(checkpoint(ref, 12)), pb = fsdp::read_full_parameters(checkpoint(dir, 12));
-  REQUIRE(pa.size() == pb.size());
-  for (size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].second.equal(pb[i].second));
+  check_same_parameters(checkpoint(ref, 12), checkpoint(dir, 12));
   fs::remove_all(dir);
   fs::remove_all(ref);
 }
@@ -403,9 +412,7 @@ TEST_CASE("run: damaged checkpoints are named by `ckpt verify`, and --resume fal
   const auto out = train_run(dir, args + " --resume");
   CHECK(out.find("--resume: skipping " + checkpoint(dir, 8) + ": checkpoint: " + file + " is damaged") != std::string::npos);
   CHECK(out.find("resumed from " + checkpoint(dir, 4)) != std::string::npos);
-  const auto pa = fsdp::read_full_parameters(checkpoint(ref, 12)), pb = fsdp::read_full_parameters(checkpoint(dir, 12));
-  REQUIRE(pa.size() == pb.size());
-  for (size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].second.equal(pb[i].second));
+  check_same_parameters(checkpoint(ref, 12), checkpoint(dir, 12));
   fs::remove_all(dir);
   fs::remove_all(ref);
 }
@@ -425,9 +432,7 @@ TEST_CASE("run: --max-restarts starts the group again from its latest checkpoint
   CHECK(r.out.find("was killed by SIGKILL") != std::string::npos);
   CHECK(r.out.find("restart 1: continuing from the latest checkpoint") != std::string::npos);
   CHECK(r.out.find("resumed from " + checkpoint(dir, 4)) != std::string::npos);
-  const auto pa = fsdp::read_full_parameters(checkpoint(ref, 12)), pb = fsdp::read_full_parameters(checkpoint(dir, 12));
-  REQUIRE(pa.size() == pb.size());
-  for (size_t i = 0; i < pa.size(); ++i) CHECK(pa[i].second.equal(pb[i].second));
+  check_same_parameters(checkpoint(ref, 12), checkpoint(dir, 12));
   // Visible in the metrics (the lines the restarted group wrote) and the summary.
   std::map<int64_t, int> restart_of_step;
   std::ifstream f(fs::path(dir) / "metrics" / "rank0.jsonl");
