@@ -126,7 +126,11 @@ int schedule_show(const ShowOptions& o) {
   std::ofstream(o.out + ".trace.json") << chrome_trace(sim);
   std::ofstream csv(o.out + ".csv");
   write_csv(csv, plan.lowered);
-  std::cout << "wrote " << o.out << ".svg, " << o.out << ".trace.json and " << o.out << ".csv (lowered)\n";
+  // The compute actions alone: the format of PyTorch's _load_csv(format="compute_only").
+  std::ofstream compute(o.out + ".compute.csv");
+  write_csv(compute, plan.compute);
+  std::cout << "wrote " << o.out << ".svg, " << o.out << ".trace.json, " << o.out << ".csv (lowered) and " << o.out
+            << ".compute.csv (compute actions, as PyTorch's compute_only CSV)\n";
   return 0;
 }
 

@@ -8,6 +8,7 @@
 #include "dist/mesh.hpp"
 #include "dist/ranks.hpp"
 #include "pipeline/executor.hpp"
+#include "pipeline/table.hpp"
 
 using namespace fsdpp;
 using namespace fsdpp::pipeline;
@@ -191,6 +192,15 @@ TEST_CASE("messages between two ranks match by order, as on NCCL: receives out o
     });
   CHECK(std::max(ordered_error[0], ordered_error[1]) < 1e-5);
   CHECK(std::max(error[0], error[1]) > 1e-2);
+}
+
+TEST_CASE("an action table PyTorch 2.15 wrote (ZBVZeroBubble, pp 2, 4 microbatches) runs and matches") {
+  // tests/pipeline/torch_zbv_pp2_m4.csv is ScheduleZBVZeroBubble's _dump_csv(format="compute_only");
+  // pipeline.torch_orders checks that it still is what PyTorch writes.
+  auto table = load_table_schedule(FSDPP_TEST_DATA "/torch_zbv_pp2_m4.csv");
+  const auto plan = make_plan(*table, {2, 2, 4});
+  CHECK(plan.owner == std::vector<int>{0, 1, 1, 0});  // the V layout, read from the table
+  check_pipelined(plan, reference_grads(4, 4), reference_params(4, 4), "torch_zbv_pp2_m4.csv");
 }
 
 TEST_CASE("a send budget is never exceeded and changes no result") {

@@ -1,11 +1,16 @@
-"""fsdpp's built-in schedules against PyTorch's own: for every schedule class that
-torch.distributed.pipelining ships, the per-rank compute order (F, B, I, W) that fsdpp lowers equals
-the one PyTorch generates, for pp 2 and 4 and several microbatch counts (odd ones where the
-schedule allows them).
+"""fsdpp's built-in schedules against PyTorch's own.
+
+1. Orders: for every schedule class that torch.distributed.pipelining ships, the per-rank compute
+   order (F, B, I, W) that fsdpp lowers equals the one PyTorch generates, for pp 2 and 4 and several
+   microbatch counts (odd ones where the schedule allows them).
+2. Action tables, both ways: a compute-only CSV that PyTorch's runtime writes (_dump_csv) loads in
+   `fsdpp schedule show --csv` with the same order, and the compute CSV fsdpp writes loads in
+   PyTorch's runtime (_load_csv, which lowers it with PyTorch's own passes) with the same order.
+   tests/pipeline/torch_zbv_pp2_m4.csv, which the executor test runs, is checked to be what
+   PyTorch writes.
 
 PyTorch's orders come from its schedule classes, built on stub stages (the schedule only reads their
-indices); fsdpp's from `fsdpp schedule show`, whose CSV is the lowered program (its sends and
-receives are left out here).
+indices); fsdpp's from `fsdpp schedule show`.
 
 Usage: test_torch_orders.py FSDPP_BINARY   (run by ctest with the project's Python)
 """
@@ -19,7 +24,8 @@ import tempfile
 import torch
 import torch.distributed.pipelining.schedules as S
 
-FSDPP = sys.argv[1]
+FSDPP = sys.argv[1] if len(sys.argv) > 1 else "fsdpp"
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # PyTorch class -> (fsdpp schedule, stages per rank, layout)
 PAIRS = {
@@ -48,21 +54,71 @@ def is_compute(token):
         any(t in token.rstrip("0123456789").lstrip("0123456789") for t in ("F", "B", "I", "W"))
 
 
-def torch_order(cls, pp, v, m, layout):
+def torch_schedule(cls, pp, v, m, layout):
     n = pp * v
     indices = [0, 2 * pp - 1] if layout == "v" else [k * pp for k in range(v)]
     stages = [StubStage(i, n, pp) for i in indices]
-    single = issubclass(cls, S.PipelineScheduleSingle)
-    schedule = cls(stages[0], m) if single else cls(stages, m)
-    return {r: [str(a) for a in actions if a is not None and is_compute(str(a))]
-            for r, actions in schedule.pipeline_order.items()}
+    return cls(stages[0], m) if issubclass(cls, S.PipelineScheduleSingle) else cls(stages, m)
+
+
+def compute_of(order):
+    return {r: [str(a) for a in actions if a is not None and is_compute(str(a))] for r, actions in order.items()}
+
+
+def torch_order(cls, pp, v, m, layout):
+    return compute_of(torch_schedule(cls, pp, v, m, layout).pipeline_order)
+
+
+def read_table(path):
+    with open(path) as f:
+        return {r: [a for a in row if a and is_compute(a)] for r, row in enumerate(csv.reader(f))}
+
+
+def fsdpp_show(args, pp, v, m, out):
+    subprocess.run([FSDPP, "schedule", "show", *args, "--pp", str(pp), "--stages-per-rank", str(v),
+                    "--microbatches", str(m), "--out", out], check=True, capture_output=True)
+    return read_table(out + ".csv")
 
 
 def fsdpp_order(name, pp, v, m, out):
-    subprocess.run([FSDPP, "schedule", "show", "--schedule", name, "--pp", str(pp), "--stages-per-rank", str(v),
-                    "--microbatches", str(m), "--out", out], check=True, capture_output=True)
-    with open(out + ".csv") as f:
-        return {r: [a for a in row if a and is_compute(a)] for r, row in enumerate(csv.reader(f))}
+    return fsdpp_show(["--schedule", name], pp, v, m, out)
+
+
+def check_tables(tmp, failures):
+    """Compute-only CSVs both ways, for PyTorch's runtime schedules (the ones with _load_csv)."""
+    cases = 0
+    for cls_name, (ours_name, v, layout) in PAIRS.items():
+        cls = getattr(S, cls_name)
+        if not issubclass(cls, S._PipelineScheduleRuntime):
+            continue
+        for pp in (2, 4):
+            m = 2 * pp
+            what = f"{cls_name}, pp {pp}, {m} microbatches"
+            want = torch_order(cls, pp, v, m, layout)
+            theirs = os.path.join(tmp, "torch.csv")
+            torch_schedule(cls, pp, v, m, layout)._dump_csv(theirs, format="compute_only")
+            try:
+                loaded = fsdpp_show(["--csv", theirs], pp, v, m, os.path.join(tmp, "t"))
+            except subprocess.CalledProcessError as e:
+                failures.append(f"{what}: fsdpp does not load PyTorch's CSV: {e.stdout.decode()}{e.stderr.decode()}")
+                continue
+            if loaded != want:
+                failures.append(f"{what}: PyTorch's CSV loads in fsdpp with another order: {loaded} vs {want}")
+            fsdpp_order(ours_name, pp, v, m, os.path.join(tmp, "f"))
+            back = torch_schedule(cls, pp, v, m, layout)
+            back._load_csv(os.path.join(tmp, "f.compute.csv"), format="compute_only")  # lowered by PyTorch
+            if compute_of(back.pipeline_order) != want or not back.pipeline_order_with_comms:
+                failures.append(f"{what}: fsdpp's CSV loads in PyTorch with another order")
+            cases += 1
+            print(f"{what}: PyTorch's CSV loads and lowers in fsdpp, fsdpp's in PyTorch; same orders")
+    # The table the executor test runs is what PyTorch writes.
+    fixture = os.path.join(HERE, "torch_zbv_pp2_m4.csv")
+    written = os.path.join(tmp, "zbv.csv")
+    torch_schedule(S.ScheduleZBVZeroBubble, 2, 2, 4, "v")._dump_csv(written, format="compute_only")
+    with open(fixture) as a, open(written) as b:
+        if a.read() != b.read():
+            failures.append(f"{fixture} is not what PyTorch {torch.__version__} writes for ZBVZeroBubble pp 2, m 4")
+    return cases
 
 
 def off_by_one_1f1b(torch_ranks, ours, pp):
@@ -115,9 +171,10 @@ def main():
                     else:
                         bad = next(r for r in theirs if theirs[r] != ours.get(r))
                         failures.append(f"{what}: rank {bad} differs:\n  PyTorch {theirs[bad]}\n  fsdpp   {ours.get(bad)}")
-    print(f"{compared} (schedule, pp, microbatches) cases compared")
-    if compared < 20:
-        failures.append(f"only {compared} cases were compared")
+        tables = check_tables(tmp, failures)
+    print(f"{compared} (schedule, pp, microbatches) orders compared; {tables} tables exchanged both ways")
+    if compared < 20 or tables < 8:
+        failures.append(f"only {compared} orders and {tables} tables were compared")
     for f in failures:
         print("FAIL:", f)
     return 1 if failures else 0
