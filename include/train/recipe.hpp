@@ -123,6 +123,10 @@ struct Recipe {
   CheckpointOptions checkpoint;
   LoggingOptions logging;
   DistOptions dist;
+  // model.init_from: a safetensors file of full weights under the model's parameter names (as
+  // `fsdpp ckpt consolidate` or safetensors.torch.save_file write them) to start from instead of
+  // the seeded initialisation; empty for none. Ignored on --resume (the checkpoint wins).
+  std::string init_from;
   nlohmann::json resolved;  // the recipe after overrides, with the model inline
 
   std::string output_dir() const;  // logging.output_dir with {name} filled in

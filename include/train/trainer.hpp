@@ -70,6 +70,12 @@ std::pair<int, uint64_t> verify_checkpoint(const std::string& dir, bool present_
 // Writes one safetensors file of full parameters, under the unwrapped model's names, from a
 // checkpoint directory (checkpoints/step-<N>) or an output directory (its latest checkpoint). The
 // model config goes to the file's metadata ("fsdpp.model_config"). Returns the checkpoint read.
+// Copies full weights (name, tensor) into the model's parameters, converting dtype. Throws naming
+// `source` and the tensor when one is not a parameter, has another shape or is not floating point,
+// or when a parameter is missing.
+void load_full_weights(models::MoETransformerImpl& model, const std::vector<std::pair<std::string, at::Tensor>>& state,
+                       const std::string& source);
+
 // Several paths: the directories of one checkpoint on local storage, one per node (each rank's
 // files are taken from whichever holds them). Returns the checkpoint directories read.
 std::string consolidate_checkpoint(const std::vector<std::string>& paths, const std::string& output_file);

@@ -321,6 +321,13 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
     {
       Reader m = top.section("model");
       read_model(m, rc.model);
+      m.string("init_from", rc.init_from);
+      if (!rc.init_from.empty()) {
+        rc.init_from = resolve(rc.init_from, base_dir);
+        std::error_code ec;
+        if (!fs::is_regular_file(rc.init_from, ec))
+          m.fail("init_from", fmt::format("{} is not a file (a safetensors file of full weights)", rc.init_from));
+      }
     }
     {
       Reader d = top.section("data");

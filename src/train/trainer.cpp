@@ -218,6 +218,10 @@ void Trainer::build() {
   // from the same numbers), then keeps its part.
   at::manual_seed(static_cast<uint64_t>(r_.train.seed));
   auto full = models::MoETransformer(c);
+  if (!r_.init_from.empty() && !o_.resume) {
+    load_full_weights(*full, read_safetensors(r_.init_from).tensors, r_.init_from);
+    log(fmt::format("model: weights from {}", r_.init_from));
+  }
   full->to(device_);
   auto options = shard_options(r_.precision);
   options.static_buffers = r_.train.cuda_graph;
@@ -857,21 +861,29 @@ models::MoETransformer load_model(const std::string& path) {
     state = fsdp::read_full_parameters(dir);
   }
   auto model = models::MoETransformer(config);
+  load_full_weights(*model, state, path);
+  return model;
+}
+
+void load_full_weights(models::MoETransformerImpl& model, const std::vector<std::pair<std::string, at::Tensor>>& state,
+                       const std::string& source) {
   at::NoGradGuard g;
-  auto params = model->named_parameters();
+  auto params = model.named_parameters();
   std::set<std::string> seen;
   for (const auto& [name, t] : state) {
     auto* p = params.find(name);
-    if (!p) throw std::runtime_error(fmt::format("{}: tensor '{}' is not a parameter of the model", path, name));
+    if (!p) throw std::runtime_error(fmt::format("{}: tensor '{}' is not a parameter of the model", source, name));
     if (p->sizes() != t.sizes())
-      throw std::runtime_error(fmt::format("{}: '{}' has shape [{}] but the model expects [{}]", path, name,
+      throw std::runtime_error(fmt::format("{}: '{}' has shape [{}] but the model expects [{}]", source, name,
                                            fmt::join(t.sizes(), ", "), fmt::join(p->sizes(), ", ")));
-    p->copy_(t);
+    if (!at::isFloatingType(t.scalar_type()))
+      throw std::runtime_error(fmt::format("{}: '{}' is {}, not a floating-point tensor", source, name,
+                                           c10::toString(t.scalar_type())));
+    p->copy_(t);  // in the model's dtype
     seen.insert(name);
   }
   for (const auto& p : params)
-    if (!seen.count(p.key())) throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", path, p.key()));
-  return model;
+    if (!seen.count(p.key())) throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", source, p.key()));
 }
 
 std::string generate(models::MoETransformerImpl& model, const std::string& prompt, const SampleOptions& o) {

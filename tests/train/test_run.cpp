@@ -27,6 +27,7 @@ namespace {
 
 const std::string kBin = FSDPP_BIN;
 const std::string kRecipe = std::string(FSDPP_SOURCE_DIR) + "/recipes/tiny-synthetic.json";
+const std::string kPython = FSDPP_PYTHON;  // the Python of the PyTorch fsdpp was built against
 
 struct Result {
   int rc;
@@ -461,6 +462,44 @@ TEST_CASE("run: --max-restarts starts the group again from its latest checkpoint
   CHECK(r.out.find("fsdpp launch: giving up after 2 restarts; the last failure: rank 1 (pid") != std::string::npos);
   fs::remove_all(dir);
   fs::remove_all(ref);
+}
+
+TEST_CASE("run: model.init_from starts from full weights written by fsdpp or by safetensors.torch, and names bad tensors") {
+  const auto a = fresh_dir("init-a"), fresh = fresh_dir("init-fresh"), b = fresh_dir("init-b"), c = fresh_dir("init-c");
+  const std::string args = "train.steps=3 logging.interval=1 parallel.dp=2 eval.interval=0 checkpoint.enabled=false";
+  train_run(a, "train.steps=8 logging.interval=1 parallel.dp=2 eval.interval=0");
+  const auto weights = a + "/model.safetensors", resaved = a + "/resaved.safetensors";
+  REQUIRE(sh(kBin + " ckpt consolidate " + a + " -o " + weights).rc == 0);
+  const std::string resave = kPython + " " + std::string(FSDPP_SOURCE_DIR) + "/tests/train/resave_safetensors.py " + weights;
+  const auto r = sh(resave + " " + resaved);
+  INFO(r.out);
+  REQUIRE(r.rc == 0);
+  train_run(fresh, args);
+  const auto from_fsdpp = train_run(b, args + " model.init_from=" + weights);
+  CHECK(from_fsdpp.find("model: weights from " + weights) != std::string::npos);
+  train_run(c, args + " model.init_from=" + resaved);
+  const auto lf = losses(fresh), lb = losses(b), lc = losses(c);
+  REQUIRE(lb.size() == 3);
+  CHECK(lb.at(1) < lf.at(1) - 0.2);  // it starts where run a ended, not from the seeded weights
+  CHECK(lc == lb);                   // PyTorch's writer, the same weights: the same run, bit for bit
+  // A tensor missing, one of another shape, a path that is not there: each named.
+  for (const std::string how : {"drop", "reshape"}) {
+    const auto bad = a + "/" + how + ".safetensors";
+    const auto name = sh(resave + " " + bad + " " + how);
+    REQUIRE(name.rc == 0);
+    const std::string tensor = name.out.substr(0, name.out.find('\n'));
+    const auto e = sh(kBin + " run " + kRecipe + " logging.output_dir=" + fresh_dir("init-bad") + " " + args +
+                      " model.init_from=" + bad);
+    INFO(e.out);
+    CHECK(e.rc != 0);
+    CHECK(e.out.find(how == "drop" ? bad + ": parameter '" + tensor + "' is missing"
+                                   : bad + ": '" + tensor + "' has shape [") != std::string::npos);
+  }
+  const auto missing = sh(kBin + " run " + kRecipe + " logging.output_dir=" + fresh_dir("init-none") + " " + args +
+                          " model.init_from=/nonexistent/w.safetensors");
+  CHECK(missing.rc == 2);
+  CHECK(missing.out.find("model.init_from: /nonexistent/w.safetensors is not a file") != std::string::npos);
+  for (const auto& d : {a, fresh, b, c}) fs::remove_all(d);
 }
 
 TEST_CASE("run: a rank that skips one all_gather: every rank dumps, the run ends, the analysis names it") {
