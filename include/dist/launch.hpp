@@ -30,7 +30,7 @@ struct LaunchOptions {
 
 struct LaunchResult {
   int exit_code = 0;      // 0, the first failing rank's exit code, or 128 + its signal
-  int failed_rank = -1;   // global rank, -1 when all succeeded
+  int failed_rank = -1;   // global rank; -1 when all succeeded or the failure was on another node
   std::string reason;     // "rank 1 (pid 123) was killed by signal 9 (SIGKILL)"
   int restarts = 0;       // how many times the group was started again
 };
