@@ -502,6 +502,29 @@ TEST_CASE("run: model.init_from starts from full weights written by fsdpp or by 
   for (const auto& d : {a, fresh, b, c}) fs::remove_all(d);
 }
 
+TEST_CASE("run: a PyTorch model written from the README's description gives fsdpp's logits from a consolidated file") {
+  const auto dir = fresh_dir("torch-logits");
+  train_run(dir, "train.steps=4 logging.interval=1 parallel.dp=2 eval.interval=0");
+  const auto weights = dir + "/model.safetensors", case_file = dir + "/case.safetensors";
+  REQUIRE(sh(kBin + " ckpt consolidate " + dir + " -o " + weights).rc == 0);
+  auto model = train::load_model(weights);
+  const auto tokens = at::randint(256, {2, 16}, at::detail::createCPUGenerator(3));
+  at::Tensor logits;
+  {
+    at::NoGradGuard g;
+    logits = model->forward(tokens);
+  }
+  write_safetensors(case_file, {{"tokens", tokens}, {"logits", logits}});
+  const std::string ref = kPython + " " + std::string(FSDPP_SOURCE_DIR) + "/tests/train/torch_reference_model.py ";
+  const auto r = sh(ref + weights + " " + case_file);
+  INFO(r.out);
+  CHECK(r.rc == 0);
+  // The comparison can fail: other logits (a changed model) are found.
+  write_safetensors(case_file, {{"tokens", tokens}, {"logits", logits * 1.01}});
+  CHECK(sh(ref + weights + " " + case_file).rc == 1);
+  fs::remove_all(dir);
+}
+
 TEST_CASE("run: a rank that skips one all_gather: every rank dumps, the run ends, the analysis names it") {
   const auto dir = fresh_dir("hang");
   const auto t0 = std::chrono::steady_clock::now();
