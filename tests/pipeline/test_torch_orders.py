@@ -17,6 +17,7 @@ Usage: test_torch_orders.py FSDPP_BINARY   (run by ctest with the project's Pyth
 import csv
 import inspect
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,8 +51,8 @@ class StubStage:
 
 
 def is_compute(token):
-    return token[-1:].isdigit() and not any(k in token for k in ("SEND", "RECV", "OVERLAP", "(")) and \
-        any(t in token.rstrip("0123456789").lstrip("0123456789") for t in ("F", "B", "I", "W"))
+    """F, B, I or W of a stage and microbatch: "2F0", "0W3"."""
+    return re.fullmatch(r"\d+[FBIW]\d+", token) is not None
 
 
 def torch_schedule(cls, pp, v, m, layout):
@@ -127,10 +128,7 @@ def off_by_one_1f1b(torch_ranks, ours, pp):
     last = pp - 1
     if any(torch_ranks[r] != ours.get(r) for r in torch_ranks if r != last):
         return False
-    fixed = []
-    for a in torch_ranks[last]:
-        stage, rest = a.split("F", 1) if "F" in a else (None, None)
-        fixed.append(f"{stage}F{int(rest) - 1}" if stage is not None else a)
+    fixed = [re.sub(r"F(\d+)$", lambda f: f"F{int(f.group(1)) - 1}", a) for a in torch_ranks[last]]
     return fixed == ours.get(last)
 
 
