@@ -57,14 +57,17 @@ both node 0 -- "$rank_bin" collectives
 echo "--- node 0 ($ns_a, $addr_a), exit $rc_a"; cat "$work/node0.log"
 echo "--- node 1 ($ns_b, $addr_b), exit $rc_b"; cat "$work/node1.log"
 
+# all_ok NAME PREFIX WHEN: every rank printed "PREFIXrank r/4 ok" in its node's NAME log.
+all_ok() {
+  local r
+  for r in 0 1 2 3; do
+    grep -q "^\[rank$r\]: $2rank $r/4 ok" "$work/$1$((r / 2)).log" || { echo "FAIL: rank $r not ok $3"; status=1; }
+  done
+}
+
 status=0
 [[ $rc_a -eq 0 && $rc_b -eq 0 ]] || { echo "FAIL: a launcher exited non-zero"; status=1; }
-for r in 0 1; do
-  grep -q "^\[rank$r\]: rank $r/4 ok" "$work/node0.log" || { echo "FAIL: rank $r missing on node 0"; status=1; }
-done
-for r in 2 3; do
-  grep -q "^\[rank$r\]: rank $r/4 ok" "$work/node1.log" || { echo "FAIL: rank $r missing on node 1"; status=1; }
-done
+all_ok node "" "in the first run"
 [[ $status -eq 0 ]] && echo "PASS: 4 ranks on 2 network namespaces rendezvoused and ran collectives"
 
 # Restarts agree across nodes: rank 2 (node 1) fails on the first start; both launchers start their
@@ -77,12 +80,7 @@ for node in 0 1; do
   grep -q "fsdpp launch: restart 1 of 1: .*rank 2 (pid [0-9]*) exited with code 3" "$work/restart$node.log" ||
     { echo "FAIL: node $node did not restart for rank 2's failure"; status=1; }
 done
-for r in 0 1; do
-  grep -q "^\[rank$r\]: restart 1: rank $r/4 ok" "$work/restart0.log" || { echo "FAIL: rank $r not ok after the restart"; status=1; }
-done
-for r in 2 3; do
-  grep -q "^\[rank$r\]: restart 1: rank $r/4 ok" "$work/restart1.log" || { echo "FAIL: rank $r not ok after the restart"; status=1; }
-done
+all_ok restart "restart 1: " "after the restart"
 [[ $status -eq 0 ]] && echo "PASS: a failure on node 1 restarted both nodes, and the second start ran everywhere"
 
 # Checkpoints on local storage: each node writes its own ranks' files to its own directory. Rank 2
