@@ -128,6 +128,19 @@ FileDigest digest_file(const std::string& path) {
   return d;
 }
 
+void check_file_digest(const std::string& path, uint64_t bytes, const std::string& crc32c, const std::string& recorded_in) {
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec) throw std::runtime_error("checkpoint: " + path + " is missing");
+  if (size != bytes)
+    throw std::runtime_error("checkpoint: " + path + " is " + std::to_string(size) + " bytes, but " + recorded_in +
+                             " records " + std::to_string(bytes) + " (cut short or overwritten)");
+  const auto got = crc_hex(digest_file(path).crc32c);
+  if (got != crc32c)
+    throw std::runtime_error("checkpoint: " + path + " is damaged: its CRC-32C is " + got + ", " + recorded_in +
+                             " records " + crc32c);
+}
+
 std::string crc_hex(uint32_t crc) {
   char s[9];
   std::snprintf(s, sizeof s, "%08x", crc);

@@ -91,17 +91,8 @@ void check_digest(const json& index, const std::string& file, const std::string&
   if (!index.contains("data")) return;
   const json& d = index.at("data");
   const int64_t bytes = integer(d, "bytes", index_file);
-  const std::string want = d.at("crc32c").get<std::string>();
-  std::error_code ec;
-  const auto size = fs::file_size(file, ec);
-  if (ec) throw std::runtime_error(fmt::format("checkpoint: {} is missing", file));
-  if (static_cast<int64_t>(size) != bytes)
-    throw std::runtime_error(fmt::format("checkpoint: {} is {} bytes, but {} records {} (cut short or overwritten)", file,
-                                         size, index_file, bytes));
-  const auto got = crc_hex(digest_file(file).crc32c);
-  if (got != want)
-    throw std::runtime_error(fmt::format("checkpoint: {} is damaged: its CRC-32C is {}, {} records {}", file, got,
-                                         index_file, want));
+  if (bytes < 0) throw std::runtime_error(fmt::format("checkpoint: 'bytes' in {} is negative", index_file));
+  check_file_digest(file, static_cast<uint64_t>(bytes), d.at("crc32c").get<std::string>(), index_file);
 }
 
 // One rank's index and tensors, checked for the fields loading relies on.
