@@ -1,0 +1,198 @@
+"""fsdpp's MoE transformer (include/models/moe.hpp, src/models/moe.cpp) as a PyTorch nn.Module,
+with the same parameter names and the same operations in the same order, so that PyTorch's own
+FSDP2 can train it side by side with fsdpp's fully_shard (dropless routing; capacity routing is in
+bench/torch_moe_fsdp.py).
+
+    model = MoETransformer(config)     # config: the JSON of configs/*.json, defaults filled in
+    logits, aux = model(tokens)        # aux: the sum of every MoE layer's weighted auxiliary losses
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DEFAULTS = {
+    "vocab_size": 256, "dim": 128, "layers": 4, "heads": 4, "max_seq_len": 256, "ffn_hidden": 384,
+    "dense_layers": 0, "experts": 4, "top_k": 2, "expert_hidden": 192, "shared_expert": False,
+    "score": "softmax", "normalize_top_k": True, "routing": "dropless", "capacity_factor": 1.25,
+    "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "rope_theta": 10000.0, "norm_eps": 1e-5, "init_std": 0.02,
+}
+
+
+def full_config(c):
+    return {**DEFAULTS, **c}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.theta = c["heads"], c["rope_theta"]
+        self.qkv = nn.Linear(c["dim"], 3 * c["dim"], bias=False)
+        self.out = nn.Linear(c["dim"], c["dim"], bias=False)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        hd = D // self.heads
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
+        f = dict(dtype=torch.float32, device=x.device)
+        inv_freq = torch.pow(self.theta, -torch.arange(0, hd, 2, **f) / hd)
+        angles = torch.outer(torch.arange(T, **f), inv_freq)
+        cos = torch.cat((angles.cos(), angles.cos()), -1).to(x.dtype)
+        sin = torch.cat((angles.sin(), angles.sin()), -1).to(x.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        att = torch.softmax(att.masked_fill(mask, float("-inf")).float(), -1).to(x.dtype)
+        return self.out(torch.matmul(att, v).transpose(1, 2).reshape(B, T, D))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Experts(nn.Module):
+    def __init__(self, E, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(E, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(E, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(E, dim, hidden))
+
+    def forward_one(self, e, x):
+        h = F.silu(torch.matmul(x, self.w1[e].t())) * torch.matmul(x, self.w3[e].t())
+        return torch.matmul(h, self.w2[e].t())
+
+
+class Router(nn.Module):
+    def __init__(self, dim, E):
+        super().__init__()
+        self.gate = nn.Linear(dim, E, bias=False)
+
+
+class MoE(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        if c["routing"] != "dropless":
+            raise ValueError("torch_moe: only dropless routing is written here")
+        self.c = c
+        self.router = Router(c["dim"], c["experts"])
+        self.experts = Experts(c["experts"], c["dim"], c["expert_hidden"])
+        self.shared = SwiGLU(c["dim"], c["expert_hidden"]) if c["shared_expert"] else None
+
+    def forward(self, x):
+        c = self.c
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        T, k, E = flat.shape[0], c["top_k"], c["experts"]
+        gw = self.router.gate.weight
+        logits = torch.matmul(flat.to(gw.dtype), gw.t()).float()
+        scores = torch.sigmoid(logits) if c["score"] == "sigmoid" else torch.softmax(logits, -1)
+        w, idx = torch.topk(scores, k, -1)
+        if c["normalize_top_k"] and (k > 1 or c["score"] == "sigmoid"):
+            w = w / w.sum(-1, keepdim=True)
+        flat_idx = idx.reshape(-1)
+        ones = torch.ones(flat_idx.shape, dtype=scores.dtype, device=x.device)
+        counts = torch.zeros(E, dtype=scores.dtype, device=x.device).scatter_add_(0, flat_idx, ones)
+        probs = scores / scores.sum(-1, keepdim=True) if c["score"] == "sigmoid" else scores
+        aux_loss = E * ((counts / (T * k)) * probs.mean(0)).sum()
+        z_loss = torch.logsumexp(logits, -1).pow(2).mean()
+        weights = w.to(x.dtype)
+        out = torch.zeros_like(flat)
+        e_flat = idx.reshape(-1)
+        tok = torch.arange(T, device=x.device).repeat_interleave(k)
+        w_flat = weights.reshape(-1)
+        order = torch.sort(e_flat, stable=True).indices
+        n = torch.bincount(e_flat, minlength=E).tolist()
+        offset = 0
+        for e in range(E):
+            if n[e] == 0:
+                continue
+            rows = order[offset:offset + n[e]]
+            offset += n[e]
+            t = tok.index_select(0, rows)
+            y = self.experts.forward_one(e, flat.index_select(0, t)) * w_flat.index_select(0, rows).unsqueeze(1)
+            out = out.index_add(0, t, y)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(shape), c["aux_loss_coef"] * aux_loss + c["z_loss_coef"] * z_loss
+
+
+class Block(nn.Module):
+    def __init__(self, c, i):
+        super().__init__()
+        self.attn_norm = RMSNorm(c["dim"], c["norm_eps"])
+        self.attn = Attention(c)
+        self.ffn_norm = RMSNorm(c["dim"], c["norm_eps"])
+        if c["experts"] > 0 and i >= c["dense_layers"]:
+            self.moe = MoE(c)
+        else:
+            self.mlp = SwiGLU(c["dim"], c["ffn_hidden"])
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        h = self.ffn_norm(x)
+        if hasattr(self, "moe"):
+            y, aux = self.moe(h)
+            return x + y, aux
+        return x + self.mlp(h), None
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        c = full_config(c)
+        self.config = c
+        self.embed = nn.Embedding(c["vocab_size"], c["dim"])
+        self.layers = nn.ModuleList(Block(c, i) for i in range(c["layers"]))
+        self.norm = RMSNorm(c["dim"], c["norm_eps"])
+        self.head = nn.Linear(c["dim"], c["vocab_size"], bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """fsdpp's initialisation: normal(0, init_std), output projections init_std / sqrt(2 layers)."""
+        std = self.config["init_std"]
+        out_std = std / math.sqrt(2.0 * self.config["layers"])
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, out_std if name.endswith(("out.weight", "w2.weight", "experts.w2")) else std)
+
+    def forward(self, tokens):
+        h, aux = self.embed(tokens), None
+        for block in self.layers:
+            h, a = block(h)
+            if a is not None:
+                aux = a if aux is None else aux + a
+        return self.head(self.norm(h)).float(), aux
+
+
+def lm_loss(logits, targets):
+    """Mean next-token cross entropy, as fsdpp's models::lm_loss."""
+    V = logits.shape[-1]
+    return F.nll_loss(torch.log_softmax(logits.reshape(-1, V).float(), -1), targets.reshape(-1))
