@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
   auto comm = dist::init_from_env();
   const int pp = comm.size();
   auto schedule = make_schedule(name);
-  const int v = (name == "ZBVZeroBubble" || name == "Interleaved1F1B" || name == "LoopedBFS") ? 2 : 1;
+  const int v = (name == "ZBVZeroBubble" || name == "DualPipeV" || name == "Interleaved1F1B" || name == "LoopedBFS") ? 2 : 1;
   const ScheduleSpec spec{pp, v, m};
   const auto plan = make_plan(*schedule, spec);
   std::vector<at::Tensor> weights(spec.num_stages());

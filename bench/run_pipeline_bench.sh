@@ -20,7 +20,7 @@ out=bench/results/pipeline_bubbles.md
   echo "| schedule | pp | stages/rank | microbatches | measured | simulated | uniform | closed form |"
   echo "|---|---:|---:|---:|---:|---:|---:|---:|"
   for pp in 2 4; do
-    for s in GPipe 1F1B Interleaved1F1B LoopedBFS InterleavedZeroBubble ZBVZeroBubble; do
+    for s in GPipe 1F1B Interleaved1F1B LoopedBFS InterleavedZeroBubble ZBVZeroBubble DualPipeV; do
       "$build/fsdpp" launch --nproc "$pp" --no-prefix -- "$build/bench/fsdpp_pipeline_bench" "$s" 8 "$unit" | grep '^|'
     done
   done

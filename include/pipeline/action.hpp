@@ -6,6 +6,7 @@
 // microbatch 1), "2I1", "0W3", "0B3", "1UNSHARD", "2SEND_B2", "1RECV_F1", "0REDUCE_GRAD". A CSV
 // holds one rank per row, one action per cell; an empty cell is an idle slot and is skipped.
 
+#include <algorithm>
 #include <cctype>
 #include <cstdint>
 #include <optional>
@@ -131,6 +132,35 @@ inline Action parse_action(const std::string& text, int line = 0, int column = 0
   return a;
 }
 
+// Parses one cell of a table: an action, or a group PyTorch's runtime writes as
+// "(0F1;3B0)OVERLAP_F_B" (compute actions meant to overlap on separate streams), which becomes its
+// actions in order. `line` and `column` locate the cell; a group's errors name the inner column.
+inline std::vector<Action> parse_cell(const std::string& text, int line = 0, int column = 0) {
+  if (text.empty() || text.front() != '(') return {parse_action(text, line, column)};
+  const size_t close = text.find(')');
+  const std::string kind = close == std::string::npos ? "" : text.substr(close + 1);
+  if (kind != "OVERLAP_F_B")
+    throw ScheduleError(detail::where(line, column) + "'" + text +
+                        "' is not an action: a group must read (action;action...)OVERLAP_F_B");
+  std::vector<Action> out;
+  size_t start = 1;
+  while (start <= close) {
+    size_t end = text.find(';', start);
+    if (end == std::string::npos || end > close) end = close;
+    std::string inner = text.substr(start, end - start);
+    const size_t lead = std::min(inner.find_first_not_of(" \t"), inner.size());
+    inner = inner.substr(lead, inner.find_last_not_of(" \t") + 1 - lead);
+    const int inner_column = column > 0 ? column + static_cast<int>(start + lead) : 0;
+    const Action a = parse_action(inner, line, inner_column);
+    if (!is_compute(a.type))
+      throw ScheduleError(detail::where(line, inner_column) + "'" + inner + "' in " + text +
+                          ": a group holds compute actions only (F, B, I, W)");
+    out.push_back(a);
+    start = end + 1;
+  }
+  return out;
+}
+
 // CSV: one row per rank. Cells are trimmed; empty cells (idle slots) are skipped.
 // Where each action of a table came from ("line 2, column 6"), for errors found after parsing.
 using Positions = std::vector<std::vector<std::string>>;
@@ -152,8 +182,10 @@ inline Program parse_csv(std::istream& in, Positions* where = nullptr) {
       const size_t b = cell.find_first_not_of(" \t"), e = cell.find_last_not_of(" \t");
       if (b != std::string::npos) {
         const int column = static_cast<int>(start + b + 1);
-        actions.push_back(parse_action(cell.substr(b, e - b + 1), line, column));
-        at.push_back("line " + std::to_string(line) + ", column " + std::to_string(column));
+        for (const auto& a : parse_cell(cell.substr(b, e - b + 1), line, column)) {
+          actions.push_back(a);
+          at.push_back("line " + std::to_string(line) + ", column " + std::to_string(column));
+        }
       }
       start = end + 1;
     }

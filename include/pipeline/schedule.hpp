@@ -265,6 +265,64 @@ class ZBVZeroBubble : public Schedule {
   }
 };
 
+// DualPipeV: DeepSeek's DualPipe folded into a V (rank r holds stages r and 2p-1-r), as PyTorch
+// 2.15's ScheduleDualPipeV. In the steady state a rank pairs the forward of one of its stages with
+// the full backward of the other (on GPUs each pair's communication can then hide behind the
+// other's compute; PyTorch marks the pairs OVERLAP_F_B, here they run as F then B). The ramp-up
+// splits the last stage's backwards into I and W to fill its bubbles, and the drain does the same
+// from its middle on, deferring each W to a slot that would otherwise idle. Needs m >= 2p.
+class DualPipeV : public Schedule {
+ public:
+  std::string name() const override { return "DualPipeV"; }
+  Layout layout() const override { return Layout::kV; }
+  void check(const ScheduleSpec& s) const override {
+    Schedule::check(s);
+    if (s.stages_per_rank != 2) throw ScheduleError("DualPipeV: exactly 2 stages per rank");
+    if (s.microbatches < s.num_stages())
+      throw ScheduleError("DualPipeV: needs at least as many microbatches as stages (" +
+                          std::to_string(s.num_stages()) + "), got " + std::to_string(s.microbatches));
+  }
+  Program compute_actions(const ScheduleSpec& s) const override {
+    Program p(s.pp);
+    const int pp = s.pp, m = s.microbatches;
+    for (int r = 0; r < pp; ++r) {
+      auto& out = p[r];
+      // Index 0: the rank's stage on the way down (r); 1: on the way back up (2p-1-r).
+      const int stage[2] = {r, 2 * pp - 1 - r};
+      int forwards[2] = {0, 0}, backwards[2] = {0, 0};
+      std::vector<Action> deferred;  // W of earlier I's, oldest first
+      size_t next_deferred = 0;
+      using T = ActionType;
+      auto forward = [&](int k) { out.push_back({stage[k], T::kForward, forwards[k]++}); };
+      auto backward = [&](int k, bool split) {
+        const int mb = backwards[k]++;
+        out.push_back({stage[k], split ? T::kBackwardInput : T::kBackward, mb});
+        if (split) deferred.push_back({stage[k], T::kBackwardWeight, mb});
+      };
+      auto deferred_weight = [&] {
+        if (next_deferred < deferred.size()) out.push_back(deferred[next_deferred++]);
+      };
+      const int below = pp - 1 - r;  // ranks after this one on the way down
+      for (int k = 0; k < 2 * below; ++k) forward(0);
+      for (int k = 0; k <= r; ++k) forward(0), forward(1);
+      for (int k = 0; k < below; ++k) backward(1, true), deferred_weight(), forward(1);
+      for (int k = 0; k < m - 2 * pp + r + 1; ++k) forward(0), backward(1, false), forward(1), backward(0, false);
+      for (int k = 0; k < below; ++k) backward(1, false), forward(1), backward(0, false);
+      // Drain: full backwards, then I's from the middle on (odd ranks switch one action earlier).
+      bool split = false;
+      for (int k = 0; k <= r; ++k) {
+        if (k == (r + 1) / 2 && r % 2 == 1) split = true;
+        backward(1, split);
+        if (k == (r + 1) / 2 && r % 2 == 0) split = true;
+        backward(0, split);
+      }
+      for (int k = 0; k < below; ++k) deferred_weight(), backward(0, split);
+      while (next_deferred < deferred.size()) deferred_weight();
+    }
+    return p;
+  }
+};
+
 // A schedule read from a CSV action table (one row per rank). The layout is taken from where
 // each stage appears; the spec must match the table.
 class TableSchedule : public Schedule {
@@ -340,6 +398,7 @@ inline void register_builtin_schedules() {
     add("Interleaved1F1B", [] { return std::make_unique<Interleaved1F1B>(false); });
     add("InterleavedZeroBubble", [] { return std::make_unique<Interleaved1F1B>(true); });
     add("ZBVZeroBubble", [] { return std::make_unique<ZBVZeroBubble>(); });
+    add("DualPipeV", [] { return std::make_unique<DualPipeV>(); });
   });
 }
 

@@ -31,8 +31,10 @@ inline Program parse_json_table(std::istream& in, Positions* where = nullptr) {
       if (!row[i].is_string())
         throw ScheduleError("/ranks/" + std::to_string(r) + "/" + std::to_string(i) + " is not a string");
       try {
-        program.back().push_back(parse_action(row[i].get<std::string>()));
-        if (where) where->back().push_back("/ranks/" + std::to_string(r) + "/" + std::to_string(i));
+        for (const auto& a : parse_cell(row[i].get<std::string>())) {
+          program.back().push_back(a);
+          if (where) where->back().push_back("/ranks/" + std::to_string(r) + "/" + std::to_string(i));
+        }
       } catch (const ScheduleError& e) {
         throw ScheduleError("/ranks/" + std::to_string(r) + "/" + std::to_string(i) + ": " + e.what());
       }

@@ -140,7 +140,7 @@ TEST_CASE("every built-in schedule trains like the unpipelined model (pp 2 and 4
     int v;
   };
   for (const auto& c : std::vector<Case>{{"GPipe", 1}, {"1F1B", 1}, {"LoopedBFS", 2}, {"Interleaved1F1B", 2},
-                                         {"InterleavedZeroBubble", 1}, {"ZBVZeroBubble", 2}})
+                                         {"InterleavedZeroBubble", 1}, {"ZBVZeroBubble", 2}, {"DualPipeV", 2}})
     for (int pp : {2, 4})
       for (int m : {pp, 2 * pp, 2 * pp + 1}) {
         auto schedule = make_schedule(c.name);
@@ -292,7 +292,7 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
   for (int i = 0; i < m; ++i) xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
   for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{
            {"GPipe", 1}, {"1F1B", 1}, {"Interleaved1F1B", 2}, {"LoopedBFS", 2}, {"InterleavedZeroBubble", 1},
-           {"ZBVZeroBubble", 2}}) {
+           {"ZBVZeroBubble", 2}, {"DualPipeV", 2}}) {
     const auto plan = make_plan(*make_schedule(name), {pp, v, m}, /*fsdp_stages=*/true, /*max_outstanding_sends=*/2);
     const int stages = pp * v;
     // Reference: 3 AdamW steps on the whole batch, one process, no sharding.

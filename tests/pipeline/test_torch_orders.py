@@ -2,7 +2,8 @@
 
 1. Orders: for every schedule class that torch.distributed.pipelining ships, the per-rank compute
    order (F, B, I, W) that fsdpp lowers equals the one PyTorch generates, for pp 2 and 4 and several
-   microbatch counts (odd ones where the schedule allows them).
+   microbatch counts (odd ones where the schedule allows them). DualPipeV's OVERLAP_F_B pairs
+   count as their two actions in order (fsdpp runs them one after the other).
 2. Action tables, both ways: a compute-only CSV that PyTorch's runtime writes (_dump_csv) loads in
    `fsdpp schedule show --csv` with the same order, and the compute CSV fsdpp writes loads in
    PyTorch's runtime (_load_csv, which lowers it with PyTorch's own passes) with the same order.
@@ -36,9 +37,10 @@ PAIRS = {
     "ScheduleLoopedBFS": ("LoopedBFS", 2, "loop"),
     "ScheduleInterleavedZeroBubble": ("InterleavedZeroBubble", 2, "loop"),
     "ScheduleZBVZeroBubble": ("ZBVZeroBubble", 2, "v"),
+    "ScheduleDualPipeV": ("DualPipeV", 2, "v"),
 }
 # PyTorch schedules fsdpp does not have yet: named in the output, never silently passed over.
-MISSING = {"ScheduleDualPipeV": "fsdpp has no DualPipeV schedule yet"}
+MISSING = {}
 
 
 class StubStage:
@@ -62,8 +64,17 @@ def torch_schedule(cls, pp, v, m, layout):
     return cls(stages[0], m) if issubclass(cls, S.PipelineScheduleSingle) else cls(stages, m)
 
 
+def flat(actions):
+    """Actions with each OVERLAP_F_B group replaced by its sub-actions, in order."""
+    for a in actions:
+        if a is not None and getattr(a, "sub_actions", None):
+            yield from a.sub_actions
+        elif a is not None:
+            yield a
+
+
 def compute_of(order):
-    return {r: [str(a) for a in actions if a is not None and is_compute(str(a))] for r, actions in order.items()}
+    return {r: [str(a) for a in flat(actions) if is_compute(str(a))] for r, actions in order.items()}
 
 
 def torch_order(cls, pp, v, m, layout):
