@@ -5,6 +5,10 @@ bench/torch_moe_fsdp.py).
 
     model = MoETransformer(config)     # config: the JSON of configs/*.json, defaults filled in
     logits, aux = model(tokens)        # aux: the sum of every MoE layer's weighted auxiliary losses
+
+With attach_aux(model, scale) each MoE layer instead attaches its auxiliary losses to its output,
+as fsdpp's model does (an identity whose backward gives them the gradient `scale`), and forward
+returns the logits alone: what a pipeline stage needs, where no single loss sees every layer.
 """
 import math
 
@@ -141,6 +145,27 @@ class MoE(nn.Module):
         return out.view(shape), c["aux_loss_coef"] * aux_loss + c["z_loss_coef"] * z_loss
 
 
+class AttachAux(torch.autograd.Function):
+    """Identity on x whose backward also gives `aux` the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+def attach_aux(model, scale):
+    """Every block attaches its auxiliary losses to its output with gradient `scale` (for example
+    1 / microbatches); the model's forward then returns the logits alone."""
+    model.aux_scale = scale
+    for block in model.layers:
+        block.aux_scale = scale
+
+
 class Block(nn.Module):
     def __init__(self, c, i):
         super().__init__()
@@ -152,13 +177,17 @@ class Block(nn.Module):
         else:
             self.mlp = SwiGLU(c["dim"], c["ffn_hidden"])
 
+    aux_scale = None
+
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
         h = self.ffn_norm(x)
         if hasattr(self, "moe"):
             y, aux = self.moe(h)
+            if self.aux_scale is not None:
+                return AttachAux.apply(x + y, aux, self.aux_scale) if torch.is_grad_enabled() else x + y
             return x + y, aux
-        return x + self.mlp(h), None
+        return x + self.mlp(h) if self.aux_scale is not None else (x + self.mlp(h), None)
 
 
 class MoETransformer(nn.Module):
@@ -183,13 +212,19 @@ class MoETransformer(nn.Module):
             else:
                 p.normal_(0.0, out_std if name.endswith(("out.weight", "w2.weight", "experts.w2")) else std)
 
+    aux_scale = None
+
     def forward(self, tokens):
         h, aux = self.embed(tokens), None
         for block in self.layers:
+            if self.aux_scale is not None:
+                h = block(h)
+                continue
             h, a = block(h)
             if a is not None:
                 aux = a if aux is None else aux + a
-        return self.head(self.norm(h)).float(), aux
+        logits = self.head(self.norm(h)).float()
+        return logits if self.aux_scale is not None else (logits, aux)
 
 
 def lm_loss(logits, targets):

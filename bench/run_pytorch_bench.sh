@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# fsdpp beside PyTorch 2.15 on the same work: moe-small's model (configs/moe-small.json), global
+# batch 32 x 128 tokens, AdamW (lr 3e-3, betas 0.9/0.95, weight decay 0.1 on matrices), gradient
+# clipping at 1.0, the fortunes corpus. Rounds alternate the implementations so that a busy machine
+# slows all alike; each figure is the median over rounds. Writes bench/results/pytorch.md.
+#   bash bench/run_pytorch_bench.sh [build-dir] [rounds]
+# fsdpp runs through `fsdpp run` (the product path: data loading, metrics and progress included);
+# PyTorch through bench/torch_peer.py, which says what PyTorch is given. Runs with the machine's
+# OPENBLAS_* settings as they are.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+rounds=${2:-3}
+python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
+fsdpp=$build/fsdpp
+out=bench/results/pytorch.md
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+warmup=5
+steps=20
+results=$work/results.txt
+: > "$results"
+
+# fsdpp: tokens/s over steps warmup+1 .. warmup+steps, from the run's metrics (time_s at both ends).
+fsdpp_run() {
+  local name=$1 recipe=$2; shift 2
+  local dir=$work/$name
+  "$fsdpp" run "$recipe" "$@" eval.interval=0 checkpoint.interval=0 logging.interval=$warmup logging.plot=false \
+    logging.output_dir="$dir" --overwrite --stop-after $((warmup + steps)) > "$dir.log" 2>&1 ||
+    { cat "$dir.log"; exit 1; }
+  "$python" - "$dir/metrics/rank0.jsonl" "$name" $warmup $((warmup + steps)) >> "$results" <<'PY'
+import json, sys
+rows = {r["step"]: r for r in map(json.loads, open(sys.argv[1])) if "time_s" in r}
+a, b = int(sys.argv[3]), int(sys.argv[4])
+print(sys.argv[2], 32 * 128 * (b - a) / (rows[b]["time_s"] - rows[a]["time_s"]))
+PY
+}
+
+torch_run() {
+  local name=$1; shift
+  "$@" 2>"$work/$name.err" | sed -n 's/^\(\[rank[0-9]\]: \)\{0,1\}{/{/p' | "$python" -c '
+import json, sys
+for line in sys.stdin:
+    print(sys.argv[1], json.loads(line)["tokens_per_s"])' "$name" >> "$results" ||
+    { cat "$work/$name.err"; exit 1; }
+}
+
+peer="$python bench/torch_peer.py"
+for round in $(seq "$rounds"); do
+  echo "round $round of $rounds" >&2
+  fsdpp_run fsdpp-dp2 recipes/moe-small.json
+  torch_run pytorch-fsdp-dp2 "$fsdpp" launch --nproc 2 -- $peer train --mode fsdp --accum 2 --warmup $warmup --steps $steps
+  torch_run pytorch-ddp-dp2 "$fsdpp" launch --nproc 2 -- $peer train --mode ddp --accum 2 --warmup $warmup --steps $steps
+  fsdpp_run fsdpp-dp1 recipes/moe-small.json parallel.dp=1
+  torch_run pytorch-eager-dp1 $peer train --mode eager --threads 2 --accum 2 --warmup $warmup --steps $steps
+  torch_run pytorch-compile-dp1 $peer train --mode compile --threads 2 --accum 2 --warmup 10 --steps $steps
+  fsdpp_run fsdpp-pp2 recipes/moe-small-pp.json
+  torch_run pytorch-pp2 "$fsdpp" launch --nproc 2 -- $peer pp --microbatches 4 --warmup $warmup --steps $steps
+  "$fsdpp" launch --nproc 1 --no-prefix -- "$build/bench/fsdpp_fsdp_bench" unit-cost --steps 20 2>&1 |
+    sed -n 's/.*us_per_unit_per_step=\([0-9.]*\).*/fsdpp-unit-cost \1/p' >> "$results"
+  $peer unit-cost --steps 5 2>/dev/null | "$python" -c '
+import json, sys
+print("pytorch-unit-cost", json.loads(sys.stdin.read())["us_per_unit_per_step"])' >> "$results"
+done
+
+"$python" - "$results" "$build" "$rounds" > "$out.tmp" <<'PY'
+import datetime, statistics, sys
+from collections import defaultdict
+import torch
+runs = defaultdict(list)
+for line in open(sys.argv[1]):
+    name, value = line.split()
+    runs[name].append(float(value))
+med = {k: statistics.median(v) for k, v in runs.items()}
+build, rounds = sys.argv[2], sys.argv[3]
+def row(label, name, unit="tokens/s"):
+    print(f"| {label} | {med[name]:.0f} | {' '.join(f'{x:.0f}' for x in runs[name])} |")
+print("# fsdpp beside PyTorch 2.15")
+print()
+print(f"Command: `bash bench/run_pytorch_bench.sh {build} {rounds}` ({datetime.date.today()}), 2 cores, "
+      f"PyTorch {torch.__version__}, OPENBLAS_* as set by the machine.")
+print()
+print("Same work on both sides: moe-small's model (4 layers, dim 128, 4 experts top-2, dropless, 1.36M")
+print("parameters), global batch 32 x 128 tokens, AdamW (lr 3e-3, betas 0.9/0.95, weight decay 0.1 on")
+print("matrices), clipping at 1.0, windows of the fortunes corpus. fsdpp: `fsdpp run` on the bundled")
+print("recipes (metrics and progress included). PyTorch: `bench/torch_peer.py` on fsdpp's model written")
+print("in PyTorch (`tests/fsdp/torch_moe.py`, the same operations; bitwise the same training under FSDP2,")
+print("`tests/fsdp/test_torch_fsdp.py`), torch.optim.AdamW with its default CPU implementation,")
+print("torch.nn.utils.clip_grad_norm_. Threads: 1 per rank at world 2 (the launcher's OMP_NUM_THREADS=1),")
+print("2 in one process. Throughput: tokens of the global batch per second over 20 steps after 5 warm-up")
+print("steps (10 for torch.compile), the host synchronised each step by reading the loss, as fsdpp's")
+print(f"trainer does; median over {rounds} interleaved rounds.")
+print()
+print("| run | tokens/s (median) | rounds |")
+print("|---|---:|---|")
+row("fsdpp dp=2 (`recipes/moe-small.json`: fully_shard, 2 microbatches of 8 per rank)", "fsdpp-dp2")
+row("PyTorch `fully_shard` dp=2 (each block, then the root; `set_requires_gradient_sync`)", "pytorch-fsdp-dp2")
+row("PyTorch DDP dp=2 (`no_sync` for the first microbatch)", "pytorch-ddp-dp2")
+row("fsdpp dp=1 (`parallel.dp=1`: 2 microbatches of 16, 2 threads)", "fsdpp-dp1")
+row("PyTorch eager, one process, 2 threads", "pytorch-eager-dp1")
+row("PyTorch `torch.compile(model, dynamic=True)`, one process, 2 threads", "pytorch-compile-dp1")
+row("fsdpp pp=2 (`recipes/moe-small-pp.json`: 1F1B, 4 microbatches of 8)", "fsdpp-pp2")
+row("PyTorch pp=2 (`PipelineStage` + `Schedule1F1B`, the same split: embed + layers 0-1 | layers 2-3 + norm + head)", "pytorch-pp2")
+print()
+def ratio(a, b):
+    return med[a] / med[b]
+print("Ratios of medians (target in brackets):")
+print()
+print(f"- fsdpp dp=2 / PyTorch fully_shard dp=2: **{ratio('fsdpp-dp2', 'pytorch-fsdp-dp2'):.2f}x** (1.2x)")
+print(f"- fsdpp dp=2 / PyTorch DDP dp=2: **{ratio('fsdpp-dp2', 'pytorch-ddp-dp2'):.2f}x** (1.2x)")
+print(f"- fsdpp dp=1 / PyTorch eager: **{ratio('fsdpp-dp1', 'pytorch-eager-dp1'):.2f}x** (2x)")
+print(f"- fsdpp dp=1 / torch.compile: **{ratio('fsdpp-dp1', 'pytorch-compile-dp1'):.2f}x** (ahead)")
+print(f"- fsdpp pp=2 / PyTorch Schedule1F1B: **{ratio('fsdpp-pp2', 'pytorch-pp2'):.2f}x** (ahead)")
+print()
+print("## Per-unit framework cost (200 units of Linear(8, 8), each its own unit, one rank)")
+print()
+print("Microseconds per unit per step beyond the same model unsharded (each side alternates 7 rounds of")
+print("the two and takes medians): fsdpp `bench/fsdp_bench.cpp unit-cost`, PyTorch `torch_peer.py")
+print("unit-cost` (`fully_shard` on each Linear, world 1 over Gloo).")
+print()
+print("| implementation | us per unit per step (median) | rounds |")
+print("|---|---:|---|")
+for label, name in (("fsdpp", "fsdpp-unit-cost"), ("PyTorch fully_shard", "pytorch-unit-cost")):
+    print(f"| {label} | {med[name]:.1f} | {' '.join(f'{x:.1f}' for x in runs[name])} |")
+print()
+print(f"PyTorch / fsdpp: **{ratio('pytorch-unit-cost', 'fsdpp-unit-cost'):.1f}x**")
+PY
+mv "$out.tmp" "$out"
+cat "$out"

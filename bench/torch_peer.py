@@ -1,0 +1,252 @@
+"""PyTorch's side of bench/run_pytorch_bench.sh: fsdpp's MoE model (tests/fsdp/torch_moe.py, the
+same parameters and operations) trained by PyTorch 2.15 the way a PyTorch user would, with the
+trainer's batch, optimizer and clipping, printing one JSON line of throughput.
+
+    torch_peer.py train --mode fsdp|ddp --config C ...   (under `fsdpp launch --nproc 2`)
+    torch_peer.py train --mode eager|compile --config C  (one process, --threads 2)
+    torch_peer.py pp --config C --microbatches 4         (under `fsdpp launch --nproc 2`: Schedule1F1B)
+    torch_peer.py unit-cost                              (200 tiny fully_shard units, one rank)
+
+What PyTorch is given: torch.optim.AdamW (its default implementation for CPU tensors), lr 3e-3,
+betas (0.9, 0.95), weight decay 0.1 on matrices, torch.nn.utils.clip_grad_norm_(1.0); threads:
+1 per rank at world 2 (the launcher's OMP_NUM_THREADS=1), --threads in one process; `compile`:
+torch.compile(model) with its defaults (inductor, mode "default"); the model's auxiliary losses
+are attached where they arise, as fsdpp's are. Batches are windows of the same corpus as the fsdpp
+recipe (the fortunes), seeded.
+
+Throughput: tokens of the global batch per second, over the steps after --warmup (timed from the
+first measured step's start to the last one's end, the host synchronised by loss.item() each step
+as fsdpp's trainer does).
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fsdp"))
+import torch_moe  # noqa: E402
+
+
+def corpus():
+    files = sorted(f for f in glob.glob("/usr/share/games/fortunes/*") if "." not in os.path.basename(f))
+    data = b"".join(open(f, "rb").read() for f in files) if files else open(__file__, "rb").read()
+    return torch.tensor(list(data), dtype=torch.int64)
+
+
+def batches(text, count, rows, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        starts = torch.randint(0, len(text) - seq - 1, (rows, 1), generator=g)
+        yield text[starts + torch.arange(seq + 1)]
+
+
+def optimizer(model):
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+
+
+def report(args, mode, times, tokens_per_step, loss, world):
+    measured = times[args.warmup:]
+    seconds = sum(measured)
+    print(json.dumps({"impl": f"pytorch-{mode}", "torch": torch.__version__, "world": world,
+                      "threads": torch.get_num_threads(), "steps": len(measured),
+                      "tokens_per_s": tokens_per_step * len(measured) / seconds,
+                      "step_ms_median": 1e3 * sorted(measured)[len(measured) // 2], "last_loss": loss}), flush=True)
+
+
+def train(args):
+    distributed = args.mode in ("fsdp", "ddp")
+    if distributed:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        torch.set_num_threads(args.threads)
+        rank, world = 0, 1
+    config = json.load(open(args.config))
+    torch.manual_seed(args.seed)
+    model = torch_moe.MoETransformer(config)
+    torch_moe.attach_aux(model, 1.0 / args.accum)
+    if args.mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        step_model = model
+    elif args.mode == "ddp":
+        step_model = torch.nn.parallel.DistributedDataParallel(model)
+    elif args.mode == "compile":
+        step_model = torch.compile(model, dynamic=True)
+    else:
+        step_model = model
+    opt = optimizer(model)
+    rows = args.global_batch // (world * args.accum)
+    text = corpus()
+    times, loss_value = [], 0.0
+    data = batches(text, (args.warmup + args.steps) * args.accum * world, rows, args.seq, args.seed + 1)
+    for step in range(args.warmup + args.steps):
+        micro = [next(data) for _ in range(args.accum * world)][rank::world]
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        total = 0.0
+        for j, b in enumerate(micro):
+            last = j + 1 == len(micro)
+            if args.mode == "fsdp":
+                model.set_requires_gradient_sync(last)
+            context = step_model.no_sync() if args.mode == "ddp" and not last else _null()
+            with context:
+                loss = torch_moe.lm_loss(step_model(b[:, :-1]), b[:, 1:])
+                (loss / args.accum).backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_value = (total / args.accum).item()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        report(args, args.mode, times, args.global_batch * args.seq, loss_value, world)
+    if distributed:
+        dist.destroy_process_group()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class FirstStage(torch.nn.Module):
+    def __init__(self, model, last):
+        super().__init__()
+        self.embed, self.layers = model.embed, torch.nn.ModuleList(model.layers[:last])
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.layers:
+            h = block(h)
+        return h
+
+
+class LastStage(torch.nn.Module):
+    def __init__(self, model, first):
+        super().__init__()
+        self.layers, self.norm, self.head = torch.nn.ModuleList(model.layers[first:]), model.norm, model.head
+
+    def forward(self, h):
+        for block in self.layers:
+            h = block(h)
+        return self.head(self.norm(h)).float()
+
+
+def pipelined(args):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != 2:
+        raise SystemExit("pp: run with 2 ranks")
+    config = torch_moe.full_config(json.load(open(args.config)))
+    torch.manual_seed(args.seed)
+    model = torch_moe.MoETransformer(config)
+    torch_moe.attach_aux(model, 1.0 / args.microbatches)
+    half = config["layers"] // 2
+    module = FirstStage(model, half) if rank == 0 else LastStage(model, half)
+    rows = args.global_batch // args.microbatches
+    example = torch.zeros(rows, args.seq, dtype=torch.long) if rank == 0 else torch.zeros(rows, args.seq, config["dim"])
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"), input_args=(example,))
+    schedule = Schedule1F1B(stage, args.microbatches,
+                            loss_fn=lambda logits, y: torch_moe.lm_loss(logits, y))
+    opt = optimizer(module)
+    text = corpus()
+    times, loss_value = [], 0.0
+    for step, b in enumerate(batches(text, args.warmup + args.steps, args.global_batch, args.seq, args.seed + 1)):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        losses = []
+        if rank == 0:
+            schedule.step(b[:, :-1].contiguous())
+        else:
+            schedule.step(target=b[:, 1:].contiguous(), losses=losses)
+        # The global gradient norm over both stages, as one would clip a pipelined model.
+        local = torch.stack([p.grad.detach().pow(2).sum() for p in module.parameters() if p.grad is not None]).sum()
+        dist.all_reduce(local)
+        scale = torch.clamp(1.0 / (local.sqrt() + 1e-6), max=1.0)
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        opt.step()
+        loss_value = torch.stack(losses).mean().item() if losses else 0.0
+        times.append(time.perf_counter() - t0)
+    if rank == 1:
+        report(args, "pp-1F1B", times, args.global_batch * args.seq, loss_value, world)
+    dist.destroy_process_group()
+
+
+def unit_cost(args):
+    """Microseconds of FSDP bookkeeping per unit per step: 200 Linear(8, 8), each its own
+    fully_shard unit, one rank, against the same model unsharded (rounds alternating)."""
+    from torch.distributed.fsdp import fully_shard
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+
+    def tiny():
+        return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(200)])
+
+    plain, sharded = tiny(), tiny()
+    for layer in sharded:
+        fully_shard(layer)
+    fully_shard(sharded)
+    x = torch.randn(4, 8)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (plain, sharded)]
+
+    def round_of(i):
+        model, opt = (plain, sharded)[i], opts[i]
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        return (time.perf_counter() - t0) / args.steps
+
+    for _ in range(3):
+        round_of(0), round_of(1)
+    tp, ts = [], []
+    for _ in range(7):
+        tp.append(round_of(0))
+        ts.append(round_of(1))
+    p, s = sorted(tp)[3], sorted(ts)[3]
+    print(json.dumps({"impl": "pytorch-unit-cost", "units": 200, "plain_step_us": 1e6 * p, "sharded_step_us": 1e6 * s,
+                      "us_per_unit_per_step": 1e6 * (s - p) / 200}), flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    # The blocks return their input's identity with the auxiliary losses attached (a view); nothing
+    # modifies it in place, which is what this warning is about.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["train", "pp", "unit-cost"])
+    ap.add_argument("--mode", choices=["fsdp", "ddp", "eager", "compile"], default="eager")
+    ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "moe-small.json"))
+    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--accum", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args()
+    {"train": train, "pp": pipelined, "unit-cost": unit_cost}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
