@@ -100,7 +100,7 @@ row("fsdpp dp=1 (`parallel.dp=1`: 2 microbatches of 16, 2 threads)", "fsdpp-dp1"
 row("PyTorch eager, one process, 2 threads", "pytorch-eager-dp1")
 row("PyTorch `torch.compile(model, dynamic=True)`, one process, 2 threads", "pytorch-compile-dp1")
 row("fsdpp pp=2 (`recipes/moe-small-pp.json`: 1F1B, 4 microbatches of 8)", "fsdpp-pp2")
-row("PyTorch pp=2 (`PipelineStage` + `Schedule1F1B`, the same split: embed + layers 0-1 | layers 2-3 + norm + head)", "pytorch-pp2")
+row("PyTorch pp=2 (`PipelineStage` + `Schedule1F1B`, the same split: embed + layers 0-1, then layers 2-3 + norm + head)", "pytorch-pp2")
 print()
 def ratio(a, b):
     return med[a] / med[b]

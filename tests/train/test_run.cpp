@@ -522,6 +522,29 @@ TEST_CASE("run: a PyTorch model written from the README's description gives fsdp
   // The comparison can fail: other logits (a changed model) are found.
   write_safetensors(case_file, {{"tokens", tokens}, {"logits", logits * 1.01}});
   CHECK(sh(ref + weights + " " + case_file).rc == 1);
+  // Capacity routing, tight enough that assignments are dropped: the same weights under a config
+  // that says so, in the file's metadata as consolidate writes it.
+  auto config = model->config();
+  config.routing = "capacity";
+  config.capacity_factor = 0.5;
+  auto capped = models::MoETransformer(config);
+  auto weights_file = read_safetensors(weights);
+  train::load_full_weights(*capped, weights_file.tensors, weights);
+  {
+    at::NoGradGuard g;
+    logits = capped->forward(tokens);
+  }
+  CHECK(capped->router_stats().dropped_fraction() > 0.2);
+  const auto capped_weights = dir + "/capacity.safetensors";
+  write_safetensors(capped_weights, weights_file.tensors,
+                    {{"format", "pt"}, {"fsdpp.model_config", train::to_json(config).dump()}});
+  write_safetensors(case_file, {{"tokens", tokens}, {"logits", logits}});
+  const auto rc = sh(ref + capped_weights + " " + case_file);
+  INFO(rc.out);
+  CHECK(rc.rc == 0);
+  // and the dropless logits are not what capacity routing gives.
+  write_safetensors(case_file, {{"tokens", tokens}, {"logits", model->forward(tokens).detach()}});
+  CHECK(sh(ref + capped_weights + " " + case_file).rc == 1);
   fs::remove_all(dir);
 }
 

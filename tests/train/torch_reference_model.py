@@ -37,11 +37,23 @@ def moe(W, p, c, h):
     weights, experts = scores.topk(k, -1)
     if c["normalize_top_k"] and (k > 1 or c["score"] == "sigmoid"):
         weights = weights / weights.sum(-1, keepdim=True)
+    T, E = flat.shape[0], c["experts"]
+    # Capacity: C slots per expert, taken in priority order (every token's first choice in token
+    # order, then every second choice, ...); an assignment past C contributes nothing.
+    kept = torch.ones(T, k, dtype=torch.bool)
     if c["routing"] == "capacity":
-        raise SystemExit("capacity routing: not written here (the tests use dropless)")
-    out = torch.zeros_like(flat)
-    for t in range(flat.shape[0]):
+        C = math.ceil(c["capacity_factor"] * T * k / E)
+        used = [0] * E
         for j in range(k):
+            for t in range(T):
+                e = int(experts[t, j])
+                kept[t, j] = used[e] < C
+                used[e] += 1
+    out = torch.zeros_like(flat)
+    for t in range(T):
+        for j in range(k):
+            if not kept[t, j]:
+                continue
             e = int(experts[t, j])
             y = swiglu(flat[t:t + 1], W[p + "experts.w1"][e], W[p + "experts.w3"][e], W[p + "experts.w2"][e])
             out[t] += weights[t, j].to(flat.dtype) * y[0]
