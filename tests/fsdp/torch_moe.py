@@ -1,7 +1,7 @@
 """fsdpp's MoE transformer (include/models/moe.hpp, src/models/moe.cpp) as a PyTorch nn.Module,
 with the same parameter names and the same operations in the same order, so that PyTorch's own
-FSDP2 can train it side by side with fsdpp's fully_shard (dropless routing; capacity routing is in
-bench/torch_moe_fsdp.py).
+FSDP2 can train it side by side with fsdpp's fully_shard (tests/fsdp/test_torch_fsdp.py) and
+benchmarks can run the same work in PyTorch (bench/torch_peer.py, bench/torch_moe_fsdp.py).
 
     model = MoETransformer(config)     # config: the JSON of configs/*.json, defaults filled in
     logits, aux = model(tokens)        # aux: the sum of every MoE layer's weighted auxiliary losses
@@ -100,8 +100,8 @@ class Router(nn.Module):
 class MoE(nn.Module):
     def __init__(self, c):
         super().__init__()
-        if c["routing"] != "dropless":
-            raise ValueError("torch_moe: only dropless routing is written here")
+        if c["routing"] not in ("dropless", "capacity"):
+            raise ValueError(f"torch_moe: unknown routing {c['routing']!r}")
         self.c = c
         self.router = Router(c["dim"], c["experts"])
         self.experts = Experts(c["experts"], c["dim"], c["expert_hidden"])
@@ -125,9 +125,39 @@ class MoE(nn.Module):
         aux_loss = E * ((counts / (T * k)) * probs.mean(0)).sum()
         z_loss = torch.logsumexp(logits, -1).pow(2).mean()
         weights = w.to(x.dtype)
+        if c["routing"] == "capacity":
+            out = self.capacity(flat, idx, weights)
+        else:
+            out = self.dropless(flat, idx, weights)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(shape), c["aux_loss_coef"] * aux_loss + c["z_loss_coef"] * z_loss
+
+    def capacity(self, flat, idx, weights):
+        """C slots per expert taken in priority order (every token's first choice, then the second
+        ...); assignments past capacity go to a spare row whose output is zero."""
+        T, k, E = flat.shape[0], self.c["top_k"], self.c["experts"]
+        C = math.ceil(self.c["capacity_factor"] * T * k / E)
+        e_flat = idx.t().reshape(-1)
+        w_flat = weights.t().reshape(-1)
+        one_hot = torch.zeros(k * T, E, dtype=e_flat.dtype, device=flat.device).scatter_(1, e_flat.unsqueeze(1), 1)
+        pos = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1)
+        keep = pos < C
+        slots = torch.where(keep, e_flat * C + pos, torch.full_like(pos, E * C))
+        buf = torch.zeros(E * C + 1, flat.shape[1], dtype=flat.dtype, device=flat.device).index_copy(0, slots, flat.repeat(k, 1))
+        x = buf[: E * C].view(E, C, -1)
+        ex = self.experts
+        h = F.silu(torch.bmm(x, ex.w1.transpose(1, 2))) * torch.bmm(x, ex.w3.transpose(1, 2))
+        y = torch.bmm(h, ex.w2.transpose(1, 2)).reshape(E * C, -1)
+        y = torch.cat((y, torch.zeros(1, y.shape[1], dtype=y.dtype, device=y.device)))
+        return (y.index_select(0, slots) * (w_flat * keep.to(w_flat.dtype)).unsqueeze(1)).view(k, T, -1).sum(0)
+
+    def dropless(self, flat, idx, weights):
+        """Each expert on exactly the rows routed to it."""
+        T, k, E = flat.shape[0], self.c["top_k"], self.c["experts"]
         out = torch.zeros_like(flat)
         e_flat = idx.reshape(-1)
-        tok = torch.arange(T, device=x.device).repeat_interleave(k)
+        tok = torch.arange(T, device=flat.device).repeat_interleave(k)
         w_flat = weights.reshape(-1)
         order = torch.sort(e_flat, stable=True).indices
         n = torch.bincount(e_flat, minlength=E).tolist()
@@ -140,9 +170,7 @@ class MoE(nn.Module):
             t = tok.index_select(0, rows)
             y = self.experts.forward_one(e, flat.index_select(0, t)) * w_flat.index_select(0, rows).unsqueeze(1)
             out = out.index_add(0, t, y)
-        if self.shared is not None:
-            out = out + self.shared(flat)
-        return out.view(shape), c["aux_loss_coef"] * aux_loss + c["z_loss_coef"] * z_loss
+        return out
 
 
 class AttachAux(torch.autograd.Function):

@@ -99,13 +99,19 @@ def fsdpp_order(name, pp, v, m, out):
     return fsdpp_show(["--schedule", name], pp, v, m, out)
 
 
+def runtime_schedules():
+    """(PyTorch class name, class, fsdpp name, stages per rank, layout) of PyTorch's runtime
+    schedules: the ones that read and write action tables and expose a lowered program."""
+    for cls_name, (ours_name, v, layout) in PAIRS.items():
+        cls = getattr(S, cls_name)
+        if issubclass(cls, S._PipelineScheduleRuntime):
+            yield cls_name, cls, ours_name, v, layout
+
+
 def check_tables(tmp, failures):
     """Compute-only CSVs both ways, for PyTorch's runtime schedules (the ones with _load_csv)."""
     cases = 0
-    for cls_name, (ours_name, v, layout) in PAIRS.items():
-        cls = getattr(S, cls_name)
-        if not issubclass(cls, S._PipelineScheduleRuntime):
-            continue
+    for cls_name, cls, ours_name, v, layout in runtime_schedules():
         for pp in (2, 4):
             m = 2 * pp
             what = f"{cls_name}, pp {pp}, {m} microbatches"
@@ -169,10 +175,7 @@ def check_lowered(tmp, failures):
     waits inside its executor, under its send budget) and where a receive sits between computations
     (PyTorch posts some a computation earlier)."""
     cases = 0
-    for cls_name, (ours_name, v, layout) in PAIRS.items():
-        cls = getattr(S, cls_name)
-        if not issubclass(cls, S._PipelineScheduleRuntime):
-            continue
+    for cls_name, cls, ours_name, v, layout in runtime_schedules():
         for pp in (2, 4):
             for m in (2 * pp, 2 * pp + 1):
                 what = f"{cls_name}, pp {pp}, {m} microbatches, lowered"
