@@ -212,8 +212,24 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     const auto w_kept = w_flat * keep.to(w_flat.scalar_type());
     out = (y.index_select(0, slots) * w_kept.unsqueeze(1)).view({k, T, -1}).sum(0);
     dropped = double(T * k) - keep.sum().to(at::kDouble);
+  } else if (x.is_cpu()) {
+    // Dropless, on the CPU: the assignments sorted by expert, every expert on exactly its rows in
+    // one grouped matmul per weight (the group boundaries stay a tensor: no host read).
+    const auto e_flat = r.experts.reshape(-1);  // [T*k], token-major
+    const auto order = std::get<1>(at::sort(e_flat, /*stable=*/true, 0, false));
+    const auto counts = at::zeros({E}, e_flat.options()).scatter_add_(0, e_flat, at::ones_like(e_flat));
+    const auto offsets = counts.cumsum(0).to(at::kInt);
+    const auto tok = at::floor_divide(order, k);  // assignment i belongs to token i / k
+    const auto xs = flat.index_select(0, tok);
+    const auto& ex = *experts;
+    const auto h = at::silu(at::_grouped_mm(xs, ex.w1.transpose(1, 2), offsets)) *
+                   at::_grouped_mm(xs, ex.w3.transpose(1, 2), offsets);
+    const auto y = at::_grouped_mm(h, ex.w2.transpose(1, 2), offsets) *
+                   weights.reshape(-1).index_select(0, order).unsqueeze(1);
+    out = out.index_add(0, tok, y);
   } else {
-    // Dropless: group the assignments by expert and run each expert on exactly its rows.
+    // Dropless elsewhere: each expert on exactly its rows, one after the other (the counts are
+    // read on the host).
     const auto e_flat = r.experts.reshape(-1);  // [T*k], token-major
     const auto tok = at::arange(T, r.experts.options()).repeat_interleave(k);
     const auto w_flat = weights.reshape(-1);

@@ -153,9 +153,22 @@ class MoE(nn.Module):
         return (y.index_select(0, slots) * (w_flat * keep.to(w_flat.dtype)).unsqueeze(1)).view(k, T, -1).sum(0)
 
     def dropless(self, flat, idx, weights):
-        """Each expert on exactly the rows routed to it."""
+        """Each expert on exactly the rows routed to it: on the CPU one grouped matmul per weight,
+        elsewhere one expert after another."""
         T, k, E = flat.shape[0], self.c["top_k"], self.c["experts"]
         out = torch.zeros_like(flat)
+        if flat.is_cpu:
+            e_flat = idx.reshape(-1)
+            order = torch.sort(e_flat, stable=True).indices
+            counts = torch.zeros(E, dtype=e_flat.dtype).scatter_add_(0, e_flat, torch.ones_like(e_flat))
+            offsets = counts.cumsum(0).to(torch.int32)
+            tok = torch.floor_divide(order, k)
+            xs = flat.index_select(0, tok)
+            ex = self.experts
+            h = F.silu(torch._grouped_mm(xs, ex.w1.transpose(1, 2), offs=offsets)) * \
+                torch._grouped_mm(xs, ex.w3.transpose(1, 2), offs=offsets)
+            y = torch._grouped_mm(h, ex.w2.transpose(1, 2), offs=offsets) * weights.reshape(-1).index_select(0, order).unsqueeze(1)
+            return out.index_add(0, tok, y)
         e_flat = idx.reshape(-1)
         tok = torch.arange(T, device=flat.device).repeat_interleave(k)
         w_flat = weights.reshape(-1)
