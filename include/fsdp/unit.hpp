@@ -61,6 +61,7 @@ struct Tree {
   bool backward_active = false;
   bool requires_gradient_sync = true;
   bool reshard_after_backward = true;
+  std::optional<bool> reshard_after_forward;  // set_reshard_after_forward: replaces the units' options
 };
 
 }  // namespace detail
@@ -101,6 +102,9 @@ class Unit {
   void reshard();
   void set_requires_gradient_sync(bool sync);
   void set_reshard_after_backward(bool reshard);
+  // Replaces every unit's reshard_after_forward option in the tree (false: keep each unit gathered
+  // from its forward to its backward, and across forwards, until reshard()).
+  void set_reshard_after_forward(bool reshard);
   void set_forward_prefetch(std::vector<Unit*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<Unit*> units) { backward_prefetch_ = std::move(units); }
 

@@ -17,9 +17,13 @@
 // a CUDA graph: its receive buffers then come from the graph's pool, and the budget is recorded as
 // dependencies between the sends.
 //
-// FSDP stages: gradients accumulate unsharded over the microbatches (no communication), and
-// REDUCE_GRAD issues the stage's reduce-scatters asynchronously; they are waited at the next
-// REDUCE_GRAD or at the end of the step, overlapping the backward of other stages.
+// FSDP stages: a stage stays gathered from the plan's UNSHARD to its RESHARD, across all its
+// microbatches (ExecutorOptions::keep_stages_unsharded, the default, as PyTorch's pipelining and
+// torchtitan do: one all-gather per unit per step instead of two per microbatch for each nested
+// unit; the plan's window of active stages bounds the memory). Gradients accumulate unsharded over
+// the microbatches (no communication), and REDUCE_GRAD issues the stage's reduce-scatters
+// asynchronously; they are waited at the next REDUCE_GRAD or at the end of the step, overlapping
+// the backward of other stages.
 //
 // Loss: the loss of each microbatch is divided by the number of microbatches, so that the
 // accumulated gradients equal those of the mean loss over the whole batch (for equal microbatches,
@@ -52,6 +56,10 @@ struct ExecutorOptions {
   std::vector<int64_t> activation_shape;  // every stage's input and output, per microbatch
   at::ScalarType activation_dtype = at::kFloat;
   at::Device device = at::kCPU;  // of activations, receive buffers and the loss
+  // FSDP stages: keep every unit of a stage gathered between the plan's UNSHARD and RESHARD
+  // (set_reshard_after_forward(false) on the stage's tree); false gathers nested units again for
+  // each microbatch's forward and backward, which holds less memory.
+  bool keep_stages_unsharded = true;
 };
 
 struct ExecutorStats {

@@ -101,6 +101,7 @@ ParamGroup& Unit::group() {
 std::vector<Unit*> Unit::tree_units() const { return tree_ ? tree_->units : std::vector<Unit*>{}; }
 
 int Unit::post_forward_group() const {
+  if (tree_ && tree_->reshard_after_forward) return *tree_->reshard_after_forward ? 1 : 0;
   const auto& v = options_.reshard_after_forward;
   // Default: reshard, except the root (needed first in backward) and with static buffers, where
   // resharding frees nothing and would only gather every unit again in backward.
@@ -229,5 +230,6 @@ void Unit::reshard() {
 
 void Unit::set_requires_gradient_sync(bool sync) { tree_->requires_gradient_sync = sync; }
 void Unit::set_reshard_after_backward(bool reshard) { tree_->reshard_after_backward = reshard; }
+void Unit::set_reshard_after_forward(bool reshard) { tree_->reshard_after_forward = reshard; }
 
 }  // namespace fsdpp::fsdp

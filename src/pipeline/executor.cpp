@@ -126,6 +126,7 @@ at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& input
     if (st.fsdp) {
       st.fsdp->fsdp_unit().set_requires_gradient_sync(false);
       st.fsdp->fsdp_unit().set_reshard_after_backward(false);
+      st.fsdp->fsdp_unit().set_reshard_after_forward(!options_.keep_stages_unsharded);
     }
   auto units_of = [&](int s) {
     auto* holder = stages_.at(s).fsdp;
