@@ -7,7 +7,7 @@
 //     "model": "../configs/moe-small.json"   (a path, relative to the recipe, or an inline object),
 //     "data": {"source": "fortunes", "seq_len": 128, "val_fraction": 0.05},
 //     "parallel": {"dp": 2, "pp": 1, "schedule": "1F1B", "microbatches": 1, "stages_per_rank": 1,
-//                  "max_outstanding_sends": 0},
+//                  "max_outstanding_sends": 0, "keep_stages_unsharded": true},
 //     "precision": {"param_dtype": "float32", "reduce_dtype": "float32",
 //                   "overrides": [{"match": "*.router.gate.weight", "param_dtype": "float32"}]},
 //     "optim": {"lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 50, "weight_decay": 0.1,
@@ -57,6 +57,9 @@ struct ParallelOptions {
   int microbatches = 1;           // per pipeline step (pp > 1)
   int stages_per_rank = 1;
   int max_outstanding_sends = 0;  // 0: unlimited
+  // pp > 1: each stage's blocks stay gathered from the plan's UNSHARD to its RESHARD (one
+  // all-gather per block per step); false gathers them again for every microbatch (less memory).
+  bool keep_stages_unsharded = true;
 };
 
 struct DtypeOverride {

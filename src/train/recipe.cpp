@@ -356,6 +356,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       p.integer("microbatches", rc.parallel.microbatches, 1, 1 << 16);
       p.integer("stages_per_rank", rc.parallel.stages_per_rank, 1, 64);
       p.integer("max_outstanding_sends", rc.parallel.max_outstanding_sends, 0, 1 << 16);
+      p.boolean("keep_stages_unsharded", rc.parallel.keep_stages_unsharded);
     }
     {
       Reader pr = top.section("precision");
@@ -476,6 +477,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
     } else if (par.max_outstanding_sends != 0) {
       top.fail("parallel.max_outstanding_sends", "only used with pp > 1");
     }
+    if (par.pp == 1 && !par.keep_stages_unsharded) top.fail("parallel.keep_stages_unsharded", "only used with pp > 1");
     std::error_code ec;
     if (rc.data.source == "fortunes" && !fs::is_directory(fortunes_dir(), ec))
       top.fail("data.source", fmt::format("the fortunes corpus is not at {} (install Debian's fortunes package: "

@@ -251,6 +251,7 @@ void Trainer::build() {
     eo.activation_shape = {r_.micro_batch(), r_.data.seq_len, c.dim};
     eo.activation_dtype = dtype_of(r_.precision.param_dtype);
     eo.device = device_;
+    eo.keep_stages_unsharded = par.keep_stages_unsharded;
     executor_.emplace(std::move(plan), mesh_.comm("pp"), std::move(mine),
                       [accum](const at::Tensor& logits, const at::Tensor& y) { return models::lm_loss(logits, y) / double(accum); },
                       eo);

@@ -115,6 +115,7 @@ TEST_CASE("recipe: layout rules (world size, batch divisibility, schedules, stag
          "pp x stages_per_rank = 4 stages, but the model has 2 layers");
   expect(problems(base(), {"parallel.microbatches=2"}), "parallel.microbatches: only used with pp > 1");
   expect(problems(base(), {"parallel.max_outstanding_sends=2"}), "parallel.max_outstanding_sends: only used with pp > 1");
+  expect(problems(base(), {"parallel.keep_stages_unsharded=false"}), "parallel.keep_stages_unsharded: only used with pp > 1");
   expect(problems(base(), {"parallel.pp=2", "parallel.microbatches=2", "train.global_batch=10"}),
          "must be a multiple of dp x grad_accum x parallel.microbatches = 4, got 10");
   CHECK(problems(base(), {"parallel.pp=2", "parallel.microbatches=2"}) == "valid");
