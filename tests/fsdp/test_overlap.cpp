@@ -7,57 +7,14 @@
 #include <algorithm>
 #include <mutex>
 
-#include "dist/flight_recorder.hpp"
-#include "fsdp/counting_comm.hpp"
+#include "fsdp/event_log.hpp"
 #include "fsdp/models.hpp"
 
 using namespace fsdpp;
+using test::EventLog;
+using test::LoggingComm;
 
 namespace {
-
-struct EventLog {
-  std::mutex mu;
-  std::vector<std::string> events;
-  void add(std::string e) {
-    std::lock_guard<std::mutex> lock(mu);
-    events.push_back(std::move(e));
-  }
-  // Position of the n-th (0-based) event equal to `e`, or -1.
-  long find(const std::string& e, int n = 0) {
-    std::lock_guard<std::mutex> lock(mu);
-    for (size_t i = 0; i < events.size(); ++i)
-      if (events[i] == e && n-- == 0) return static_cast<long>(i);
-    return -1;
-  }
-  std::string dump() {
-    std::lock_guard<std::mutex> lock(mu);
-    std::string s;
-    for (const auto& e : events) s += e + "; ";
-    return s;
-  }
-};
-
-// Logs each all-gather and reduce-scatter when it is issued, named by the unit (the last word of
-// the operation's label, "blocks.2").
-class LoggingComm : public test::CountingComm {
- public:
-  LoggingComm(std::shared_ptr<dist::detail::CommImpl> inner, EventLog& log) : CountingComm(std::move(inner)), log_(log) {}
-  dist::Work all_gather(const at::Tensor& o, const at::Tensor& i, const dist::AllGatherOptions& x) override {
-    log_.add("AG " + unit());
-    return CountingComm::all_gather(o, i, x);
-  }
-  dist::Work reduce_scatter(const at::Tensor& o, const at::Tensor& i, const dist::ReduceScatterOptions& x) override {
-    log_.add("RS " + unit());
-    return CountingComm::reduce_scatter(o, i, x);
-  }
-
- private:
-  static std::string unit() {
-    const auto& label = dist::OpLabel::current();
-    return label.substr(label.find_last_of(' ') + 1);
-  }
-  EventLog& log_;
-};
 
 // Identity whose backward logs that the gradient of the block's input is computed: the block's
 // backward compute is done.

@@ -7,7 +7,7 @@
 
 #include "dist/mesh.hpp"
 #include "dist/ranks.hpp"
-#include "fsdp/counting_comm.hpp"
+#include "fsdp/event_log.hpp"
 #include "pipeline/executor.hpp"
 #include "pipeline/table.hpp"
 
@@ -220,6 +220,60 @@ TEST_CASE("a forward output's storage is given up once its send is issued, and i
       else
         CHECK(y.storage().nbytes() == size_t(kMicro * kDim) * sizeof(float));  // the loss's input
     }
+  });
+}
+
+TEST_CASE("a stage's REDUCE_GRAD is issued while the rank's other stage still has backward compute to do") {
+  // dp=2 x pp=2, Interleaved1F1B, 2 stages per rank, 4 microbatches: pipeline rank 0 holds stages
+  // 0 and 2. Stage 2's backwards finish first; its reduce-scatter must go out before stage 0's
+  // last weight gradient is computed, not at the end of the step.
+  const int pp = 2, dp = 2, v = 2, m = 4, rows = 4, stages = pp * v;
+  const auto plan = make_plan(*make_schedule("Interleaved1F1B"), {pp, v, m}, /*fsdp_stages=*/true);
+  auto g = at::detail::createCPUGenerator(3);
+  std::vector<at::Tensor> xs, ys;
+  for (int i = 0; i < m; ++i) xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
+  test::run_ranks(pp * dp, [&](dist::Comm& world) {
+    dist::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
+    const int d = mesh.coord("dp");
+    test::EventLog log;
+    Model model(stages);
+    std::vector<fsdp::FullyShard<torch::nn::LinearImpl>> units;
+    units.reserve(stages);
+    std::vector<PipelineStage> mine;
+    for (int s = 0; s < stages; ++s) {
+      if (plan.owner[s] != mesh.coord("pp")) continue;
+      dist::Comm comm(std::make_shared<test::LoggingComm>(mesh.comm("dp").impl_ptr(), log, "stage" + std::to_string(s) + " "));
+      comm.set_consistency_check(false);
+      units.push_back(fsdp::fully_shard(model.layers[s].ptr(), comm));
+      model.layers[s]->weight.register_hook([&log, s](const at::Tensor& grad) {
+        log.add("wgrad " + std::to_string(s));
+        return grad;
+      });
+      auto* unit = units.back().ptr().get();
+      const bool last = s == stages - 1;
+      mine.push_back({s, [unit, last](const at::Tensor& x) { auto y = unit->forward(x); return last ? y : at::tanh(y); },
+                      model.layers[s]->parameters(), unit});
+    }
+    PipelineExecutor exec(plan, mesh.comm("pp"), mine,
+                          [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+                          {{rows / dp, kDim}});
+    std::vector<at::Tensor> lx, ly;
+    for (int i = 0; i < m; ++i)
+      lx.push_back(xs[i].narrow(0, d * rows / dp, rows / dp)), ly.push_back(ys[i].narrow(0, d * rows / dp, rows / dp));
+    exec.step(lx, ly);
+    if (mesh.coord("pp") != 0) return;
+    INFO("rank " << world.rank() << ": " << log.dump());
+    long last_wgrad0 = -1;
+    for (int k = 0;; ++k) {
+      const long at = log.find("wgrad 0", k);
+      if (at < 0) break;
+      last_wgrad0 = at;
+    }
+    const long reduce2 = log.find("RS stage2 root");
+    CHECK(last_wgrad0 >= 0);
+    CHECK(reduce2 >= 0);
+    CHECK(reduce2 < last_wgrad0);
+    CHECK(log.find("RS stage0 root") > last_wgrad0);  // stage 0's own, after its last backward
   });
 }
 

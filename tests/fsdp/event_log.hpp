@@ -1,0 +1,59 @@
+#pragma once
+// An event log for ordering tests, and a communicator decorator that writes each all-gather and
+// reduce-scatter into it when issued: tests then check what was issued before which compute event.
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dist/flight_recorder.hpp"
+#include "fsdp/counting_comm.hpp"
+
+namespace fsdpp::test {
+
+struct EventLog {
+  std::mutex mu;
+  std::vector<std::string> events;
+  void add(std::string e) {
+    std::lock_guard<std::mutex> lock(mu);
+    events.push_back(std::move(e));
+  }
+  // Position of the n-th (0-based) event equal to `e`, or -1.
+  long find(const std::string& e, int n = 0) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (size_t i = 0; i < events.size(); ++i)
+      if (events[i] == e && n-- == 0) return static_cast<long>(i);
+    return -1;
+  }
+  std::string dump() {
+    std::lock_guard<std::mutex> lock(mu);
+    std::string s;
+    for (const auto& e : events) s += e + "; ";
+    return s;
+  }
+};
+
+// Logs each all-gather and reduce-scatter when it is issued, named by the unit (the last word of
+// the operation's label, "blocks.2"), after `prefix` when one is given.
+class LoggingComm : public CountingComm {
+ public:
+  LoggingComm(std::shared_ptr<dist::detail::CommImpl> inner, EventLog& log, std::string prefix = "")
+      : CountingComm(std::move(inner)), log_(log), prefix_(std::move(prefix)) {}
+  dist::Work all_gather(const at::Tensor& o, const at::Tensor& i, const dist::AllGatherOptions& x) override {
+    log_.add("AG " + prefix_ + unit());
+    return CountingComm::all_gather(o, i, x);
+  }
+  dist::Work reduce_scatter(const at::Tensor& o, const at::Tensor& i, const dist::ReduceScatterOptions& x) override {
+    log_.add("RS " + prefix_ + unit());
+    return CountingComm::reduce_scatter(o, i, x);
+  }
+
+ private:
+  static std::string unit() {
+    const auto& label = dist::OpLabel::current();
+    return label.substr(label.find_last_of(' ') + 1);
+  }
+  EventLog& log_;
+  std::string prefix_;
+};
+
+}  // namespace fsdpp::test
