@@ -19,6 +19,7 @@ first measured step's start to the last one's end, the host synchronised by loss
 as fsdpp's trainer does).
 """
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -100,7 +101,7 @@ def train(args):
             last = j + 1 == len(micro)
             if args.mode == "fsdp":
                 model.set_requires_gradient_sync(last)
-            context = step_model.no_sync() if args.mode == "ddp" and not last else _null()
+            context = step_model.no_sync() if args.mode == "ddp" and not last else contextlib.nullcontext()
             with context:
                 loss = torch_moe.lm_loss(step_model(b[:, :-1]), b[:, 1:])
                 (loss / args.accum).backward()
@@ -113,14 +114,6 @@ def train(args):
         report(args, args.mode, times, args.global_batch * args.seq, loss_value, world)
     if distributed:
         dist.destroy_process_group()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 class FirstStage(torch.nn.Module):

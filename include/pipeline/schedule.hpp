@@ -269,8 +269,9 @@ class ZBVZeroBubble : public Schedule {
 // 2.15's ScheduleDualPipeV. In the steady state a rank pairs the forward of one of its stages with
 // the full backward of the other (on GPUs each pair's communication can then hide behind the
 // other's compute; PyTorch marks the pairs OVERLAP_F_B, here they run as F then B). The ramp-up
-// splits the last stage's backwards into I and W to fill its bubbles, and the drain does the same
-// from its middle on, deferring each W to a slot that would otherwise idle. Needs m >= 2p.
+// splits the backwards of each rank's second stage (2p-1-r) into I and W to fill its bubbles, and
+// the drain splits both stages' backwards from its middle on, each W deferred to a slot that
+// would otherwise idle. Needs m >= 2p.
 class DualPipeV : public Schedule {
  public:
   std::string name() const override { return "DualPipeV"; }

@@ -31,6 +31,7 @@ device-tensor step size, which fsdpp keeps for CUDA graph capture), and bfloat16
 such one-ulp float32 differences into bfloat16 roundings that differ after a few steps.
 FSDPP_VERBOSE=1 prints every step's losses.
 """
+import fnmatch
 import json
 import os
 import subprocess
@@ -49,11 +50,6 @@ CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "c
 KEEP_FLOAT32 = ["*.router.gate.weight", "*norm*"]
 F32_BOUND = 1e-5
 VERBOSE = bool(os.environ.get("FSDPP_VERBOSE"))
-
-
-def glob_match(pattern, text):
-    import fnmatch
-    return fnmatch.fnmatchcase(text, pattern)
 
 
 class AdamWInFsdppOrder:
@@ -112,7 +108,7 @@ def torch_rank(case_path, out_path):
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}
     keep = {id(p) for n, p in model.named_parameters()
-            if any(glob_match(g, n) for g in case.get("float32_params", []))}
+            if any(fnmatch.fnmatchcase(n, g) for g in case.get("float32_params", []))}
     if case.get("grad_dtype"):
         for p in model.parameters():
             p.grad_dtype = dtypes[case["grad_dtype"]]
