@@ -113,6 +113,7 @@ def train(args):
     if rank == 0:
         report(args, args.mode, times, args.global_batch * args.seq, loss_value, world)
     if distributed:
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -179,6 +180,7 @@ def pipelined(args):
         times.append(time.perf_counter() - t0)
     if rank == 1:
         report(args, "pp-1F1B", times, args.global_batch * args.seq, loss_value, world)
+    dist.barrier()
     dist.destroy_process_group()
 
 

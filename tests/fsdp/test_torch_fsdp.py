@@ -147,6 +147,9 @@ def torch_rank(case_path, out_path):
     if rank == 0:
         full["losses"] = losses
         save_file(full, out_path)
+    # Both ranks leave together: a rank tearing its group down while the other still uses it can
+    # abort at exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 
