@@ -28,12 +28,7 @@ fsdpp_run() {
   "$fsdpp" run "$recipe" "$@" eval.interval=0 checkpoint.interval=0 logging.interval=$warmup logging.plot=false \
     logging.output_dir="$dir" --overwrite --stop-after $((warmup + steps)) > "$dir.log" 2>&1 ||
     { cat "$dir.log"; exit 1; }
-  "$python" - "$dir/metrics/rank0.jsonl" "$name" $warmup $((warmup + steps)) >> "$results" <<'PY'
-import json, sys
-rows = {r["step"]: r for r in map(json.loads, open(sys.argv[1])) if "time_s" in r}
-a, b = int(sys.argv[3]), int(sys.argv[4])
-print(sys.argv[2], 32 * 128 * (b - a) / (rows[b]["time_s"] - rows[a]["time_s"]))
-PY
+  echo "$name $("$python" bench/metrics_tokens_per_s.py "$dir/metrics/rank0.jsonl" $warmup $((warmup + steps)) $((32 * 128)) | cut -d' ' -f1)" >> "$results"
 }
 
 torch_run() {

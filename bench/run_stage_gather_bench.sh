@@ -18,10 +18,7 @@ for r in $(seq "$rounds"); do
     "$build/fsdpp" run recipes/moe-small-2d.json parallel.keep_stages_unsharded=$keep eval.interval=0 \
       checkpoint.interval=0 logging.interval=5 logging.plot=false logging.output_dir="$d" --overwrite \
       --stop-after 25 > "$d.log" 2>&1 || { cat "$d.log"; exit 1; }
-    "$python" -c '
-import json, sys
-rows = {r["step"]: r for r in map(json.loads, open(sys.argv[1])) if "time_s" in r}
-print(sys.argv[2], 32 * 128 * 20 / (rows[25]["time_s"] - rows[5]["time_s"]), rows[25]["loss"])' "$d/metrics/rank0.jsonl" "$keep"
+    echo "$keep $("$python" bench/metrics_tokens_per_s.py "$d/metrics/rank0.jsonl" 5 25 $((32 * 128)))"
   done
 done > "$work/results.txt"
 "$python" - "$work/results.txt" "$build" "$rounds" > "$out.tmp" <<'PY'

@@ -35,6 +35,13 @@ struct Model {
   }
 };
 
+// Data-parallel rank d's rows of each microbatch (rows split evenly over dp ranks).
+std::vector<at::Tensor> dp_rows(const std::vector<at::Tensor>& microbatches, int d, int dp) {
+  std::vector<at::Tensor> out;
+  for (const auto& b : microbatches) out.push_back(b.narrow(0, d * b.size(0) / dp, b.size(0) / dp));
+  return out;
+}
+
 struct Batch {
   std::vector<at::Tensor> x, y;
 };
@@ -257,9 +264,7 @@ TEST_CASE("a stage's REDUCE_GRAD is issued while the rank's other stage still ha
     PipelineExecutor exec(plan, mesh.comm("pp"), mine,
                           [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
                           {{rows / dp, kDim}});
-    std::vector<at::Tensor> lx, ly;
-    for (int i = 0; i < m; ++i)
-      lx.push_back(xs[i].narrow(0, d * rows / dp, rows / dp)), ly.push_back(ys[i].narrow(0, d * rows / dp, rows / dp));
+    const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);
     exec.step(lx, ly);
     if (mesh.coord("pp") != 0) return;
     INFO("rank " << world.rank() << ": " << log.dump());
@@ -453,8 +458,7 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
                             [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
                             {{rows / dp, kDim}});
       const bool last = plan.owner[stages - 1] == mesh.coord("pp");
-      std::vector<at::Tensor> lx, ly;
-      for (int i = 0; i < m; ++i) lx.push_back(xs[i].narrow(0, d * rows / dp, rows / dp)), ly.push_back(ys[i].narrow(0, d * rows / dp, rows / dp));
+      const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);
       torch::optim::AdamW opt(sharded, torch::optim::AdamWOptions(1e-2));
       for (int step = 0; step < 3; ++step) {
         opt.zero_grad();
@@ -526,9 +530,7 @@ TEST_CASE("FSDP stages stay gathered across their microbatches: one all-gather p
       ExecutorOptions eo{.activation_shape = {rows / dp, kDim}, .keep_stages_unsharded = keep};
       PipelineExecutor exec(plan, mesh.comm("pp"), mine,
                             [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); }, eo);
-      std::vector<at::Tensor> lx, ly;
-      for (int i = 0; i < m; ++i)
-        lx.push_back(xs[i].narrow(0, d * rows / dp, rows / dp)), ly.push_back(ys[i].narrow(0, d * rows / dp, rows / dp));
+      const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);
       torch::optim::AdamW opt(stage->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
       for (int step = 0; step < 3; ++step) {
         counter->reset();
