@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "fsdpp/files.hpp"
-#include "fsdpp/safetensors.hpp"
+#include "fsdpp/base/files.hpp"
+#include "fsdpp/base/safetensors.hpp"
 
 using namespace fsdpp;
 

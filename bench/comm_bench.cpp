@@ -17,21 +17,21 @@
 #include <iostream>
 #include <string>
 
-#include "dist/init.hpp"
+#include "fsdpp/comm/init.hpp"
 
 using namespace fsdpp;
 
 namespace {
 
 // Mean seconds per call of `op` over `iters` calls, the slowest rank's (after one warm-up call).
-double time_round(dist::Comm& comm, int iters, const std::function<void()>& op) {
+double time_round(comm::Comm& comm, int iters, const std::function<void()>& op) {
   op();
   comm.barrier().wait();
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) op();
   const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   auto secs = at::full({1}, mine / iters, at::kDouble);
-  comm.all_reduce(secs, {dist::ReduceOp::kMax}).wait();
+  comm.all_reduce(secs, {comm::ReduceOp::kMax}).wait();
   return secs.item<double>();
 }
 
@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
   }
   const auto type = dtype == "float32" ? at::kFloat : at::kBFloat16;
   const int64_t esize = dtype == "float32" ? 4 : 2;
-  auto comm = dist::init_from_env();
+  auto comm = comm::init_from_env();
   const int n = comm.size();
   for (const std::string op : {"all_gather", "reduce_scatter", "all_reduce"}) {
     for (int64_t bytes = 4 << 10; bytes <= (max_mib << 20); bytes *= 4) {

@@ -15,8 +15,8 @@
 #include <iostream>
 #include <string>
 
-#include "dist/init.hpp"
-#include "fsdpp/blas.hpp"
+#include "fsdpp/comm/init.hpp"
+#include "fsdpp/base/blas.hpp"
 #include "transformer.hpp"
 
 using namespace fsdpp;
@@ -58,12 +58,12 @@ int throughput(const Args& a) {
   at::set_num_threads(a.threads);
   bench::TransformerConfig cfg;
   auto net = bench::Transformer(cfg);
-  dist::Comm comm;
+  comm::Comm comm;
   int rank = 0, dp = 1;
   std::optional<fsdp::FullyShard<bench::TransformerImpl>> model;
   std::vector<at::Tensor> params = net->parameters();
   if (a.sharded) {
-    comm = dist::init_from_env();
+    comm = comm::init_from_env();
     rank = comm.rank();
     dp = comm.size();
     fsdp::FullyShardOptions o;
@@ -100,7 +100,7 @@ int throughput(const Args& a) {
 int memory(const Args&) {
   at::set_num_threads(1);
   bench::TransformerConfig cfg;
-  auto comm = dist::init_from_env();
+  auto comm = comm::init_from_env();
   auto model = fsdp::fully_shard(bench::Transformer(cfg), comm);
   torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
   auto data = tokens(2 * comm.size(), cfg.seq, 1).narrow(0, comm.rank() * 2, 2);
@@ -128,7 +128,7 @@ int memory(const Args&) {
     mine += st.exp_avg().nbytes() + st.exp_avg_sq().nbytes();
   }
   auto t = at::full({1}, static_cast<double>(mine), at::kDouble);
-  comm.all_reduce(t, {dist::ReduceOp::kMax}).wait();
+  comm.all_reduce(t, {comm::ReduceOp::kMax}).wait();
   if (comm.rank() == 0) {
     const double ideal = static_cast<double>(total) / comm.size();
     std::cout << fmt::format(
@@ -155,7 +155,7 @@ struct TinyImpl : torch::nn::Module {
 
 int unit_cost(const Args& a) {
   at::set_num_threads(1);
-  auto comm = dist::init_from_env();
+  auto comm = comm::init_from_env();
   auto x = at::randn({4, 8});
   auto plain = std::make_shared<TinyImpl>();
   auto model = fsdp::fully_shard(std::make_shared<TinyImpl>(), comm);

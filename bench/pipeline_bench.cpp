@@ -11,8 +11,8 @@
 #include <iostream>
 #include <thread>
 
-#include "dist/init.hpp"
-#include "pipeline/executor.hpp"
+#include "fsdpp/comm/init.hpp"
+#include "fsdpp/pipeline/executor.hpp"
 
 using namespace fsdpp;
 using namespace fsdpp::pipeline;
@@ -51,11 +51,11 @@ int main(int argc, char** argv) {
   const std::string name = argv[1];
   const int m = std::atoi(argv[2]);
   if (argc > 3) g_unit_ms = std::atoi(argv[3]);
-  auto comm = dist::init_from_env();
+  auto comm = comm::init_from_env();
   const int pp = comm.size();
   auto schedule = make_schedule(name);
   const int v = (name == "ZBVZeroBubble" || name == "DualPipeV" || name == "Interleaved1F1B" || name == "LoopedBFS") ? 2 : 1;
-  const ScheduleSpec spec{pp, v, m};
+  const ScheduleSpec spec{.pp = pp, .stages_per_rank = v, .microbatches = m};
   const auto plan = make_plan(*schedule, spec);
   std::vector<at::Tensor> weights(spec.num_stages());
   std::vector<PipelineStage> mine;

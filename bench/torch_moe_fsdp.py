@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The reference for fsdpp's GPU figures: the MoE transformer of include/models/moe.hpp as
+"""The reference for fsdpp's GPU figures: the MoE transformer of include/fsdpp/models/moe.hpp as
 tests/fsdp/torch_moe.py writes it in PyTorch (the same operations; routing as the config says,
 configs/moe-16x2.json: capacity), trained with
 PyTorch's own FSDP2 `fully_shard` (each block, then the root), bfloat16 compute with float32

@@ -9,7 +9,7 @@
 
 #include <cmath>
 
-#include "fsdp/fully_shard.hpp"
+#include "fsdpp/fsdp/fully_shard.hpp"
 
 namespace fsdpp::bench {
 

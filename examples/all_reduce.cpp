@@ -4,10 +4,10 @@
 
 #include <iostream>
 
-#include "dist/init.hpp"
+#include "fsdpp/comm/init.hpp"
 
 int main() {
-  auto comm = fsdpp::dist::init_from_env();
+  auto comm = fsdpp::comm::init_from_env();
   auto t = at::full({4}, comm.rank() + 1.0);
   comm.all_reduce(t).wait();  // every element becomes 1 + 2 + ... + size
   std::cout << "rank " << comm.rank() << " of " << comm.size() << ": " << t[0].item<double>()

@@ -8,9 +8,9 @@
 
 #include <iostream>
 
-#include "dist/init.hpp"
-#include "pipeline/executor.hpp"
-#include "pipeline/visualize.hpp"
+#include "fsdpp/comm/init.hpp"
+#include "fsdpp/pipeline/executor.hpp"
+#include "fsdpp/pipeline/visualize.hpp"
 
 using namespace fsdpp;
 using namespace fsdpp::pipeline;
@@ -35,8 +35,8 @@ class Eager1F1B : public Schedule {
 
 int main() {
   register_schedule("Eager1F1B", [] { return std::make_unique<Eager1F1B>(); });
-  auto comm = dist::init_from_env();
-  const ScheduleSpec spec{comm.size(), 1, 6};
+  auto comm = comm::init_from_env();
+  const ScheduleSpec spec{.pp = comm.size(), .stages_per_rank = 1, .microbatches = 6};
   const Plan plan = make_plan(*make_schedule("Eager1F1B"), spec);
   if (comm.rank() == 0) {
     for (const char* name : {"1F1B", "Eager1F1B"}) {
@@ -53,8 +53,12 @@ int main() {
   std::vector<torch::nn::Linear> layers;
   for (int s = 0; s < comm.size(); ++s) layers.push_back(torch::nn::Linear(8, 8));
   auto& mine = layers[comm.rank()];
-  PipelineExecutor exec(plan, comm, {{comm.rank(), [&](const at::Tensor& x) { return at::tanh(mine(x)); }, mine->parameters()}},
-                        [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); }, {{4, 8}});
+  PipelineStage stage{.index = comm.rank(),
+                      .forward = [&](const at::Tensor& x) { return at::tanh(mine(x)); },
+                      .parameters = mine->parameters()};
+  PipelineExecutor exec(plan, comm, {stage},
+                        [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+                        {.activation_shape = {4, 8}});  // each microbatch: 4 rows of 8
   torch::optim::SGD opt(mine->parameters(), torch::optim::SGDOptions(0.1));
   std::vector<at::Tensor> xs, ys;
   for (int m = 0; m < spec.microbatches; ++m) xs.push_back(at::randn({4, 8})), ys.push_back(at::randn({4, 8}).tanh());

@@ -8,8 +8,8 @@
 
 #include <iostream>
 
-#include "dist/init.hpp"
-#include "fsdp/fully_shard.hpp"
+#include "fsdpp/comm/init.hpp"
+#include "fsdpp/fsdp/fully_shard.hpp"
 
 using namespace fsdpp;
 
@@ -40,7 +40,7 @@ struct NetImpl : torch::nn::Module {
 TORCH_MODULE(Net);
 
 int main() {
-  auto comm = dist::init_from_env();  // torchrun-style environment, Gloo on CPU
+  auto comm = comm::init_from_env();  // torchrun-style environment, Gloo on CPU
   at::manual_seed(0);                 // same initial weights on every rank
   auto model = fsdp::fully_shard(Net(32, 4), comm);
   torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
@@ -58,7 +58,7 @@ int main() {
     loss.backward();  // gradients are reduce-scattered, averaged over ranks, into the shards
     opt.step();
     auto global = loss.detach().clone();
-    comm.all_reduce(global, {dist::ReduceOp::kAvg}).wait();
+    comm.all_reduce(global, {comm::ReduceOp::kAvg}).wait();
     if (comm.rank() == 0 && step % 50 == 0) std::cout << "step " << step << ": loss " << global.item<double>() << "\n";
   }
   if (comm.rank() == 0) std::cout << "parameters per rank: " << model->sharded_parameters().size() << " shards\n";

@@ -8,7 +8,7 @@
 #   scripts/gpu-check.sh all DEPS_DIR [BUILD_DIR]      both
 # Build and run are separate so that each fits one call on a lent machine (the build folder stays
 # between calls). `run` does:
-#   1. the NCCL core test and the GPU test (NCCL through dist::Comm; fully_shard on CUDA against the
+#   1. the NCCL core test and the GPU test (NCCL through comm::Comm; fully_shard on CUDA against the
 #      CPU; a captured CUDA graph step bitwise equal to the eager step);
 #   2. the small MoE recipe on one GPU, eager and graph replay (steps/s, and equal losses); with
 #      two or more GPUs also as a 1F1B pipeline over two GPUs (pp = 2), eager and graph replay (one

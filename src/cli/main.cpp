@@ -10,15 +10,18 @@
 #include <fstream>
 #include <iostream>
 
-#include "dist/flight_recorder.hpp"
-#include "dist/init.hpp"
-#include "dist/launch.hpp"
-#include "fsdpp/blas.hpp"
-#include "fsdpp/files.hpp"
-#include "pipeline/plan.hpp"
-#include "pipeline/table.hpp"
-#include "pipeline/visualize.hpp"
-#include "train/trainer.hpp"
+#include "fsdpp/comm/flight_recorder.hpp"
+#include "fsdpp/comm/init.hpp"
+#include "fsdpp/comm/launch.hpp"
+#include "fsdpp/base/blas.hpp"
+#include "fsdpp/base/files.hpp"
+#include "fsdpp/pipeline/plan.hpp"
+#include "fsdpp/pipeline/table.hpp"
+#include "fsdpp/pipeline/visualize.hpp"
+#include "fsdpp/train/checkpoints.hpp"
+#include "fsdpp/train/generate.hpp"
+#include "fsdpp/train/model_files.hpp"
+#include "fsdpp/train/trainer.hpp"
 
 namespace {
 
@@ -31,8 +34,8 @@ std::string self_exe() {
   return std::string(buf, n);
 }
 
-int run_launch(dist::LaunchOptions options) {
-  const auto result = dist::launch(options);
+int run_launch(comm::LaunchOptions options) {
+  const auto result = comm::launch(options);
   if (result.exit_code != 0)
     std::cerr << "fsdpp launch: failed: " << result.reason << "\n";
   return result.exit_code;
@@ -41,7 +44,7 @@ int run_launch(dist::LaunchOptions options) {
 // The demo job: every rank checks an all-reduce against its closed form, then rank 0 prints the
 // all-reduce bandwidth table (nccl-tests convention: bus bandwidth = algbw * 2(n-1)/n).
 int demo_worker(int64_t max_bytes) {
-  auto comm = dist::init_from_env();
+  auto comm = comm::init_from_env();
   const int rank = comm.rank(), n = comm.size();
   if (rank == 0) {
     std::cout << describe(probe_blas()) << "\n";
@@ -108,8 +111,8 @@ int schedule_show(const ShowOptions& o) {
   } else {
     schedule = make_schedule(o.schedule);
   }
-  const ScheduleSpec spec{o.pp, o.stages_per_rank, o.microbatches};
-  const auto plan = make_plan(*schedule, spec, o.fsdp, o.max_outstanding_sends);
+  const ScheduleSpec spec{.pp = o.pp, .stages_per_rank = o.stages_per_rank, .microbatches = o.microbatches};
+  const auto plan = make_plan(*schedule, spec, {.fsdp_stages = o.fsdp, .max_outstanding_sends = o.max_outstanding_sends});
   const Costs costs{o.costs[0], o.costs[1], o.costs[2], o.costs[3], 0};
   const auto sim = simulate(plan.lowered, plan.owner, costs, o.max_outstanding_sends);
   const std::string title = fmt::format("{} pp={} stages/rank={} microbatches={}", schedule->name(),
@@ -224,7 +227,7 @@ struct RunArgs {
 
 int run_recipe(RunArgs& a) {
   if (a.stop_after > 0) a.options.stop_after = a.stop_after;
-  if (dist::launched_by_launcher()) {
+  if (comm::launched_by_launcher()) {
     // The recipe sets up the communicators; run_training checks it against the world size.
     const auto recipe = train::load_recipe(a.recipe, a.overrides);
     // A restarted group (fsdpp launch or torchrun with --max-restarts) continues from the latest
@@ -234,18 +237,18 @@ int run_recipe(RunArgs& a) {
       a.options.resume = !train::committed_checkpoints(recipe.output_dir()).empty();
       a.options.overwrite = !a.options.resume;
     }
-    dist::InitOptions init;
-    init.backend = recipe.train.device == "cuda" ? dist::Backend::kNccl : dist::Backend::kGloo;
+    comm::InitOptions init;
+    init.backend = recipe.train.device == "cuda" ? comm::Backend::kNccl : comm::Backend::kGloo;
     init.watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(recipe.dist.watchdog_timeout_s * 1000));
     init.flight_record_dir = (std::filesystem::path(recipe.output_dir()) / "flight_records").string();
     if (recipe.dist.check_collectives) setenv("FSDPP_CHECK_COLLECTIVES", "1", /*overwrite=*/0);
-    train::run_training(recipe, dist::init_from_env(init), a.options);
+    train::run_training(recipe, comm::init_from_env(init), a.options);
     return 0;
   }
   // Check everything before any rank starts.
   const auto recipe = train::load_recipe(a.recipe, a.overrides, a.nproc > 0 ? std::optional<int>(a.nproc) : std::nullopt);
   train::check_output_dir(recipe, a.options);
-  dist::LaunchOptions o;
+  comm::LaunchOptions o;
   o.nproc = recipe.world_size();
   o.max_restarts = a.max_restarts;
   o.command = {self_exe(), "run", a.recipe};
@@ -263,7 +266,7 @@ int main(int argc, char** argv) {
   CLI::App app{"fsdpp: sharded and pipelined training on LibTorch"};
   app.require_subcommand(1);
 
-  dist::LaunchOptions launch;
+  comm::LaunchOptions launch;
   int master_port = 0;
   bool no_prefix = false;
   auto* cmd_launch = app.add_subcommand(
@@ -398,7 +401,7 @@ int main(int argc, char** argv) {
     if (cmd_verify->parsed()) return verify_checkpoints(verify_in);
     if (cmd_analyze->parsed()) {
       bool found = false;
-      std::cout << dist::analyze_flight_records(fr_dir, &found);
+      std::cout << comm::analyze_flight_records(fr_dir, &found);
       return 0;
     }
     if (cmd_show->parsed()) {
@@ -407,8 +410,8 @@ int main(int argc, char** argv) {
       return schedule_show(show);
     }
     if (cmd_demo->parsed()) {
-      if (dist::launched_by_launcher()) return demo_worker(demo_max_mib << 20);
-      dist::LaunchOptions o;
+      if (comm::launched_by_launcher()) return demo_worker(demo_max_mib << 20);
+      comm::LaunchOptions o;
       o.nproc = demo_nproc;
       o.command = {self_exe(), "demo", "--max-mib", std::to_string(demo_max_mib)};
       return run_launch(o);

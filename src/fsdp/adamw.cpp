@@ -1,4 +1,4 @@
-#include "fsdp/adamw.hpp"
+#include "fsdpp/fsdp/adamw.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>

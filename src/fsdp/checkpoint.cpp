@@ -1,9 +1,9 @@
-#include "fsdp/checkpoint.hpp"
+#include "fsdpp/fsdp/checkpoint.hpp"
 
-#include "fsdp/adamw.hpp"
+#include "fsdpp/fsdp/adamw.hpp"
 
-#include "fsdpp/files.hpp"
-#include "fsdpp/safetensors.hpp"
+#include "fsdpp/base/files.hpp"
+#include "fsdpp/base/safetensors.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -163,7 +163,7 @@ std::vector<Saved> read_all_checked(const std::vector<std::string>& dirs, Ranks 
 
 }  // namespace
 
-void save_shards(const std::vector<Shard>& shards, int rank, int world, const std::string& dir,
+void write_shard_files(const std::vector<Shard>& shards, int rank, int world, const std::string& dir,
                  AdamW* optimizer) {
   fs::create_directories(dir);
   json entries = json::array();
@@ -198,11 +198,11 @@ void save_shards(const std::vector<Shard>& shards, int rank, int world, const st
 
 void save_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer) {
   auto& comm = root.fsdp_unit().comm();
-  save_shards(shards(root), comm.rank(), comm.size(), dir, optimizer);
+  write_shard_files(shards(root), comm.rank(), comm.size(), dir, optimizer);
   comm.barrier().wait();  // the checkpoint is complete when every rank's files are in place
 }
 
-void load_shards(const std::vector<Shard>& shards, const std::string& dir, AdamW* optimizer, bool present_only) {
+void read_shard_files(const std::vector<Shard>& shards, const std::string& dir, AdamW* optimizer, bool present_only) {
   const auto saved = read_all({dir}, present_only ? Ranks::kPresent : Ranks::kAll);
   at::NoGradGuard no_grad;
   std::optional<int64_t> steps_loaded;
@@ -257,7 +257,7 @@ void load_shards(const std::vector<Shard>& shards, const std::string& dir, AdamW
 
 void load_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer) {
   root.fsdp_unit().reshard();
-  load_shards(shards(root), dir, optimizer);
+  read_shard_files(shards(root), dir, optimizer);
 }
 
 void verify_sharded(const std::string& dir, bool present_only) {

@@ -1,4 +1,4 @@
-#include "fsdp/fully_shard.hpp"
+#include "fsdpp/fsdp/fully_shard.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -33,7 +33,7 @@ void find_units(torch::nn::Module& m, const std::string& path,
 
 }  // namespace
 
-void shard_tree(UnitHolder& top, const dist::Comm& comm, const FullyShardOptions& options,
+void shard_tree(UnitHolder& top, const comm::Comm& comm, const FullyShardOptions& options,
                 const std::string& path) {
   Unit& unit = top.fsdp_unit();
   if (unit.is_sharded())

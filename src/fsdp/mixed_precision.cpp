@@ -1,4 +1,4 @@
-#include "fsdp/mixed_precision.hpp"
+#include "fsdpp/fsdp/mixed_precision.hpp"
 
 #include <ATen/core/Tensor.h>
 

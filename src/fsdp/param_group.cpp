@@ -1,7 +1,7 @@
-#include "fsdp/param_group.hpp"
+#include "fsdpp/fsdp/param_group.hpp"
 
-#include "dist/flight_recorder.hpp"
-#include "fsdpp/storage.hpp"
+#include "fsdpp/comm/flight_recorder.hpp"
+#include "fsdpp/base/storage.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -63,7 +63,7 @@ void zero_block(const at::Tensor& t) {
 
 }  // namespace
 
-ParamGroup::ParamGroup(dist::Comm comm, std::vector<ParamSpec> specs, const MixedPrecisionPolicy& mp,
+ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const MixedPrecisionPolicy& mp,
                        std::string label, int post_forward_group, bool static_buffers)
     : comm_(std::move(comm)),
       label_(std::move(label)),
@@ -258,14 +258,14 @@ void ParamGroup::unshard_async() {
   allocate(gather_buf_, gather_buf_.numel());
   if (group_shard_.defined()) {
     // After reshard_to_group: the buffer is split in N contiguous pieces, one per group member.
-    dist::OpLabel op_label("fsdp group all_gather " + label_);
+    comm::OpLabel op_label("fsdp group all_gather " + label_);
     gather_work_ = group_comm_.all_gather(gather_buf_, group_shard_);
     group_shard_ = at::Tensor();
     return;
   }
   for (const auto& q : params_)
     if (q.copy_in.defined()) copy_block(q.copy_in, q.padded);  // casts to the compute dtype
-  dist::OpLabel op_label(&gather_label_);
+  comm::OpLabel op_label(&gather_label_);
   gather_work_ = comm_.all_gather(gather_buf_, gather_slot_);
 }
 
@@ -345,8 +345,8 @@ void ParamGroup::reduce_grads_async() {
       q.grad_acc = at::Tensor();
     }
   }
-  dist::OpLabel op_label(&reduce_label_);
-  reduce_work_ = comm_.reduce_scatter(reduce_out_, reduce_in_.view(-1), {dist::ReduceOp::kAvg});
+  comm::OpLabel op_label(&reduce_label_);
+  reduce_work_ = comm_.reduce_scatter(reduce_out_, reduce_in_.view(-1), {comm::ReduceOp::kAvg});
 }
 
 void ParamGroup::finish_reduce() {

@@ -1,4 +1,4 @@
-#include "fsdp/unit.hpp"
+#include "fsdpp/fsdp/unit.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -42,7 +42,7 @@ Unit::~Unit() {
   for (const void* k : owned_) g_registry.erase(k);
 }
 
-void Unit::shard(dist::Comm comm, std::vector<ParamSpec> params, FullyShardOptions options) {
+void Unit::shard(comm::Comm comm, std::vector<ParamSpec> params, FullyShardOptions options) {
   if (group_) throw std::invalid_argument(fmt::format("fully_shard: '{}' is already sharded", label_));
   std::vector<const void*> keys;
   {
@@ -219,9 +219,18 @@ void Unit::finish_backward(const std::shared_ptr<detail::Tree>& tree) {
   tree->backward_active = false;
 }
 
-void Unit::unshard() {
+void Unit::unshard(bool async) {
   for (Unit* u : tree_units()) u->group().unshard_async();
-  for (Unit* u : tree_units()) u->group().wait_unshard();
+  if (!async)
+    for (Unit* u : tree_units()) u->group().wait_unshard();
+}
+
+void Unit::reduce_grads_async() {
+  for (Unit* u : tree_units()) u->group().reduce_grads_async();
+}
+
+void Unit::wait_reduce_grads() {
+  for (Unit* u : tree_units()) u->group().finish_reduce();
 }
 
 void Unit::reshard() {

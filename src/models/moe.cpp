@@ -1,4 +1,4 @@
-#include "models/moe.hpp"
+#include "fsdpp/models/moe.hpp"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -283,6 +283,7 @@ MoETransformerImpl::MoETransformerImpl(const MoEConfig& c)
   layers = register_module("layers", std::make_shared<torch::nn::Module>("Layers"));
   for (int64_t i = 0; i < c.layers; ++i) {
     blocks_.emplace_back(Block(c, i, stats_));
+    calls_.emplace_back(blocks_.back());
     layers->register_module(std::to_string(i), blocks_.back().ptr());
   }
   norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
@@ -292,17 +293,18 @@ MoETransformerImpl::MoETransformerImpl(const MoEConfig& c)
 
 MoETransformerImpl::MoETransformerImpl(const MoETransformerImpl& full, int64_t first, int64_t last)
     : config_(full.config_), stats_(std::make_shared<RouterStats>()), first_(first), last_(last) {
-  TORCH_CHECK(full.first_ == 0 && full.last_ == full.config_.layers,
-              "MoETransformer: a stage is cut from a full model");
+  TORCH_CHECK(full.first_ == 0 && full.last_ == full.config_.layers && !full.wrapped_,
+              "MoETransformer: a stage is cut from a full model whose blocks are not wrapped");
   TORCH_CHECK(0 <= first && first < last && last <= config_.layers, "MoETransformer: stage layers [",
               first, ", ", last, ") are not within [0, ", config_.layers, ")");
   if (first == 0) embed = register_module("embed", full.embed);
   layers = register_module("layers", std::make_shared<torch::nn::Module>("Layers"));
   for (int64_t i = first; i < last; ++i) {
     blocks_.push_back(full.blocks_[i]);
+    calls_.emplace_back(blocks_.back());
     layers->register_module(std::to_string(i), blocks_.back().ptr());
     // The stage keeps its own router statistics.
-    if (auto& moe = blocks_.back()->inner().moe) moe->stats = stats_;
+    if (auto& moe = blocks_.back()->moe) moe->stats = stats_;
   }
   if (last == config_.layers) {
     norm = register_module("norm", full.norm);
@@ -314,11 +316,19 @@ at::Tensor MoETransformerImpl::forward(const at::Tensor& input) {
   at::Tensor h = has_embedding() ? embed(input) : input;
   if (!has_embedding()) {
     // Hidden states arrive in float32 between stages; compute in the layers' dtype.
-    h = h.to(blocks_.front()->inner().attn->qkv->weight.scalar_type());
+    h = h.to(blocks_.front()->attn->qkv->weight.scalar_type());
   }
-  for (auto& b : blocks_) h = b->forward(h);
+  for (auto& b : calls_) h = b.forward(h);
   if (!has_head()) return h;
   return head(norm(h)).to(at::kFloat);
+}
+
+void MoETransformerImpl::wrap_blocks(const std::function<torch::nn::AnyModule(const Block&)>& wrap) {
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    calls_[i] = wrap(blocks_[i]);
+    layers->replace_module(std::to_string(first_ + int64_t(i)), calls_[i].ptr());
+  }
+  wrapped_ = true;
 }
 
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {

@@ -1,8 +1,8 @@
-#include "pipeline/executor.hpp"
+#include "fsdpp/pipeline/executor.hpp"
 
-#include "dist/flight_recorder.hpp"
-#include "fsdpp/cuda_graph.hpp"
-#include "fsdpp/storage.hpp"
+#include "fsdpp/comm/flight_recorder.hpp"
+#include "fsdpp/base/cuda_graph.hpp"
+#include "fsdpp/base/storage.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -20,7 +20,7 @@ struct PipelineExecutor::Slot {
   at::Tensor grad_output;  // gradient of `output` (undefined for the loss)
   at::Tensor grad_input;   // gradient of `input`, for the previous stage
   at::Tensor recv_f, recv_b;
-  std::optional<dist::Work> recv_f_work, recv_b_work;
+  std::optional<comm::Work> recv_f_work, recv_b_work;
 };
 
 namespace {
@@ -42,7 +42,7 @@ constexpr uint32_t kMessageTag = 0;
 
 }  // namespace
 
-PipelineExecutor::PipelineExecutor(Plan plan, dist::Comm pp, std::vector<PipelineStage> stages,
+PipelineExecutor::PipelineExecutor(Plan plan, comm::Comm pp, std::vector<PipelineStage> stages,
                                    std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss,
                                    ExecutorOptions options)
     : plan_(std::move(plan)), pp_(std::move(pp)), loss_(std::move(loss)), options_(std::move(options)) {
@@ -74,7 +74,7 @@ PipelineExecutor::PipelineExecutor(Plan plan, dist::Comm pp, std::vector<Pipelin
   }
 }
 
-dist::Comm& PipelineExecutor::edge(int from, int to) { return edges_.at({from, to}); }
+comm::Comm& PipelineExecutor::edge(int from, int to) { return edges_.at({from, to}); }
 
 PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb) {
   auto& p = slots_[{stage, mb}];
@@ -87,14 +87,41 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
 }
 
 at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
-  const int me = pp_.rank(), last = plan_.spec.num_stages() - 1, m = plan_.spec.microbatches;
+  const int m = plan_.spec.microbatches;
+  if (static_cast<int>(inputs.size()) != m || static_cast<int>(targets.size()) != m)
+    throw ScheduleError(fmt::format("executor: a step takes the plan's {} microbatches, got {} inputs and {} targets", m,
+                                    inputs.size(), targets.size()));
+  return run(plan_.lowered[pp_.rank()], inputs, targets, options_.loss_scale > 0 ? options_.loss_scale : 1.0 / m);
+}
+
+at::Tensor PipelineExecutor::forward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+  const int count = static_cast<int>(inputs.size());
+  if (count < 1 || count > plan_.spec.microbatches || targets.size() != inputs.size())
+    throw ScheduleError(fmt::format("executor: forward takes 1 to {} microbatches, got {} inputs and {} targets",
+                                    plan_.spec.microbatches, inputs.size(), targets.size()));
+  // The plan's forwards of the first `count` microbatches, with their messages, in the plan's order:
+  // a subset closed under dependencies, taken alike on every rank, so it runs as the plan does.
+  using T = ActionType;
+  std::vector<Action> program;
+  for (const Action& a : plan_.lowered[pp_.rank()]) {
+    const bool forward_part = a.type == T::kForward || a.type == T::kSendF || a.type == T::kRecvF;
+    if ((forward_part && a.microbatch < count) || a.type == T::kUnshard || a.type == T::kReshard)
+      program.push_back(a);
+  }
+  at::NoGradGuard no_grad;
+  return run(program, inputs, targets, 1.0);
+}
+
+at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::vector<at::Tensor>& inputs,
+                                 const std::vector<at::Tensor>& targets, double loss_scale) {
+  const int me = pp_.rank(), last = plan_.spec.num_stages() - 1;
   const auto act_options = at::TensorOptions(options_.device).dtype(options_.activation_dtype);
   // Sends in flight, oldest first. Under the budget a send first waits for the oldest, as the
   // plan's simulation assumes. On NCCL that wait is a stream dependency, not a host wait: while
   // the step is being captured as a CUDA graph the host cannot know what has completed (every
   // operation reads as done), so nothing is dropped from the front unwaited, and the budget is
   // recorded in the graph as dependencies between the sends.
-  std::deque<dist::Work> sends;
+  std::deque<comm::Work> sends;
   const bool captured = options_.device.is_cuda() && fsdpp::stream_capturing(options_.device.index());
   int live_buffers = 0;
   auto send = [&](int to, const at::Tensor& t) {
@@ -117,24 +144,16 @@ at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& input
     return at::empty(options_.activation_shape, act_options);
   };
   using T = ActionType;
-  std::vector<fsdp::Unit*> reducing;  // units whose reduce-scatter is in flight
+  std::vector<StageSharding*> reducing;  // stages whose reduce-scatters are in flight
   auto finish_reduces = [&] {
-    for (auto* u : reducing) u->group().finish_reduce();
+    for (auto* sharding : reducing) sharding->wait_reduce_grads();
     reducing.clear();
   };
   for (auto& [index, st] : stages_)
-    if (st.fsdp) {
-      st.fsdp->fsdp_unit().set_requires_gradient_sync(false);
-      st.fsdp->fsdp_unit().set_reshard_after_backward(false);
-      st.fsdp->fsdp_unit().set_reshard_after_forward(!options_.keep_stages_unsharded);
-    }
-  auto units_of = [&](int s) {
-    auto* holder = stages_.at(s).fsdp;
-    return holder ? holder->fsdp_unit().tree_units() : std::vector<fsdp::Unit*>{};
-  };
-  for (const Action& a : plan_.lowered[me]) {
+    if (st.sharding) st.sharding->begin_step(options_.keep_stages_unsharded);
+  for (const Action& a : program) {
     const int s = a.stage, mb = a.microbatch;
-    dist::OpLabel op_label("pp " + to_string(a));
+    comm::OpLabel op_label("pp " + to_string(a));
     switch (a.type) {
       case T::kRecvF: {
         auto& sl = slot(s, mb);
@@ -164,7 +183,7 @@ at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& input
         sl.input = s == 0 ? x : x.detach().requires_grad_(true);
         at::Tensor out = stages_.at(s).forward(sl.input);
         if (s == last) {
-          out = loss_(out, targets.at(mb)) / m;
+          out = loss_(out, targets.at(mb)) * loss_scale;
           loss_sum.add_(out.detach().to(at::kDouble));
         }
         sl.output = out;
@@ -211,22 +230,22 @@ at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& input
         send(plan_.owner[s - 1], slot(s, mb).grad_input.contiguous());
         break;
       case T::kUnshard:
-        for (auto* u : units_of(s)) u->group().unshard_async();  // waited where forward needs it
+        if (auto& sharding = stages_.at(s).sharding) sharding->unshard_async();  // waited where forward needs it
         break;
       case T::kReshard:
-        for (auto* u : units_of(s)) u->group().reshard();
+        if (auto& sharding = stages_.at(s).sharding) sharding->reshard();
         break;
       case T::kReduceGrad:
         finish_reduces();
-        for (auto* u : units_of(s)) {
-          u->group().reduce_grads_async();
-          reducing.push_back(u);
+        if (auto& sharding = stages_.at(s).sharding) {
+          sharding->reduce_grads_async();
+          reducing.push_back(sharding.get());
         }
         break;
     }
   }
   finish_reduces();
-  dist::wait_all({sends.begin(), sends.end()});
+  comm::wait_all({sends.begin(), sends.end()});
   slots_.clear();
   return loss_sum;
 }

@@ -1,4 +1,4 @@
-#include "train/data.hpp"
+#include "fsdpp/train/data.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -9,7 +9,7 @@
 #include <fstream>
 #include <iterator>
 
-#include "train/recipe.hpp"
+#include "fsdpp/train/recipe.hpp"
 
 namespace fsdpp::train {
 

@@ -1,4 +1,4 @@
-#include "train/recipe.hpp"
+#include "fsdpp/train/recipe.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -10,10 +10,10 @@
 #include <memory>
 #include <set>
 
-#include "dist/init.hpp"
-#include "pipeline/plan.hpp"
-#include "pipeline/table.hpp"
-#include "train/data.hpp"
+#include "fsdpp/comm/init.hpp"
+#include "fsdpp/pipeline/plan.hpp"
+#include "fsdpp/pipeline/table.hpp"
+#include "fsdpp/train/data.hpp"
 
 namespace fsdpp::train {
 
@@ -49,10 +49,10 @@ class Reader {
  public:
   Reader(const json* j, std::string path, std::vector<std::string>& problems,
          std::shared_ptr<std::set<std::string>> all_paths = std::make_shared<std::set<std::string>>())
-      : j_(j), path_(std::move(path)), problems_(problems), all_paths_(std::move(all_paths)) {
-    if (j_ && !j_->is_object()) {
-      fail("", fmt::format("must be an object, got {}", type_name(*j_)));
-      j_ = nullptr;
+      : value_(j), path_(std::move(path)), problems_(problems), all_paths_(std::move(all_paths)) {
+    if (value_ && !value_->is_object()) {
+      fail("", fmt::format("must be an object, got {}", type_name(*value_)));
+      value_ = nullptr;
     }
   }
   ~Reader() { unknown_keys(); }
@@ -64,9 +64,9 @@ class Reader {
   const json* find(const std::string& key) {
     known_.insert(key);
     all_paths_->insert(at(key));
-    if (!j_) return nullptr;
-    auto it = j_->find(key);
-    return it == j_->end() ? nullptr : &*it;
+    if (!value_) return nullptr;
+    auto it = value_->find(key);
+    return it == value_->end() ? nullptr : &*it;
   }
   Reader section(const std::string& key) { return Reader(find(key), at(key), problems_, all_paths_); }
 
@@ -131,9 +131,9 @@ class Reader {
 
  private:
   void unknown_keys() {
-    if (!j_) return;
+    if (!value_) return;
     const std::vector<std::string> known(known_.begin(), known_.end());
-    for (const auto& [k, v] : j_->items()) {
+    for (const auto& [k, v] : value_->items()) {
       if (known_.count(k)) continue;
       std::string hint = suggest(k, known);
       if (hint.empty())  // a key of another section?
@@ -146,7 +146,7 @@ class Reader {
     }
   }
 
-  const json* j_;
+  const json* value_;
   std::string path_;
   std::vector<std::string>& problems_;
   std::shared_ptr<std::set<std::string>> all_paths_;  // every path read so far, for hints
@@ -155,6 +155,33 @@ class Reader {
 
 constexpr int64_t kBig = int64_t(1) << 40;
 const std::vector<std::string> kDtypes = {"float32", "bfloat16", "float16"};
+
+// One of kDtypes (the Reader has checked the name; anything else is a bug here, not a fallback).
+at::ScalarType dtype_named(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  throw std::logic_error("recipe: no dtype named '" + name + "'");
+}
+
+fsdp::MixedPrecisionPolicy precision_policy(const PrecisionOptions& p) {
+  fsdp::MixedPrecisionPolicy policy;
+  if (p.param_dtype != at::kFloat) policy.param_dtype = p.param_dtype;  // float32: keep each parameter's own
+  policy.reduce_dtype = p.reduce_dtype;
+  if (p.overrides.empty()) return policy;
+  auto pick = [overrides = p.overrides](bool grad) -> fsdp::DtypeFn {
+    return [overrides, grad](const std::string& name, const at::Tensor&) -> std::optional<at::ScalarType> {
+      for (const auto& o : overrides) {
+        const auto& dtype = grad ? o.grad_dtype : o.param_dtype;
+        if (dtype && fsdp::glob_match(o.match, name)) return dtype;
+      }
+      return std::nullopt;
+    };
+  };
+  policy.param_dtype_override = pick(false);
+  policy.grad_dtype = pick(true);
+  return policy;
+}
 
 void read_model(Reader& r, models::MoEConfig& c) {
   r.integer("vocab_size", c.vocab_size, 2, 1 << 20);
@@ -360,8 +387,11 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
     }
     {
       Reader pr = top.section("precision");
-      pr.string("param_dtype", rc.precision.param_dtype, kDtypes);
-      pr.string("reduce_dtype", rc.precision.reduce_dtype, kDtypes);
+      std::string param_dtype = "float32", reduce_dtype = "float32";
+      pr.string("param_dtype", param_dtype, kDtypes);
+      pr.string("reduce_dtype", reduce_dtype, kDtypes);
+      rc.precision.param_dtype = dtype_named(param_dtype);
+      rc.precision.reduce_dtype = dtype_named(reduce_dtype);
       if (const json* ov = pr.find("overrides")) {
         if (!ov->is_array()) {
           pr.fail("overrides", "must be an array of {\"match\": ..., \"param_dtype\": ..., \"grad_dtype\": ...}");
@@ -375,12 +405,13 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
             o.string("grad_dtype", gd, kDtypes);
             if (d.match.empty()) o.fail("match", "missing: a glob on parameter names, for example \"*norm*\"");
             if (!o.find("param_dtype") && !o.find("grad_dtype")) o.fail("", "needs param_dtype or grad_dtype");
-            if (!pd.empty()) d.param_dtype = pd;
-            if (!gd.empty()) d.grad_dtype = gd;
+            if (!pd.empty()) d.param_dtype = dtype_named(pd);
+            if (!gd.empty()) d.grad_dtype = dtype_named(gd);
             rc.precision.overrides.push_back(d);
           }
         }
       }
+      rc.precision.policy = precision_policy(rc.precision);
     }
     {
       Reader o = top.section("optim");
@@ -401,7 +432,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       t.integer("seed", rc.train.seed, 0, kBig);
       t.string("device", rc.train.device, {"cpu", "cuda"});
       t.boolean("cuda_graph", rc.train.cuda_graph);
-      if (rc.train.device == "cuda" && !dist::has_backend(dist::Backend::kNccl))
+      if (rc.train.device == "cuda" && !comm::has_backend(comm::Backend::kNccl))
         t.fail("device", "\"cuda\" needs fsdpp built with the NCCL backend (a CUDA build of LibTorch; this build "
                          "has none)");
       if (rc.train.cuda_graph && rc.train.device != "cuda") t.fail("cuda_graph", "needs train.device \"cuda\"");
@@ -470,7 +501,10 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
             throw pipeline::ScheduleError(fmt::format("unknown schedule \"{}\" (known: {}){}", s, fmt::join(names, ", "),
                                                       Reader::suggest(s, names)));
         }
-        pipeline::make_plan(*pipeline::schedule_from(rc.parallel.schedule), {par.pp, par.stages_per_rank, par.microbatches}, true, par.max_outstanding_sends);
+        rc.plan = std::make_shared<const pipeline::Plan>(
+            pipeline::make_plan(*pipeline::schedule_from(rc.parallel.schedule),
+                                {.pp = par.pp, .stages_per_rank = par.stages_per_rank, .microbatches = par.microbatches},
+                                {.fsdp_stages = true, .max_outstanding_sends = par.max_outstanding_sends}));
       } catch (const std::exception& e) {
         top.fail("parallel.schedule", e.what());
       }

@@ -1,4 +1,4 @@
-#include "train/report.hpp"
+#include "fsdpp/train/report.hpp"
 
 #include <fmt/format.h>
 
@@ -8,8 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <ostream>
 
-#include "dist/flight_recorder.hpp"
-#include "fsdpp/files.hpp"
+#include "fsdpp/comm/flight_recorder.hpp"
+#include "fsdpp/base/files.hpp"
 
 namespace fsdpp::train {
 
@@ -137,7 +137,7 @@ void Tracer::span(const std::string& name, const std::string& track, Clock::time
 void Tracer::add_communication(Clock::time_point from, Clock::time_point to) {
   const bool was = active_;
   active_ = true;
-  const auto comms = nlohmann::json::parse(dist::flight_records_json());
+  const auto comms = nlohmann::json::parse(comm::flight_records_json());
   for (const auto& c : comms)
     for (const auto& e : c.at("entries")) {
       const int64_t issued = e.at("issued_us");

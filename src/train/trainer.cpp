@@ -1,4 +1,4 @@
-#include "train/trainer.hpp"
+#include "fsdpp/train/trainer.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -18,55 +18,29 @@
 #include <set>
 #include <sstream>
 
-#include "dist/fault.hpp"
-#include "dist/mesh.hpp"
-#include "fsdp/adamw.hpp"
-#include "fsdp/checkpoint.hpp"
-#include "fsdpp/cuda_graph.hpp"
-#include "fsdpp/device_check.hpp"
-#include "fsdpp/files.hpp"
-#include "fsdpp/safetensors.hpp"
-#include "pipeline/executor.hpp"
-#include "pipeline/table.hpp"
-#include "train/data.hpp"
-#include "train/report.hpp"
+#include "fsdpp/comm/fault.hpp"
+#include "fsdpp/comm/mesh.hpp"
+#include "fsdpp/fsdp/adamw.hpp"
+#include "fsdpp/fsdp/checkpoint.hpp"
+#include "fsdpp/base/cuda_graph.hpp"
+#include "fsdpp/base/device_check.hpp"
+#include "fsdpp/base/files.hpp"
+#include "fsdpp/base/safetensors.hpp"
+#include "fsdpp/pipeline/executor.hpp"
+#include "fsdpp/pipeline/fsdp_stage.hpp"
+#include "fsdpp/train/checkpoints.hpp"
+#include "fsdpp/train/data.hpp"
+#include "fsdpp/train/model_files.hpp"
+#include "fsdpp/train/report.hpp"
+#include "fsdpp/train/sharding.hpp"
 
 namespace fsdpp::train {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
-using Root = fsdp::FullyShard<models::MoETransformerImpl>;
 
 namespace {
-
-constexpr const char* kRunCheckpointFormat = "fsdpp-run-checkpoint-1";
-
-at::ScalarType dtype_of(const std::string& s) {
-  if (s == "bfloat16") return at::kBFloat16;
-  if (s == "float16") return at::kHalf;
-  return at::kFloat;
-}
-
-fsdp::FullyShardOptions shard_options(const PrecisionOptions& p) {
-  fsdp::FullyShardOptions o;
-  if (p.param_dtype != "float32") o.mp.param_dtype = dtype_of(p.param_dtype);
-  o.mp.reduce_dtype = dtype_of(p.reduce_dtype);
-  auto pick = [](std::vector<DtypeOverride> ovs, bool grad) -> fsdp::DtypeFn {
-    return [ovs, grad](const std::string& name, const at::Tensor&) -> std::optional<at::ScalarType> {
-      for (const auto& o : ovs) {
-        const auto& d = grad ? o.grad_dtype : o.param_dtype;
-        if (d && fsdp::glob_match(o.match, name)) return dtype_of(*d);
-      }
-      return std::nullopt;
-    };
-  };
-  if (!p.overrides.empty()) {
-    o.mp.param_dtype_override = pick(p.overrides, false);
-    o.mp.grad_dtype = pick(p.overrides, true);
-  }
-  return o;
-}
 
 // Linear warmup to lr, then cosine decay to lr * min_lr_ratio at the last step.
 double learning_rate(const OptimOptions& o, int64_t step, int64_t total) {
@@ -81,20 +55,11 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-std::string step_dir_name(int64_t step) { return fmt::format("step-{:08}", step); }
-
-// FSDPP_FAULT (dist/fault.hpp): the trainer's kinds end this rank with SIGKILL.
+// FSDPP_FAULT (fsdpp/comm/fault.hpp): the trainer's kinds end this rank with SIGKILL.
 void maybe_fire(const char* kind, int rank, int64_t step) {
-  if (!dist::injected_fault().due(kind, rank, step)) return;
+  if (!comm::injected_fault().due(kind, rank, step)) return;
   std::cerr << fmt::format("FSDPP_FAULT: rank {} kills itself ({} at step {})", rank, kind, step) << std::endl;
   raise(SIGKILL);
-}
-
-// The CRC-32C of a JSON record without its own "crc32c" field, as written (dump(1)).
-std::string record_checksum(json record) {
-  record.erase("crc32c");
-  const auto text = record.dump(1);
-  return crc_hex(crc32c(text.data(), text.size()));
 }
 
 // An integer from the environment, or `fallback` when it is unset.
@@ -110,8 +75,8 @@ bool stdout_is_terminal() {
 
 class Trainer {
  public:
-  Trainer(const Recipe& r, dist::Comm world, const RunOptions& o)
-      : r_(r), o_(o), mesh_(std::move(world), {{"pp", r.parallel.pp}, {"dp", r.parallel.dp}}),
+  Trainer(const Recipe& r, comm::Comm world, const RunOptions& o)
+      : recipe_(r), options_(o), mesh_(std::move(world), {{"pp", r.parallel.pp}, {"dp", r.parallel.dp}}),
         out_(r.output_dir()), rank_(mesh_.world().rank()), local_rank_(env_int("LOCAL_RANK", rank_)),
         node_(env_int("GROUP_RANK", 0)),
         progress_(r.train.steps, o.tty.value_or(stdout_is_terminal()), std::cout), tracer_(rank_) {}
@@ -119,13 +84,14 @@ class Trainer {
   RunResult run();
 
  private:
-  dist::Comm& world() { return mesh_.world(); }
+  comm::Comm& world() { return mesh_.world(); }
   bool lead() const { return rank_ == 0; }
   // Checkpoints on local storage: each node's disk holds its own ranks' files, and the node's first
   // rank manages the directory there (rank 0 does on shared storage).
-  bool local_storage() const { return r_.checkpoint.storage == "local"; }
+  bool local_storage() const { return recipe_.checkpoint.storage == "local"; }
   bool checkpoint_writer() const { return local_storage() ? local_rank_ == 0 : lead(); }
   int dp_rank() const { return mesh_.coord("dp"); }
+  bool holds_last_stage() const { return !recipe_.plan || stage_ids_.back() == recipe_.plan->spec.num_stages() - 1; }
   void log(const std::string& line) {
     if (lead()) progress_.print(line);
   }
@@ -155,13 +121,13 @@ class Trainer {
     tracer_.span(name, track, begin, std::chrono::system_clock::now());
   }
   void metric(json j) {
-    if (o_.restart > 0) j["restart"] = o_.restart;  // which start of the group wrote the line
+    if (options_.restart > 0) j["restart"] = options_.restart;  // which start of the group wrote the line
     if (metrics_) *metrics_ << j.dump() << "\n" << std::flush;
   }
 
-  const Recipe& r_;
-  RunOptions o_;
-  dist::DeviceMesh mesh_;
+  const Recipe& recipe_;
+  RunOptions options_;
+  comm::DeviceMesh mesh_;
   fs::path out_;
   int rank_;
   int local_rank_, node_;  // LOCAL_RANK and GROUP_RANK, as the launcher or torchrun set them
@@ -169,7 +135,7 @@ class Trainer {
   Tracer tracer_;
 
   std::optional<TokenStream> train_data_, val_data_;
-  std::vector<Root> roots_;  // one per stage this rank holds (the whole model when pp = 1)
+  std::vector<ShardedModel> roots_;  // one per stage this rank holds (the whole model when pp = 1)
   std::vector<int> stage_ids_;
   std::optional<pipeline::PipelineExecutor> executor_;
   std::unique_ptr<fsdp::AdamW> optimizer_;
@@ -191,75 +157,74 @@ class Trainer {
 };
 
 void Trainer::prepare_output() {
-  check_output_dir(r_, o_);
+  check_output_dir(recipe_, options_);
   if (lead()) {
-    if (!o_.resume && fs::exists(out_)) {
+    if (!options_.resume && fs::exists(out_)) {
       for (const char* p : {"checkpoints", "metrics", "trace", "flight_records", "loss.svg", "summary.json", "trace.json"}) fs::remove_all(out_ / p);
     }
     fs::create_directories(out_ / "metrics");
-    write_file_atomically((out_ / "recipe.json").string(), r_.resolved.dump(2) + "\n");
+    write_file_atomically((out_ / "recipe.json").string(), recipe_.resolved.dump(2) + "\n");
   }
   if (checkpoint_writer() && !lead()) {  // another node's disk (local storage)
-    if (!o_.resume) fs::remove_all(out_ / "checkpoints");
+    if (!options_.resume) fs::remove_all(out_ / "checkpoints");
     fs::create_directories(out_);
   }
   world().barrier().wait();
 }
 
 void Trainer::build() {
-  const auto& c = r_.model;
-  const Corpus corpus = load_corpus(r_.data, static_cast<uint64_t>(r_.train.seed));
+  const auto& c = recipe_.model;
+  const Corpus corpus = load_corpus(recipe_.data, static_cast<uint64_t>(recipe_.train.seed));
   log(fmt::format("data: {}", corpus.description));
-  train_data_.emplace(corpus.train, r_.data.seq_len, static_cast<uint64_t>(r_.train.seed));
-  val_data_.emplace(corpus.val, r_.data.seq_len, 0, /*shuffle=*/false);
+  train_data_.emplace(corpus.train, recipe_.data.seq_len, static_cast<uint64_t>(recipe_.train.seed));
+  val_data_.emplace(corpus.val, recipe_.data.seq_len, 0, /*shuffle=*/false);
 
-  if (r_.train.device == "cuda") device_ = at::Device(at::kCUDA, fsdpp::current_cuda_device());
+  if (recipe_.train.device == "cuda") device_ = at::Device(at::kCUDA, fsdpp::current_cuda_device());
   // Every rank builds the same full model from the seed (on the CPU, so that every device starts
   // from the same numbers), then keeps its part.
-  at::manual_seed(static_cast<uint64_t>(r_.train.seed));
+  at::manual_seed(static_cast<uint64_t>(recipe_.train.seed));
   auto full = models::MoETransformer(c);
-  if (!r_.init_from.empty() && !o_.resume) {
-    load_full_weights(*full, read_safetensors(r_.init_from).tensors, r_.init_from);
-    log(fmt::format("model: weights from {}", r_.init_from));
+  if (!recipe_.init_from.empty() && !options_.resume) {
+    load_full_weights(*full, read_safetensors(recipe_.init_from).tensors, recipe_.init_from);
+    log(fmt::format("model: weights from {}", recipe_.init_from));
   }
   full->to(device_);
-  auto options = shard_options(r_.precision);
-  options.static_buffers = r_.train.cuda_graph;
+  const fsdp::FullyShardOptions options{.mp = recipe_.precision.policy, .static_buffers = recipe_.train.cuda_graph};
   auto& dp = mesh_.comm("dp");
-  const auto& par = r_.parallel;
-  if (par.pp == 1) {
-    roots_.push_back(fsdp::fully_shard(full, dp, options));
+  const auto& par = recipe_.parallel;
+  if (!recipe_.plan) {
+    roots_.push_back(shard_model(full, dp, options));
     stage_ids_.push_back(0);
   } else {
-    const auto schedule = pipeline::schedule_from(par.schedule);
-    auto plan = pipeline::make_plan(*schedule, {par.pp, par.stages_per_rank, par.microbatches}, true,
-                                    par.max_outstanding_sends);
-    const int stages = par.pp * par.stages_per_rank;
+    const auto& plan = *recipe_.plan;
+    const int stages = plan.spec.num_stages();
     std::vector<pipeline::PipelineStage> mine;
     roots_.reserve(stages);
     for (int st = 0; st < stages; ++st) {
       if (plan.owner[st] != mesh_.coord("pp")) continue;
       const int64_t first = c.layers * st / stages, last = c.layers * (st + 1) / stages;
-      auto stage = models::MoETransformer(std::make_shared<models::MoETransformerImpl>(*full, first, last));
-      roots_.push_back(fsdp::fully_shard(stage, dp, options));
+      roots_.push_back(shard_model(models::MoETransformer(std::make_shared<models::MoETransformerImpl>(*full, first, last)),
+                                   dp, options));
       stage_ids_.push_back(st);
       auto* root = roots_.back().ptr().get();
-      mine.push_back({st, [root](const at::Tensor& x) { return root->forward(x); }, root->parameters(), root});
+      mine.push_back({.index = st,
+                      .forward = [root](const at::Tensor& x) { return root->forward(x); },
+                      .parameters = root->parameters(),
+                      .sharding = pipeline::fsdp_sharding(*root)});
     }
-    const int64_t accum = r_.train.grad_accum;
-    pipeline::ExecutorOptions eo;
-    eo.activation_shape = {r_.micro_batch(), r_.data.seq_len, c.dim};
-    eo.activation_dtype = dtype_of(r_.precision.param_dtype);
-    eo.device = device_;
-    eo.keep_stages_unsharded = par.keep_stages_unsharded;
-    executor_.emplace(std::move(plan), mesh_.comm("pp"), std::move(mine),
-                      [accum](const at::Tensor& logits, const at::Tensor& y) { return models::lm_loss(logits, y) / double(accum); },
-                      eo);
+    executor_.emplace(plan, mesh_.comm("pp"), std::move(mine), models::lm_loss,
+                      pipeline::ExecutorOptions{
+                          .activation_shape = {recipe_.micro_batch(), recipe_.data.seq_len, c.dim},
+                          .activation_dtype = recipe_.precision.param_dtype,
+                          .device = device_,
+                          .keep_stages_unsharded = par.keep_stages_unsharded,
+                          .loss_scale = 1.0 / double(recipe_.train.grad_accum * par.microbatches),
+                      });
   }
   full = nullptr;  // parts of other stages
-  const int64_t per_step = r_.train.grad_accum * (par.pp > 1 ? par.microbatches : 1);
+  const int64_t per_step = recipe_.train.grad_accum * (par.pp > 1 ? par.microbatches : 1);
   for (int64_t i = 0; i < per_step; ++i) {
-    inputs_.push_back(at::zeros({r_.micro_batch(), r_.data.seq_len}, at::TensorOptions(device_).dtype(at::kLong)));
+    inputs_.push_back(at::zeros({recipe_.micro_batch(), recipe_.data.seq_len}, at::TensorOptions(device_).dtype(at::kLong)));
     targets_.push_back(at::zeros_like(inputs_.back()));
   }
 
@@ -270,11 +235,11 @@ void Trainer::build() {
     params_.push_back(s.param);
   }
   fsdp::AdamWOptions opts;
-  opts.lr = r_.optim.lr;
-  opts.beta1 = r_.optim.beta1;
-  opts.beta2 = r_.optim.beta2;
-  opts.eps = r_.optim.eps;
-  opts.weight_decay = r_.optim.weight_decay;
+  opts.lr = recipe_.optim.lr;
+  opts.beta1 = recipe_.optim.beta1;
+  opts.beta2 = recipe_.optim.beta2;
+  opts.eps = recipe_.optim.eps;
+  opts.weight_decay = recipe_.optim.weight_decay;
   optimizer_ = std::make_unique<fsdp::AdamW>(std::move(decay), opts, std::move(no_decay));
   log(fmt::format("model: {:.2f}M parameters ({} layers, dim {}, {} experts top-{}, {} routing); dp {} x pp {}{}",
                   double(c.parameter_count()) / 1e6, c.layers, c.dim, c.experts, c.top_k, c.routing, par.dp, par.pp,
@@ -293,10 +258,10 @@ void Trainer::build() {
 // and the optimizer's fixed addresses).
 
 void Trainer::fill_inputs(int64_t step) {
-  current_lr_ = learning_rate(r_.optim, step, r_.train.steps);
+  current_lr_ = learning_rate(recipe_.optim, step, recipe_.train.steps);
   optimizer_->set_lr(current_lr_);
-  const int64_t B = r_.train.global_batch, mb = r_.micro_batch(), T = r_.data.seq_len;
-  const int64_t base = step * B + dp_rank() * (B / r_.parallel.dp);
+  const int64_t B = recipe_.train.global_batch, mb = recipe_.micro_batch(), T = recipe_.data.seq_len;
+  const int64_t base = step * B + dp_rank() * (B / recipe_.parallel.dp);
   const int64_t count = int64_t(inputs_.size());
   for (int64_t i = 0; i < count; ++i) {
     const auto batch = train_data_->samples(base + i * mb, mb);
@@ -306,7 +271,7 @@ void Trainer::fill_inputs(int64_t step) {
 }
 
 at::Tensor Trainer::step_body() {
-  const int64_t accum = r_.train.grad_accum;
+  const int64_t accum = recipe_.train.grad_accum;
   for (auto& root : roots_) root->inner().router_stats().reset();
   optimizer_->zero_grad();
   const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
@@ -327,16 +292,15 @@ at::Tensor Trainer::step_body() {
       losses += 1;
     }
   } else {
-    const int m = r_.parallel.microbatches;
+    const int m = recipe_.parallel.microbatches;
     for (auto& root : roots_) root->inner().router_stats().aux_grad_scale = 1.0 / double(accum * m);
-    const bool holds_last = stage_ids_.back() == r_.parallel.pp * r_.parallel.stages_per_rank - 1;
     for (int64_t a = 0; a < accum; ++a) {
       const std::vector<at::Tensor> xs(inputs_.begin() + a * m, inputs_.begin() + (a + 1) * m);
       const std::vector<at::Tensor> ys(targets_.begin() + a * m, targets_.begin() + (a + 1) * m);
       const auto b0 = std::chrono::system_clock::now();
       const auto mean_scaled = executor_->step_on_device(xs, ys);  // sum over microbatches of loss / (accum m)
       span("pipeline step", "compute", b0);
-      if (holds_last) loss_sum.add_(mean_scaled * double(accum * m)), losses += m;
+      if (holds_last_stage()) loss_sum.add_(mean_scaled * double(accum * m)), losses += m;
     }
   }
 
@@ -355,9 +319,9 @@ at::Tensor Trainer::step_body() {
   // at::full: a fill on the device, which a capture accepts (a copy from host memory it refuses).
   auto sums = at::cat({at::stack({sq, loss_sum}), at::full({1}, losses, f64), router});
   world().all_reduce(sums).wait();
-  if (r_.optim.grad_clip > 0) {
+  if (recipe_.optim.grad_clip > 0) {
     // min(1, clip / norm): multiplying by exactly 1 leaves gradients under the limit unchanged.
-    const auto scale = at::clamp_max(r_.optim.grad_clip / (sums[0].sqrt() + 1e-6), 1.0);
+    const auto scale = at::clamp_max(recipe_.optim.grad_clip / (sums[0].sqrt() + 1e-6), 1.0);
     at::NoGradGuard g;
     for (auto& p : params_)
       if (p.grad().defined()) p.grad().mul_(scale);
@@ -373,7 +337,7 @@ double Trainer::train_step(int64_t step) {
   fill_inputs(step);
   at::Tensor sums;
   if (!checked_devices_ && std::getenv("FSDPP_CHECK_DEVICES") && std::string(std::getenv("FSDPP_CHECK_DEVICES")) == "1") {
-    // Every tensor the step makes must be made on the step's device (include/fsdpp/device_check.hpp).
+    // Every tensor the step makes must be made on the step's device (include/fsdpp/base/device_check.hpp).
     checked_devices_ = true;
     std::vector<std::string> found;
     {
@@ -386,8 +350,8 @@ double Trainer::train_step(int64_t step) {
                                            "device (the CPU, whatever train.device is):\n  {}",
                                            fmt::join(found, "\n  ")));
     log("FSDPP_CHECK_DEVICES: the step makes every tensor on its device");
-    if (r_.train.cuda_graph) ++warmup_steps_done_;  // it was one of the eager warm-up steps
-  } else if (!r_.train.cuda_graph) {
+    if (recipe_.train.cuda_graph) ++warmup_steps_done_;  // it was one of the eager warm-up steps
+  } else if (!recipe_.train.cuda_graph) {
     sums = step_body();
   } else if (!graph_) {
     // Eager warm-up steps first: they create gradients, optimizer state and the communicators'
@@ -423,38 +387,27 @@ double Trainer::evaluate() {
   // the last step left them (a replayed CUDA graph updates them without the units' host-side state
   // knowing), and the next step finds the units as it expects.
   for (auto& root : roots_) root->reshard();
-  const int64_t mb = r_.micro_batch(), T = r_.data.seq_len;
-  const int dp = r_.parallel.dp;
+  const int64_t mb = recipe_.micro_batch(), T = recipe_.data.seq_len;
+  const int dp = recipe_.parallel.dp;
   double loss_sum = 0, count = 0;
-  for (int64_t b = 0; b < r_.eval.batches; ++b) {
-    // The validation set in order; every rank its own slice of each batch.
-    const auto batch = val_data_->samples((b * dp + dp_rank()) * mb, mb).to(device_);
-    const auto x = batch.narrow(1, 0, T), y = batch.narrow(1, 1, T);
+  // Pipelined: up to one step's microbatches at a time through the executor's forward-only mode
+  // (activations cross ranks as in training); the rank holding the last stage holds the losses.
+  const int64_t group = executor_ ? recipe_.parallel.microbatches : 1;
+  for (int64_t first = 0; first < recipe_.eval.batches; first += group) {
+    std::vector<at::Tensor> xs, ys;
+    for (int64_t b = first; b < std::min(first + group, recipe_.eval.batches); ++b) {
+      // The validation set in order; every rank its own slice of each batch.
+      const auto batch = val_data_->samples((b * dp + dp_rank()) * mb, mb).to(device_);
+      xs.push_back(batch.narrow(1, 0, T));
+      ys.push_back(batch.narrow(1, 1, T));
+    }
     if (!executor_) {
-      loss_sum += models::lm_loss(roots_.front()->forward(x), y).item<double>();
+      loss_sum += models::lm_loss(roots_.front()->forward(xs[0]), ys[0]).item<double>();
       count += 1;
       continue;
     }
-    // Forward through the stages in order; activations cross ranks over the pipeline group.
-    const int stages = r_.parallel.pp * r_.parallel.stages_per_rank;
-    const auto& layout = executor_->plan().owner;
-    auto& pp = mesh_.comm("pp");
-    at::Tensor h;
-    for (int st = 0; st < stages; ++st) {
-      const auto it = std::find(stage_ids_.begin(), stage_ids_.end(), st);
-      if (it == stage_ids_.end()) continue;
-      if (st > 0 && layout[st - 1] != pp.rank()) {
-        h = at::empty({mb, T, r_.model.dim}, at::TensorOptions(device_).dtype(dtype_of(r_.precision.param_dtype)));
-        pp.recv(h, layout[st - 1], static_cast<uint32_t>(st)).wait();
-      }
-      h = roots_[static_cast<size_t>(it - stage_ids_.begin())]->forward(st == 0 ? x : h);
-      if (st == stages - 1) {
-        loss_sum += models::lm_loss(h, y).item<double>();
-        count += 1;
-      } else if (layout[st + 1] != pp.rank()) {
-        pp.send(h.contiguous(), layout[st + 1], static_cast<uint32_t>(st + 1)).wait();
-      }
-    }
+    loss_sum += executor_->forward(xs, ys).item<double>();
+    if (holds_last_stage()) count += double(xs.size());
   }
   for (auto& root : roots_) root->reshard();
   const auto sums = sum_over_world({loss_sum, count});
@@ -470,7 +423,7 @@ void Trainer::save_checkpoint(int64_t step) {
     fs::create_directories(tmp);
   }
   world().barrier().wait();
-  fsdp::save_shards(all_shards(), rank_, world().size(), tmp.string(), optimizer_.get());  // written and synced
+  fsdp::write_shard_files(all_shards(), rank_, world().size(), tmp.string(), optimizer_.get());  // written and synced
   maybe_fire("kill_in_checkpoint", rank_, step);
   // Every rank's index (which records its tensor file's checksum), by size and CRC-32C, goes into
   // the commit record, which records its own: every byte of a checkpoint is covered.
@@ -488,33 +441,18 @@ void Trainer::save_checkpoint(int64_t step) {
       files[fmt::format("rank{}.json", r)] = f;
     }
     json meta = {{"format", kRunCheckpointFormat}, {"step", step},           {"world_size", world().size()},
-                 {"dp", r_.parallel.dp},            {"pp", r_.parallel.pp}, {"model", to_json(r_.model)},
-                 {"recipe", r_.resolved},
+                 {"dp", recipe_.parallel.dp},            {"pp", recipe_.parallel.pp}, {"model", to_json(recipe_.model)},
+                 {"recipe", recipe_.resolved},
                  // The data order is a function of the seed; the position, of the step.
-                 {"data", {{"seed", r_.train.seed}, {"samples_consumed", step * r_.train.global_batch}}},
-                 {"storage", r_.checkpoint.storage},
+                 {"data", {{"seed", recipe_.train.seed}, {"samples_consumed", step * recipe_.train.global_batch}}},
+                 {"storage", recipe_.checkpoint.storage},
                  {"files", files}};
-    meta["crc32c"] = record_checksum(meta);
-    write_file_atomically((tmp / "trainer.json").string(), meta.dump(1) + "\n");
+    write_commit_record(tmp.string(), std::move(meta));
   }
   // Every rank's files are written and synced (on every node's disk, with local storage): from here
   // on the checkpoint is complete, and each directory commits it.
   world().barrier().wait();
-  if (checkpoint_writer()) {
-    // Commit: the rename is atomic, and `latest` moves only after it.
-    const fs::path old = dir / (".old-" + step_dir_name(step));
-    fs::remove_all(old);
-    if (fs::exists(final_dir)) fs::rename(final_dir, old);
-    fs::rename(tmp, final_dir);
-    fs::remove_all(old);
-    sync_to_disk(dir.string());
-    write_file_atomically((dir / "latest").string(), step_dir_name(step) + "\n");
-    std::vector<fs::path> done;
-    for (const auto& e : fs::directory_iterator(dir))
-      if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) done.push_back(e.path());
-    std::sort(done.begin(), done.end());
-    for (size_t i = 0; i + static_cast<size_t>(r_.checkpoint.keep) < done.size(); ++i) fs::remove_all(done[i]);
-  }
+  if (checkpoint_writer()) commit_checkpoint(dir.string(), step, recipe_.checkpoint.keep);
   log(fmt::format("checkpoint: {} ({:.1f} s)", final_dir.string(), std::chrono::duration<double>(Clock::now() - t0).count()));
   world().barrier().wait();
 }
@@ -558,7 +496,7 @@ int64_t Trainer::restore() {
       auto it = mine.lower_bound(below);
       const double newest = it == mine.begin() ? -1.0 : double(std::prev(it)->first);
       auto t = at::tensor(std::vector<double>{newest}, at::kDouble).to(device_);
-      world().all_reduce(t, {dist::ReduceOp::kMin}).wait();
+      world().all_reduce(t, {comm::ReduceOp::kMin}).wait();
       const auto step = static_cast<int64_t>(t.cpu().item<double>());
       if (step < 0) break;
       if (sum_over_world({mine.count(step) ? 1.0 : 0.0})[0] == world().size()) {
@@ -573,13 +511,13 @@ int64_t Trainer::restore() {
                                          candidates.size(), out_.string(),
                                          local_storage() ? " on every node" : ""));
   const json meta = read_json_file((fs::path(dir) / "trainer.json").string());
-  const json saved_model = meta.at("model"), now_model = to_json(r_.model);
+  const json saved_model = meta.at("model"), now_model = to_json(recipe_.model);
   for (const auto& [k, v] : now_model.items())
     if (!saved_model.contains(k) || saved_model[k] != v)
       throw std::runtime_error(fmt::format("--resume: {} was written with model.{} = {}, the recipe now says {}", dir, k,
                                            saved_model.contains(k) ? saved_model[k].dump() : "nothing", v.dump()));
   for (auto& root : roots_) root->reshard();
-  fsdp::load_shards(all_shards(), dir, optimizer_.get(), /*present_only=*/local_storage());
+  fsdp::read_shard_files(all_shards(), dir, optimizer_.get(), /*present_only=*/local_storage());
   const int64_t step = meta.at("step");
   log(fmt::format("resumed from {} (step {}, saved at dp {} x pp {})", dir, step, meta.value("dp", 0), meta.value("pp", 0)));
   return step;
@@ -588,17 +526,17 @@ int64_t Trainer::restore() {
 RunResult Trainer::run() {
   prepare_output();
   build();
-  if (o_.restart > 0)
-    log(fmt::format("restart {}: {}", o_.restart,
-                    o_.resume ? "continuing from the latest checkpoint that verifies" : "no checkpoint yet, starting afresh"));
-  int64_t step = o_.resume ? restore() : 0;
+  if (options_.restart > 0)
+    log(fmt::format("restart {}: {}", options_.restart,
+                    options_.resume ? "continuing from the latest checkpoint that verifies" : "no checkpoint yet, starting afresh"));
+  int64_t step = options_.resume ? restore() : 0;
 
-  const bool write_metrics = r_.logging.metrics == "all" || (r_.logging.metrics == "rank0" && lead());
+  const bool write_metrics = recipe_.logging.metrics == "all" || (recipe_.logging.metrics == "rank0" && lead());
   if (write_metrics) {
     // On resume, keep the history up to the checkpoint; what came after it is redone.
     const auto path = out_ / "metrics" / fmt::format("rank{}.jsonl", rank_);
     std::vector<std::string> kept;
-    if (o_.resume && fs::exists(path)) {
+    if (options_.resume && fs::exists(path)) {
       std::ifstream in(path);
       for (std::string line; std::getline(in, line);) {
         try {
@@ -616,15 +554,15 @@ RunResult Trainer::run() {
     for (const auto& l : kept) *metrics_ << l << "\n";
   }
 
-  const int64_t end = std::min(r_.train.steps, o_.stop_after.value_or(r_.train.steps));
-  const int64_t tokens_per_step = r_.train.global_batch * r_.data.seq_len;
-  const int64_t trace_from = std::min(step + 1, end - 1), trace_to = trace_from + o_.trace_steps;
+  const int64_t end = std::min(recipe_.train.steps, options_.stop_after.value_or(recipe_.train.steps));
+  const int64_t tokens_per_step = recipe_.train.global_batch * recipe_.data.seq_len;
+  const int64_t trace_from = std::min(step + 1, end - 1), trace_to = trace_from + options_.trace_steps;
   std::chrono::system_clock::time_point trace_begin;
   RunResult result;
   std::vector<double> step_seconds;  // of every training step, for the summary's median
   result.output_dir = out_.string();
   log(fmt::format("training: steps {}..{} of {}, {} sequences x {} bytes per step; output in {}", step + 1, end,
-                  r_.train.steps, r_.train.global_batch, r_.data.seq_len, out_.string()));
+                  recipe_.train.steps, recipe_.train.global_batch, recipe_.data.seq_len, out_.string()));
 
   const auto run_start = Clock::now();
   auto window_start = Clock::now();
@@ -632,7 +570,7 @@ RunResult Trainer::run() {
   double tokens_per_s = 0;
   double last_val = std::numeric_limits<double>::quiet_NaN();
   while (step < end) {
-    if (o_.trace && step == trace_from) {
+    if (options_.trace && step == trace_from) {
       tracer_.set_active(true);
       trace_begin = std::chrono::system_clock::now();
     }
@@ -647,7 +585,7 @@ RunResult Trainer::run() {
     if (!std::isfinite(loss))
       throw std::runtime_error(fmt::format("step {}: the loss is {} (try a lower optim.lr or optim.grad_clip)", step, loss));
 
-    if (o_.trace && tracer_.active() && (step >= trace_to || step == end)) {
+    if (options_.trace && tracer_.active() && (step >= trace_to || step == end)) {
       tracer_.add_communication(trace_begin, std::chrono::system_clock::now());
       tracer_.set_active(false);
       fs::create_directories(out_ / "trace");
@@ -662,7 +600,7 @@ RunResult Trainer::run() {
       }
     }
 
-    const bool log_now = step % r_.logging.interval == 0 || step == end;
+    const bool log_now = step % recipe_.logging.interval == 0 || step == end;
     if (log_now) {
       const double secs = std::chrono::duration<double>(Clock::now() - window_start).count();
       tokens_per_s = double(window_steps * tokens_per_step) / std::max(secs, 1e-9);
@@ -671,17 +609,17 @@ RunResult Trainer::run() {
       train_series_.emplace_back(step, loss);
       json m = {{"step", step}, {"loss", loss}, {"lr", last_stats_.lr}, {"grad_norm", last_grad_norm_},
                 {"tokens_per_s", tokens_per_s}, {"time_s", std::chrono::duration<double>(Clock::now() - run_start).count()}};
-      if (r_.model.experts > 0)
+      if (recipe_.model.experts > 0)
         m.update({{"aux_loss", last_stats_.aux_loss}, {"z_loss", last_stats_.z_loss}, {"dropped_fraction", last_stats_.dropped}});
       metric(m);
       if (lead()) {
         const double eta = double(end - step) * double(tokens_per_step) / std::max(tokens_per_s, 1e-9);
         std::string extra = fmt::format("lr {:.2e}", last_stats_.lr);
-        if (r_.model.routing == "capacity") extra += fmt::format(" | dropped {:.1f}%", 100 * last_stats_.dropped);
+        if (recipe_.model.routing == "capacity") extra += fmt::format(" | dropped {:.1f}%", 100 * last_stats_.dropped);
         progress_.update(step, loss, tokens_per_s, eta, extra);
       }
     }
-    const bool eval_now = (r_.eval.interval > 0 && step % r_.eval.interval == 0) || step == end;
+    const bool eval_now = (recipe_.eval.interval > 0 && step % recipe_.eval.interval == 0) || step == end;
     if (eval_now) {
       const auto e0 = std::chrono::system_clock::now();
       last_val = evaluate();
@@ -690,11 +628,11 @@ RunResult Trainer::run() {
       val_series_.emplace_back(step, last_val);
       metric({{"step", step}, {"val_loss", last_val}});
       log(fmt::format("step {}: validation loss {:.4f} nats/byte ({:.3f} bits/byte)", step, last_val, last_val / std::log(2.0)));
-      if (lead() && r_.logging.plot)
+      if (lead() && recipe_.logging.plot)
         write_loss_svg((out_ / "loss.svg").string(), train_series_, val_series_,
-                       fmt::format("{}: loss (nats per byte)", r_.name));
+                       fmt::format("{}: loss (nats per byte)", recipe_.name));
     }
-    if (r_.checkpoint.enabled && ((r_.checkpoint.interval > 0 && step % r_.checkpoint.interval == 0) || step == end))
+    if (recipe_.checkpoint.enabled && ((recipe_.checkpoint.interval > 0 && step % recipe_.checkpoint.interval == 0) || step == end))
       save_checkpoint(step);
   }
   progress_.finish();
@@ -702,7 +640,7 @@ RunResult Trainer::run() {
   result.seconds = std::chrono::duration<double>(Clock::now() - run_start).count();
   result.tokens_per_s = double(steps_run * tokens_per_step) / std::max(result.seconds, 1e-9);
   if (lead()) {
-    const json summary = {{"recipe", r_.name},
+    const json summary = {{"recipe", recipe_.name},
                           {"steps", step},
                           {"steps_this_run", steps_run},
                           {"seconds", result.seconds},
@@ -710,16 +648,16 @@ RunResult Trainer::run() {
                           {"step_ms_median", 1e3 * median(step_seconds)},
                           {"train_loss", result.train_loss},
                           {"val_loss", result.val_loss},
-                          {"dp", r_.parallel.dp},
-                          {"pp", r_.parallel.pp},
-                          {"restarts", o_.restart}};
+                          {"dp", recipe_.parallel.dp},
+                          {"pp", recipe_.parallel.pp},
+                          {"restarts", options_.restart}};
     write_file_atomically((out_ / "summary.json").string(), summary.dump(1) + "\n");
     std::cout << fmt::format("done: {} steps in {} ({:.1f}k tok/s); train loss {:.4f}, validation loss {:.4f} nats/byte\n"
                              "outputs: {}/ (loss.svg, metrics/, {}summary.json{})",
                              steps_run, format_duration(result.seconds), result.tokens_per_s / 1e3, result.train_loss,
                              result.val_loss, out_.string(),
-                             r_.checkpoint.enabled ? fmt::format("checkpoints/{}, ", step_dir_name(step)) : "",
-                             o_.trace ? ", trace.json" : "")
+                             recipe_.checkpoint.enabled ? fmt::format("checkpoints/{}, ", step_dir_name(step)) : "",
+                             options_.trace ? ", trace.json" : "")
               << std::endl;
   }
   return result;
@@ -727,7 +665,7 @@ RunResult Trainer::run() {
 
 }  // namespace
 
-RunResult run_training(const Recipe& recipe, dist::Comm world, const RunOptions& options) {
+RunResult run_training(const Recipe& recipe, comm::Comm world, const RunOptions& options) {
   if (world.size() != recipe.world_size())
     throw std::invalid_argument(fmt::format("{}: parallel: dp x pp = {} ranks, but the world has {}", recipe.source,
                                             recipe.world_size(), world.size()));
@@ -745,166 +683,6 @@ void check_output_dir(const Recipe& recipe, const RunOptions& options) {
     throw std::runtime_error(fmt::format("{} already holds checkpoints (latest {}); pass --resume to continue that run "
                                          "or --overwrite to start afresh",
                                          out, fs::path(*latest).filename().string()));
-}
-
-std::optional<std::string> latest_checkpoint(const std::string& output_dir) {
-  const fs::path dir = fs::path(output_dir) / "checkpoints";
-  std::ifstream f(dir / "latest");
-  std::string name;
-  if (f && std::getline(f, name) && fs::exists(dir / name / "trainer.json")) return (dir / name).string();
-  return std::nullopt;
-}
-
-std::vector<std::string> committed_checkpoints(const std::string& output_dir) {
-  const fs::path dir = fs::path(output_dir) / "checkpoints";
-  std::vector<std::string> out;
-  const auto latest = latest_checkpoint(output_dir);
-  if (latest) out.push_back(*latest);
-  std::vector<std::string> steps;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const auto name = e.path().filename().string();
-    if (e.is_directory() && name.rfind("step-", 0) == 0 && fs::exists(e.path() / "trainer.json") &&
-        (!latest || e.path().string() != *latest))
-      steps.push_back(e.path().string());
-  }
-  std::sort(steps.rbegin(), steps.rend());  // step-<N> names sort by step
-  out.insert(out.end(), steps.begin(), steps.end());
-  return out;
-}
-
-std::pair<int, uint64_t> verify_checkpoint(const std::string& dir, bool present_only) {
-  const auto meta_file = (fs::path(dir) / "trainer.json").string();
-  json meta = json::object();
-  // A directory fsdp::save_sharded wrote has no trainer.json: its ranks' files are still checked.
-  if (fs::exists(meta_file) || !fs::exists(fs::path(dir) / "rank0.json")) {
-    try {
-      meta = read_json_file(meta_file);
-    } catch (const std::runtime_error& e) {
-      throw std::runtime_error(std::string("checkpoint: ") + e.what());
-    }
-  }
-  try {
-    if (meta.contains("crc32c") && meta.at("crc32c").get<std::string>() != record_checksum(meta))
-      throw std::runtime_error(fmt::format("checkpoint: {} is damaged: its contents do not match the CRC-32C it records",
-                                           meta_file));
-    const json files = meta.value("files", json::object());
-    for (const auto& [name, d] : files.items()) {
-      const auto file = (fs::path(dir) / name).string();
-      // On local storage a node holds its own ranks' files; trainer.json names every rank's node.
-      if (!fs::exists(file) && (present_only || d.contains("node"))) continue;
-      check_file_digest(file, d.at("bytes").get<uint64_t>(), d.at("crc32c").get<std::string>(), meta_file);
-    }
-  } catch (const json::exception& e) {
-    throw std::runtime_error(fmt::format("checkpoint: {} is malformed: {}", meta_file, e.what()));
-  }
-  fsdp::verify_sharded(dir, present_only || meta.value("storage", "shared") == "local");
-  int files = 0;
-  uint64_t bytes = 0;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.is_regular_file()) ++files, bytes += e.file_size();
-  return {files, bytes};
-}
-
-namespace {
-
-// A checkpoint directory, given it or an output directory.
-std::string find_checkpoint(const std::string& path) {
-  if (fs::exists(fs::path(path) / "trainer.json")) return path;
-  if (auto latest = latest_checkpoint(path)) return *latest;
-  throw std::runtime_error(fmt::format("{} is neither a checkpoint (no trainer.json) nor a run directory with one", path));
-}
-
-}  // namespace
-
-std::string consolidate_checkpoint(const std::vector<std::string>& paths, const std::string& output_file) {
-  std::vector<std::string> dirs;
-  json meta;
-  for (const auto& path : paths) {
-    dirs.push_back(find_checkpoint(path));
-    const json m = read_json_file((fs::path(dirs.back()) / "trainer.json").string());
-    if (dirs.size() == 1) meta = m;
-    else if (m.at("step") != meta.at("step"))
-      throw std::runtime_error(fmt::format("{} holds step {} but {} step {}: give the directories of one checkpoint",
-                                           dirs.back(), m.at("step").dump(), dirs.front(), meta.at("step").dump()));
-  }
-  const auto full = fsdp::read_full_parameters(dirs);
-  const auto tmp = output_file + ".tmp";
-  write_safetensors(tmp, full,
-                    {{"format", "pt"}, {"fsdpp.model_config", meta.at("model").dump()},
-                     {"fsdpp.step", std::to_string(meta.at("step").get<int64_t>())}});
-  fs::rename(tmp, output_file);
-  return fmt::format("{}", fmt::join(dirs, " + "));
-}
-
-models::MoETransformer load_model(const std::string& path) {
-  std::vector<std::pair<std::string, at::Tensor>> state;
-  models::MoEConfig config;
-  if (fs::is_regular_file(path)) {
-    auto file = read_safetensors(path);
-    const auto it = file.metadata.find("fsdpp.model_config");
-    if (it == file.metadata.end())
-      throw std::runtime_error(fmt::format("{}: no fsdpp.model_config in its metadata (not written by fsdpp ckpt consolidate)", path));
-    config = parse_model_config(json::parse(it->second), path + " metadata");
-    state = std::move(file.tensors);
-  } else {
-    const auto dir = find_checkpoint(path);
-    config = parse_model_config(read_json_file((fs::path(dir) / "trainer.json").string()).at("model"), dir + "/trainer.json");
-    state = fsdp::read_full_parameters(dir);
-  }
-  auto model = models::MoETransformer(config);
-  load_full_weights(*model, state, path);
-  return model;
-}
-
-void load_full_weights(models::MoETransformerImpl& model, const std::vector<std::pair<std::string, at::Tensor>>& state,
-                       const std::string& source) {
-  at::NoGradGuard g;
-  auto params = model.named_parameters();
-  std::set<std::string> seen;
-  for (const auto& [name, t] : state) {
-    auto* p = params.find(name);
-    if (!p) throw std::runtime_error(fmt::format("{}: tensor '{}' is not a parameter of the model", source, name));
-    if (p->sizes() != t.sizes())
-      throw std::runtime_error(fmt::format("{}: '{}' has shape [{}] but the model expects [{}]", source, name,
-                                           fmt::join(t.sizes(), ", "), fmt::join(p->sizes(), ", ")));
-    if (!at::isFloatingType(t.scalar_type()))
-      throw std::runtime_error(fmt::format("{}: '{}' is {}, not a floating-point tensor", source, name,
-                                           c10::toString(t.scalar_type())));
-    p->copy_(t);  // in the model's dtype
-    seen.insert(name);
-  }
-  for (const auto& p : params)
-    if (!seen.count(p.key())) throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", source, p.key()));
-}
-
-std::string generate(models::MoETransformerImpl& model, const std::string& prompt, const SampleOptions& o) {
-  at::NoGradGuard g;
-  auto gen = at::detail::createCPUGenerator(o.seed);
-  std::vector<int64_t> tokens;
-  for (unsigned char ch : prompt) tokens.push_back(ch);
-  if (tokens.empty()) tokens.push_back('\n');
-  std::string out;
-  const int64_t window = model.config().max_seq_len;
-  for (int64_t i = 0; i < o.max_new_bytes; ++i) {
-    const int64_t n = std::min<int64_t>(window, static_cast<int64_t>(tokens.size()));
-    const auto x = at::tensor(std::vector<int64_t>(tokens.end() - n, tokens.end()), at::kLong).unsqueeze(0);
-    auto logits = model.forward(x).select(1, n - 1).squeeze(0);
-    int64_t next;
-    if (o.temperature <= 0) {
-      next = logits.argmax().item<int64_t>();
-    } else {
-      logits = logits / o.temperature;
-      if (o.top_k > 0 && o.top_k < logits.size(0)) {
-        const auto kth = std::get<0>(at::topk(logits, o.top_k)).min();
-        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
-      }
-      next = at::multinomial(at::softmax(logits, -1), 1, false, gen).item<int64_t>();
-    }
-    tokens.push_back(next);
-    out.push_back(static_cast<char>(next));
-  }
-  return out;
 }
 
 }  // namespace fsdpp::train

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/flight_recorder.hpp"
+#include "fsdpp/comm/flight_recorder.hpp"
 #include "fsdp/counting_comm.hpp"
 
 namespace fsdpp::test {
@@ -36,20 +36,20 @@ struct EventLog {
 // the operation's label, "blocks.2"), after `prefix` when one is given.
 class LoggingComm : public CountingComm {
  public:
-  LoggingComm(std::shared_ptr<dist::detail::CommImpl> inner, EventLog& log, std::string prefix = "")
+  LoggingComm(std::shared_ptr<comm::detail::CommImpl> inner, EventLog& log, std::string prefix = "")
       : CountingComm(std::move(inner)), log_(log), prefix_(std::move(prefix)) {}
-  dist::Work all_gather(const at::Tensor& o, const at::Tensor& i, const dist::AllGatherOptions& x) override {
+  comm::Work all_gather(const at::Tensor& o, const at::Tensor& i, const comm::AllGatherOptions& x) override {
     log_.add("AG " + prefix_ + unit());
     return CountingComm::all_gather(o, i, x);
   }
-  dist::Work reduce_scatter(const at::Tensor& o, const at::Tensor& i, const dist::ReduceScatterOptions& x) override {
+  comm::Work reduce_scatter(const at::Tensor& o, const at::Tensor& i, const comm::ReduceScatterOptions& x) override {
     log_.add("RS " + prefix_ + unit());
     return CountingComm::reduce_scatter(o, i, x);
   }
 
  private:
   static std::string unit() {
-    const auto& label = dist::OpLabel::current();
+    const auto& label = comm::OpLabel::current();
     return label.substr(label.find_last_of(' ') + 1);
   }
   EventLog& log_;

@@ -17,13 +17,14 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "dist/init.hpp"
-#include "fsdp/adamw.hpp"
-#include "fsdp/fully_shard.hpp"
-#include "fsdpp/safetensors.hpp"
-#include "models/moe.hpp"
-#include "train/recipe.hpp"
-#include "train/trainer.hpp"
+#include "fsdpp/comm/init.hpp"
+#include "fsdpp/fsdp/adamw.hpp"
+#include "fsdpp/fsdp/fully_shard.hpp"
+#include "fsdpp/base/safetensors.hpp"
+#include "fsdpp/models/moe.hpp"
+#include "fsdpp/train/recipe.hpp"
+#include "fsdpp/train/model_files.hpp"
+#include "fsdpp/train/sharding.hpp"
 
 using namespace fsdpp;
 using nlohmann::json;
@@ -40,7 +41,7 @@ std::optional<at::ScalarType> dtype_named(const json& j, const std::string& key)
 
 int run(const std::string& case_path, const std::string& out_path) {
   at::set_num_threads(1);
-  auto comm = dist::init_from_env();
+  auto comm = comm::init_from_env();
   const int rank = comm.rank(), world = comm.size();
   auto file = read_safetensors(case_path);
   const auto meta = [&](const std::string& key) {
@@ -72,7 +73,7 @@ int run(const std::string& case_path, const std::string& out_path) {
   if (auto keep = c.value("float32_params", std::vector<std::string>{}); !keep.empty())
     options.mp.param_dtype_override = fsdp::dtype_for(keep, at::kFloat);
   if (auto g = dtype_named(c, "grad_dtype")) options.mp.grad_dtype = fsdp::dtype_for({"*"}, *g);
-  auto root = fsdp::fully_shard(model, comm, options);
+  auto root = train::shard_model(model, comm, options);
 
   // Weight decay on matrices only, as the trainer does.
   std::vector<at::Tensor> decay, no_decay;

@@ -9,8 +9,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
-#include "dist/ranks.hpp"
-#include "fsdp/fully_shard.hpp"
+#include "comm/ranks.hpp"
+#include "fsdpp/fsdp/fully_shard.hpp"
 
 namespace fsdpp::test {
 

@@ -1,7 +1,7 @@
 // fsdp::AdamW: the update of LibTorch's AdamW, with the learning rate and step count in tensors.
 #include <torch/optim/adamw.h>
 
-#include "fsdp/adamw.hpp"
+#include "fsdpp/fsdp/adamw.hpp"
 #include "fsdp/models.hpp"
 
 using namespace fsdpp;

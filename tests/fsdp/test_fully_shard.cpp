@@ -1,8 +1,8 @@
 // fully_shard: equivalence with unsharded training, collectives, mechanics, bad use.
-#include "fsdp/adamw.hpp"
-#include "fsdp/checkpoint.hpp"
+#include "fsdpp/fsdp/adamw.hpp"
+#include "fsdpp/fsdp/checkpoint.hpp"
 #include "fsdp/models.hpp"
-#include "fsdpp/files.hpp"
+#include "fsdpp/base/files.hpp"
 
 #include <fstream>
 #include <functional>
@@ -63,7 +63,7 @@ Trace train_reference(int micro) {
 
 // Sharded over comm: each rank takes its slice of the batch; `micro` microbatches, all but the last
 // without gradient sync.
-Trace train_sharded(dist::Comm& comm, int micro, fsdp::FullyShardOptions options = {}) {
+Trace train_sharded(comm::Comm& comm, int micro, fsdp::FullyShardOptions options = {}) {
   auto ref = make_reference();
   auto net = Net(8, 3);
   test::copy_params(*net, *ref);
@@ -86,7 +86,7 @@ Trace train_sharded(dist::Comm& comm, int micro, fsdp::FullyShardOptions options
     }
     opt.step();
     auto l = at::full({1}, loss_sum, at::kDouble);
-    comm.all_reduce(l, {dist::ReduceOp::kAvg}).wait();
+    comm.all_reduce(l, {comm::ReduceOp::kAvg}).wait();
     t.losses.push_back(l.item<double>());
   }
   t.params = fsdp::full_state_dict(*model.ptr());
@@ -116,7 +116,7 @@ TEST_CASE("10 AdamW steps sharded over 1-4 ranks match plain LibTorch") {
   const auto want = train_reference(1);
   CHECK(want.losses.back() < want.losses.front());  // it trains
   for (int n = 1; n <= 4; ++n)
-    test::run_ranks(n, [&](dist::Comm& comm) {
+    test::run_ranks(n, [&](comm::Comm& comm) {
       check_same(train_sharded(comm, 1), want, "world " + std::to_string(n));
     });
 }
@@ -124,14 +124,14 @@ TEST_CASE("10 AdamW steps sharded over 1-4 ranks match plain LibTorch") {
 TEST_CASE("gradient accumulation with no-sync microbatches matches too") {
   const auto want = train_reference(1);  // same gradients: the microbatches average to the batch
   for (int n : {2, 3})
-    test::run_ranks(n, [&](dist::Comm& comm) {
+    test::run_ranks(n, [&](comm::Comm& comm) {
       check_same(train_sharded(comm, 2), want, "world " + std::to_string(n) + ", 2 microbatches");
     });
 }
 
 TEST_CASE("overlap off, reshard_after_forward off: same results") {
   const auto want = train_reference(1);
-  test::run_ranks(3, [&](dist::Comm& comm) {
+  test::run_ranks(3, [&](comm::Comm& comm) {
     fsdp::FullyShardOptions o;
     o.overlap_reduce_scatter = false;
     o.reshard_after_forward = false;
@@ -142,7 +142,7 @@ TEST_CASE("overlap off, reshard_after_forward off: same results") {
 namespace {
 
 // One AdamW step on this rank's slice of the batch; returns the loss averaged over ranks.
-double train_step(fsdp::FullyShard<test::NetImpl>& model, fsdp::AdamW& opt, dist::Comm& comm,
+double train_step(fsdp::FullyShard<test::NetImpl>& model, fsdp::AdamW& opt, comm::Comm& comm,
                   const Data& data) {
   const int64_t local = kBatch / comm.size();
   opt.zero_grad();
@@ -151,7 +151,7 @@ double train_step(fsdp::FullyShard<test::NetImpl>& model, fsdp::AdamW& opt, dist
   loss.backward();
   opt.step();
   auto l = at::full({1}, loss.item<double>(), at::kDouble);
-  comm.all_reduce(l, {dist::ReduceOp::kAvg}).wait();
+  comm.all_reduce(l, {comm::ReduceOp::kAvg}).wait();
   return l.item<double>();
 }
 
@@ -161,7 +161,7 @@ TEST_CASE("a sharded checkpoint saved at 4 ranks resumes at 2 and 3 with the sam
   const auto dir = test::fresh_store_path() + "-ckpt";
   const auto data = make_data();
   std::vector<double> uninterrupted;
-  test::run_ranks(4, [&](dist::Comm& comm) {
+  test::run_ranks(4, [&](comm::Comm& comm) {
     auto net = Net(8, 3);
     test::copy_params(*net, *make_reference());
     auto model = fsdp::fully_shard(net, comm);
@@ -173,7 +173,7 @@ TEST_CASE("a sharded checkpoint saved at 4 ranks resumes at 2 and 3 with the sam
     if (comm.rank() == 0) uninterrupted = losses;
   });
   for (int n : {2, 3})
-    test::run_ranks(n, [&](dist::Comm& comm) {
+    test::run_ranks(n, [&](comm::Comm& comm) {
       auto model = fsdp::fully_shard(Net(8, 3), comm);  // fresh weights, replaced by the load
       fsdp::AdamW opt(model->sharded_parameters(), {.lr = 1e-2});
       fsdp::load_sharded(*model.ptr(), dir, &opt);
@@ -188,12 +188,12 @@ TEST_CASE("a sharded checkpoint saved at 4 ranks resumes at 2 and 3 with the sam
 
 TEST_CASE("a checkpoint with a missing rank file is rejected naming the file") {
   const auto dir = test::fresh_store_path() + "-ckpt";
-  test::run_ranks(2, [&](dist::Comm& comm) {
+  test::run_ranks(2, [&](comm::Comm& comm) {
     auto model = fsdp::fully_shard(Net(8, 1), comm);
     fsdp::save_sharded(*model.ptr(), dir);
   });
   std::filesystem::remove(dir + "/rank1.json");
-  test::run_ranks(1, [&](dist::Comm& comm) {
+  test::run_ranks(1, [&](comm::Comm& comm) {
     auto model = fsdp::fully_shard(Net(8, 1), comm);
     std::string msg;
     try {
@@ -223,7 +223,7 @@ std::string read_error(const std::string& dir, const nlohmann::json& index) {
 
 TEST_CASE("a checkpoint index whose numbers are floats, strings or out of range is rejected naming the field") {
   const auto dir = test::fresh_store_path() + "-ckpt";
-  test::run_ranks(1, [&](dist::Comm& comm) {
+  test::run_ranks(1, [&](comm::Comm& comm) {
     auto model = fsdp::fully_shard(Net(8, 1), comm);
     fsdp::save_sharded(*model.ptr(), dir);
   });
@@ -250,7 +250,7 @@ TEST_CASE("a checkpoint index whose numbers are floats, strings or out of range 
 
 TEST_CASE("a checkpoint index claiming a shape its rows do not fill is rejected before anything is allocated") {
   const auto dir = test::fresh_store_path() + "-ckpt";
-  test::run_ranks(1, [&](dist::Comm& comm) {
+  test::run_ranks(1, [&](comm::Comm& comm) {
     auto model = fsdp::fully_shard(Net(8, 1), comm);
     fsdp::save_sharded(*model.ptr(), dir);
   });
@@ -277,7 +277,7 @@ TEST_CASE("a checkpoint index claiming a shape its rows do not fill is rejected 
 
 TEST_CASE("a damaged byte in a checkpoint's tensor data, or a cut-short file, is found by its checksum, naming the file") {
   const auto dir = test::fresh_store_path() + "-ckpt";
-  test::run_ranks(2, [&](dist::Comm& comm) {
+  test::run_ranks(2, [&](comm::Comm& comm) {
     auto model = fsdp::fully_shard(Net(8, 1), comm);
     fsdp::save_sharded(*model.ptr(), dir);
   });
@@ -306,7 +306,7 @@ TEST_CASE("a damaged byte in a checkpoint's tensor data, or a cut-short file, is
     CHECK(msg.find(file + " is damaged: its CRC-32C is ") != std::string::npos);
     CHECK(msg.find("rank1.json records") != std::string::npos);
   }
-  test::run_ranks(2, [&](dist::Comm& comm) {
+  test::run_ranks(2, [&](comm::Comm& comm) {
     auto model = fsdp::fully_shard(Net(8, 1), comm);
     CHECK(error_of([&] { fsdp::load_sharded(*model.ptr(), dir); }).find(file + " is damaged") != std::string::npos);
   });
@@ -320,12 +320,12 @@ TEST_CASE("a damaged byte in a checkpoint's tensor data, or a cut-short file, is
 
 TEST_CASE("reshard_after_forward as a group size: backward gathers within groups of 2 of 4 ranks") {
   const auto want = train_reference(1);
-  test::run_ranks(4, [&](dist::Comm& comm) {
+  test::run_ranks(4, [&](comm::Comm& comm) {
     fsdp::FullyShardOptions o;
     o.reshard_after_forward = 2;
     check_same(train_sharded(comm, 1, o), want, "reshard_after_forward=2");
   });
-  test::run_ranks(2, [&](dist::Comm& comm) {
+  test::run_ranks(2, [&](comm::Comm& comm) {
     fsdp::FullyShardOptions o;
     o.reshard_after_forward = 3;  // does not divide 2
     std::string msg;

@@ -10,9 +10,9 @@ using namespace fsdpp;
 namespace {
 
 // Wraps `comm` so its operations are counted.
-std::pair<dist::Comm, std::shared_ptr<test::CountingComm>> counted(dist::Comm& comm) {
+std::pair<comm::Comm, std::shared_ptr<test::CountingComm>> counted(comm::Comm& comm) {
   auto c = std::make_shared<test::CountingComm>(comm.impl_ptr());
-  dist::Comm counted_comm(c);
+  comm::Comm counted_comm(c);
   counted_comm.set_consistency_check(false);  // its own all-gathers would be counted too
   return {counted_comm, c};
 }
@@ -42,7 +42,7 @@ TEST_CASE("sharded float32 gradients of an MLP match an Eigen float64 oracle at 
   const std::map<std::string, Mat> oracle = {
       {"0.weight", dW1}, {"0.bias", dB1}, {"2.weight", dW2}, {"2.bias", dB2}};
 
-  test::run_ranks(3, [&](dist::Comm& comm) {
+  test::run_ranks(3, [&](comm::Comm& comm) {
     auto mlp = torch::nn::Sequential(torch::nn::Linear(4, 7), torch::nn::Functional(at::tanh),
                                      torch::nn::Linear(7, 2));
     {
@@ -70,7 +70,7 @@ TEST_CASE("sharded float32 gradients of an MLP match an Eigen float64 oracle at 
 
 TEST_CASE("one all-gather per unit per unshard and one reduce-scatter per unit per synced backward") {
   for (bool mixed : {false, true})
-    test::run_ranks(2, [&](dist::Comm& world) {
+    test::run_ranks(2, [&](comm::Comm& world) {
       auto [comm, counter] = counted(world);
       auto net = test::Net(6, 3);
       fsdp::FullyShardOptions o;
@@ -121,7 +121,7 @@ struct ProbeImpl : torch::nn::Module {
 }  // namespace
 
 TEST_CASE("mixed precision: bfloat16 compute, float32 overrides, output dtype") {
-  test::run_ranks(2, [](dist::Comm& comm) {
+  test::run_ranks(2, [](comm::Comm& comm) {
     auto probe = std::make_shared<ProbeImpl>();
     fsdp::FullyShardOptions o;
     o.mp.param_dtype = at::kBFloat16;
@@ -168,7 +168,7 @@ TEST_CASE("float32 grad_dtype accumulates 8 bfloat16 microbatches closer to floa
   }
   std::map<bool, double> error;  // keyed by "float32 accumulation"
   for (bool fp32_acc : {false, true})
-    test::run_ranks(2, [&](dist::Comm& comm) {
+    test::run_ranks(2, [&](comm::Comm& comm) {
       auto net = test::Net(16, 2);
       test::copy_params(*net, *init);
       fsdp::FullyShardOptions o;
@@ -241,7 +241,7 @@ TEST_CASE("tied parameters are managed once and train like the unsharded model (
     at::mse_loss(ref->forward(x), y).backward();
     ropt.step();
   }
-  test::run_ranks(3, [&](dist::Comm& comm) {
+  test::run_ranks(3, [&](comm::Comm& comm) {
     auto m = std::make_shared<TiedImpl>();
     test::copy_params(*m, *init);
     auto model = fsdp::fully_shard(m, comm);
@@ -289,7 +289,7 @@ TEST_CASE("a parameter that gets no gradient on some rank is reduced as zeros, w
   test::copy_params(*ref, *init);
   ref->forward(x.narrow(0, 0, 2), true).sum().backward();
   const auto want = ref->expert->weight.grad() / 2;
-  test::run_ranks(2, [&](dist::Comm& comm) {
+  test::run_ranks(2, [&](comm::Comm& comm) {
     auto m = std::make_shared<GatedImpl>();
     test::copy_params(*m, *init);
     auto model = fsdp::fully_shard(m, comm);
@@ -301,7 +301,7 @@ TEST_CASE("a parameter that gets no gradient on some rank is reduced as zeros, w
 }
 
 TEST_CASE("unshard and reshard change storage, not the parameter objects") {
-  test::run_ranks(2, [](dist::Comm& comm) {
+  test::run_ranks(2, [](comm::Comm& comm) {
     auto net = test::Net(6, 2);
     std::map<std::string, const void*> before;
     for (auto& p : net->named_parameters()) before[p.key()] = p.value().unsafeGetTensorImpl();
@@ -320,7 +320,7 @@ TEST_CASE("unshard and reshard change storage, not the parameter objects") {
 }
 
 TEST_CASE("misuse is a clear error: sharding twice, rank-dependent overrides, bad dtypes") {
-  test::run_ranks(2, [](dist::Comm& comm) {
+  test::run_ranks(2, [](comm::Comm& comm) {
     auto net = test::Net(6, 1);
     auto model = fsdp::fully_shard(net, comm);
     auto msg = test::error_of([&] { fsdp::fully_shard(net, comm); });
@@ -397,7 +397,7 @@ TEST_CASE("blocks held in a Sequential, in a ModuleList via wrap_each, with expl
   test::copy_params(*plain, *init);
   const auto want = reference_grads(*plain, [&](at::Tensor t) { return plain->forward(t); }, x);
 
-  test::run_ranks(2, [&](dist::Comm& comm) {
+  test::run_ranks(2, [&](comm::Comm& comm) {
     const auto local = x.narrow(0, 2 * comm.rank(), 2);
     {  // Sequential of units: torch::nn::Sequential calls them through AnyModule
       auto seq = torch::nn::Sequential(fsdp::FullyShard<test::Block>(test::Block(6)),

@@ -67,9 +67,9 @@ TORCH_MODULE(LoggedNet);
 TEST_CASE("overlap by order: gathers run ahead of compute, each reduce-scatter is issued before the next block's backward ends") {
   constexpr int kLayers = 4;
   for (bool overlap : {true, false})
-    test::run_ranks(2, [&](dist::Comm& world) {
+    test::run_ranks(2, [&](comm::Comm& world) {
       EventLog log;
-      dist::Comm comm(std::make_shared<LoggingComm>(world.impl_ptr(), log));
+      comm::Comm comm(std::make_shared<LoggingComm>(world.impl_ptr(), log));
       comm.set_consistency_check(false);
       fsdp::FullyShardOptions o;
       o.overlap_reduce_scatter = overlap;

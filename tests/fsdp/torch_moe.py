@@ -1,4 +1,4 @@
-"""fsdpp's MoE transformer (include/models/moe.hpp, src/models/moe.cpp) as a PyTorch nn.Module,
+"""fsdpp's MoE transformer (include/fsdpp/models/moe.hpp, src/models/moe.cpp) as a PyTorch nn.Module,
 with the same parameter names and the same operations in the same order, so that PyTorch's own
 FSDP2 can train it side by side with fsdpp's fully_shard (tests/fsdp/test_torch_fsdp.py) and
 benchmarks can run the same work in PyTorch (bench/torch_peer.py, bench/torch_moe_fsdp.py).

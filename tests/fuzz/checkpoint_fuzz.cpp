@@ -10,8 +10,8 @@
 #include <fstream>
 #include <string>
 
-#include "fsdp/checkpoint.hpp"
-#include "fsdpp/safetensors.hpp"
+#include "fsdpp/fsdp/checkpoint.hpp"
+#include "fsdpp/base/safetensors.hpp"
 
 namespace {
 

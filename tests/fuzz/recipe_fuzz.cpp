@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "train/recipe.hpp"
+#include "fsdpp/train/recipe.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

@@ -18,7 +18,7 @@ fi
 
 case $target in
   recipe) sources=("$src/tests/fuzz/recipe_fuzz.cpp" "$src/src/train/recipe.cpp") ;;
-  checkpoint) sources=("$src/tests/fuzz/checkpoint_fuzz.cpp" "$src/src/safetensors.cpp" "$src/src/fsdp/checkpoint.cpp") ;;
+  checkpoint) sources=("$src/tests/fuzz/checkpoint_fuzz.cpp" "$src/src/base/safetensors.cpp" "$src/src/fsdp/checkpoint.cpp") ;;
   *) echo "fuzz: unknown target $target (recipe, checkpoint)" >&2; exit 2 ;;
 esac
 

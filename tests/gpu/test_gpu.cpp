@@ -1,5 +1,5 @@
 // The GPU path, on the GPUs of the machine (built only against a CUDA LibTorch; scripts/gpu-check.sh
-// runs it): NCCL through dist::Comm, fully_shard on CUDA against the unsharded model on the CPU,
+// runs it): NCCL through comm::Comm, fully_shard on CUDA against the unsharded model on the CPU,
 // and a step captured as a CUDA graph against the same step run eagerly.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -8,12 +8,13 @@
 #include <algorithm>
 #include <chrono>
 
-#include "dist/init.hpp"
-#include "dist/store.hpp"
-#include "fsdp/adamw.hpp"
+#include "fsdpp/comm/init.hpp"
+#include "fsdpp/comm/store.hpp"
+#include "fsdpp/fsdp/adamw.hpp"
 #include "fsdp/models.hpp"
-#include "fsdpp/cuda_graph.hpp"
-#include "models/moe.hpp"
+#include "fsdpp/base/cuda_graph.hpp"
+#include "fsdpp/models/moe.hpp"
+#include "fsdpp/train/sharding.hpp"
 
 using namespace fsdpp;
 
@@ -22,17 +23,17 @@ namespace {
 int gpus() { return static_cast<int>(c10::cuda::device_count()); }
 
 // Ranks as threads, one GPU each (rank r on GPU r), over NCCL.
-void run_nccl_ranks(int n, const std::function<void(dist::Comm&, int device)>& body) {
+void run_nccl_ranks(int n, const std::function<void(comm::Comm&, int device)>& body) {
   test::run_rank_threads(
       n,
       [n](int r, const std::string& path) {
         c10::cuda::set_device(static_cast<c10::DeviceIndex>(r));
-        dist::InitOptions o;
-        o.backend = dist::Backend::kNccl;
+        comm::InitOptions o;
+        o.backend = comm::Backend::kNccl;
         o.timeout = std::chrono::seconds(60);
-        return dist::connect(dist::make_file_store(path, n, o.timeout), r, n, o);
+        return comm::connect(comm::make_file_store(path, n, o.timeout), r, n, o);
       },
-      [&](dist::Comm& comm) { body(comm, comm.rank()); });
+      [&](comm::Comm& comm) { body(comm, comm.rank()); });
 }
 
 at::TensorOptions on(int device, at::ScalarType t = at::kFloat) {
@@ -41,11 +42,11 @@ at::TensorOptions on(int device, at::ScalarType t = at::kFloat) {
 
 }  // namespace
 
-TEST_CASE("NCCL through dist::Comm: every operation on CUDA tensors") {
+TEST_CASE("NCCL through comm::Comm: every operation on CUDA tensors") {
   REQUIRE(gpus() >= 1);
   const int n = std::min(2, gpus());
   MESSAGE("world size " << n << " (" << gpus() << " GPUs)");
-  run_nccl_ranks(n, [n](dist::Comm& comm, int d) {
+  run_nccl_ranks(n, [n](comm::Comm& comm, int d) {
     const int r = comm.rank();
     CHECK(std::string(comm.backend()) == "nccl");
     auto t = at::full({5}, double(r + 1), on(d));
@@ -54,7 +55,7 @@ TEST_CASE("NCCL through dist::Comm: every operation on CUDA tensors") {
     CHECK(at::allclose(t.cpu(), at::full({5}, n * (n + 1) / 2.0 + 1)));
 
     auto h = at::full({4}, double(r + 1), on(d, at::kBFloat16));
-    comm.all_reduce(h, {dist::ReduceOp::kAvg}).wait();
+    comm.all_reduce(h, {comm::ReduceOp::kAvg}).wait();
     CHECK(at::allclose(h.cpu().to(at::kFloat), at::full({4}, (n + 1) / 2.0)));
 
     auto out = at::empty({3 * n}, on(d));
@@ -134,7 +135,7 @@ TEST_CASE("fully_shard on CUDA over NCCL trains like the unsharded model on the 
     }
   }
   std::vector<double> got(steps);
-  run_nccl_ranks(n, [&](dist::Comm& comm, int d) {
+  run_nccl_ranks(n, [&](comm::Comm& comm, int d) {
     auto net = test::Net(8, 3);
     test::copy_params(*net, *init);
     net->to(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
@@ -148,7 +149,7 @@ TEST_CASE("fully_shard on CUDA over NCCL trains like the unsharded model on the 
       loss.backward();
       opt.step();
       auto l = loss.detach().reshape({1}).clone();
-      comm.all_reduce(l, {dist::ReduceOp::kAvg}).wait();
+      comm.all_reduce(l, {comm::ReduceOp::kAvg}).wait();
       if (comm.rank() == 0) got[s] = l.cpu().item<double>();
     }
   });
@@ -168,7 +169,7 @@ struct StepResult {
 
 // A small MoE (capacity routing), fully_shard with static buffers, fsdp::AdamW, static inputs;
 // `graph`: 3 eager steps, then capture once and replay.
-StepResult train_moe(dist::Comm& comm, int d, bool graph, int steps) {
+StepResult train_moe(comm::Comm& comm, int d, bool graph, int steps) {
   models::MoEConfig c;
   c.dim = 128, c.heads = 4, c.layers = 4, c.max_seq_len = 128, c.ffn_hidden = 256;
   c.experts = 8, c.top_k = 2, c.expert_hidden = 128, c.dense_layers = 1;
@@ -178,7 +179,7 @@ StepResult train_moe(dist::Comm& comm, int d, bool graph, int steps) {
   net->to(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
   fsdp::FullyShardOptions o;
   o.static_buffers = true;
-  auto root = fsdp::fully_shard(net, comm, o);
+  auto root = train::shard_model(net, comm, o);
   fsdp::AdamW opt(root->sharded_parameters(), {.lr = 3e-3});
   const int64_t B = 8, T = 128;
   auto x = at::zeros({B, T}, on(d, at::kLong)), yt = at::zeros({B, T}, on(d, at::kLong));
@@ -224,7 +225,7 @@ TEST_CASE("a step captured as a CUDA graph gives the same bits as the step run e
   REQUIRE(gpus() >= 1);
   const int steps = 30;
   StepResult eager, graph;
-  run_nccl_ranks(1, [&](dist::Comm& comm, int d) {
+  run_nccl_ranks(1, [&](comm::Comm& comm, int d) {
     eager = train_moe(comm, d, false, steps);
     graph = train_moe(comm, d, true, steps);
   });

@@ -7,6 +7,9 @@ src=$(cd "$(dirname "$0")" && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
+# Every header lands under include/fsdpp/, nothing at the top of the include directory.
+others=$(ls "$tmp/prefix/include" | grep -vx fsdpp || true)
+[[ -z $others ]] || { echo "FAIL: installed outside include/fsdpp/: $others"; exit 1; }
 cmake -S "$src" -B "$tmp/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$tmp/prefix" \
   -DCMAKE_CXX_COMPILER_LAUNCHER="$(command -v ccache || true)" >/dev/null
 cmake --build "$tmp/consumer" >/dev/null

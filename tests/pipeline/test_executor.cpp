@@ -5,11 +5,12 @@
 #include <fstream>
 #include <torch/optim/adamw.h>
 
-#include "dist/mesh.hpp"
-#include "dist/ranks.hpp"
+#include "fsdpp/comm/mesh.hpp"
+#include "comm/ranks.hpp"
 #include "fsdp/event_log.hpp"
-#include "pipeline/executor.hpp"
-#include "pipeline/table.hpp"
+#include "fsdpp/pipeline/executor.hpp"
+#include "fsdpp/pipeline/fsdp_stage.hpp"
+#include "fsdpp/pipeline/table.hpp"
 
 using namespace fsdpp;
 using namespace fsdpp::pipeline;
@@ -98,7 +99,7 @@ std::vector<std::vector<at::Tensor>> reference_params(int stages, int m) {
 void check_pipelined(const Plan& plan, const std::vector<std::vector<at::Tensor>>& grads,
                      const std::vector<std::vector<at::Tensor>>& params, const std::string& what) {
   const int stages = plan.spec.num_stages(), m = plan.spec.microbatches;
-  test::run_ranks(plan.spec.pp, [&](dist::Comm& comm) {
+  test::run_ranks(plan.spec.pp, [&](comm::Comm& comm) {
     Model model(stages);
     std::vector<PipelineStage> mine;
     std::vector<at::Tensor> mine_params;
@@ -164,6 +165,65 @@ TEST_CASE("every built-in schedule trains like the unpipelined model (pp 2 and 4
       }
 }
 
+TEST_CASE("forward only: the plan's forwards give the unpipelined losses, keep nothing, and training goes on after") {
+  // Every built-in at pp 2 and 4 under a send budget of 1, for 1 and for all m microbatches.
+  int checked = 0;
+  for (const auto& name : schedule_names())
+    for (int pp : {2, 4})
+      for (int v : {1, 2}) {
+        const int m = 2 * pp;
+        const auto s = make_schedule(name);
+        const ScheduleSpec spec{.pp = pp, .stages_per_rank = v, .microbatches = m};
+        try {
+          s->check(spec);
+        } catch (const ScheduleError&) {
+          continue;
+        }
+        const auto plan = make_plan(*s, spec, {.fsdp_stages = true, .max_outstanding_sends = 1});
+        const int stages = spec.num_stages();
+        const auto b = make_batch(m);
+        // The unpipelined losses of each microbatch.
+        std::vector<double> want;
+        {
+          Model ref(stages);
+          at::NoGradGuard no_grad;
+          for (int i = 0; i < m; ++i) {
+            auto h = b.x[i];
+            for (int st = 0; st < stages; ++st) h = ref.stage(st, h);
+            want.push_back(at::mse_loss(h, b.y[i]).item<double>());
+          }
+        }
+        const auto grads = reference_grads(stages, m);
+        ++checked;
+        test::run_ranks(pp, [&](comm::Comm& comm) {
+          Model model(stages);
+          std::vector<PipelineStage> mine;
+          for (int st = 0; st < stages; ++st)
+            if (plan.owner[st] == comm.rank())
+              mine.push_back({st, [&model, st](const at::Tensor& x) { return model.stage(st, x); },
+                              model.layers[st]->parameters()});
+          PipelineExecutor exec(plan, comm, mine,
+                                [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+                                {.activation_shape = {kMicro, kDim}});
+          const bool last = plan.owner[stages - 1] == comm.rank();
+          INFO(name << " pp=" << pp << " v=" << v << " rank " << comm.rank());
+          for (int count : {1, m}) {
+            const std::vector<at::Tensor> xs(b.x.begin(), b.x.begin() + count), ys(b.y.begin(), b.y.begin() + count);
+            const auto got = exec.forward(xs, ys);
+            CHECK_FALSE(got.requires_grad());
+            double sum = 0;
+            for (int i = 0; i < count; ++i) sum += want[i];
+            CHECK(got.item<double>() == doctest::Approx(last ? sum : 0.0).epsilon(1e-6));
+          }
+          for (const auto& st : mine) CHECK_FALSE(model.layers[st.index]->weight.grad().defined());
+          exec.step(b.x, b.y);
+          for (const auto& st : mine) CHECK(rel(model.layers[st.index]->weight.grad(), grads[st.index][0]) < 1e-5);
+          CHECK(test::error_of([&] { exec.forward({}, {}); }).find("forward takes 1 to") != std::string::npos);
+        });
+      }
+  CHECK(checked >= 8);
+}
+
 TEST_CASE("under a send budget some receives must be posted earlier: without that the plan deadlocks, with it it runs") {
   // Every built-in at budget 1: where make_plan had to hoist receives, the plain lowering (each
   // receive before its use, in peer send order) deadlocks in the simulator; the hoisted plan runs
@@ -180,7 +240,7 @@ TEST_CASE("under a send budget some receives must be posted earlier: without tha
           } catch (const ScheduleError&) {
             continue;
           }
-          const auto plan = make_plan(*s, spec, false, 1);
+          const auto plan = make_plan(*s, spec, {.max_outstanding_sends = 1});
           auto plain = add_send_recv(plan.compute, plan.owner);
           order_receives(plain, plan.owner);
           if (plain == plan.lowered) continue;
@@ -204,7 +264,7 @@ TEST_CASE("a forward output's storage is given up once its send is issued, and i
   // their step's forward; the last stage's, which the loss needs, keep theirs.
   const ScheduleSpec spec{2, 1, 4};
   const auto plan = make_plan(*make_schedule("1F1B"), spec);
-  test::run_ranks(2, [&](dist::Comm& comm) {
+  test::run_ranks(2, [&](comm::Comm& comm) {
     Model model(2);
     const int s = comm.rank();
     std::vector<at::Tensor> outputs;
@@ -235,12 +295,12 @@ TEST_CASE("a stage's REDUCE_GRAD is issued while the rank's other stage still ha
   // 0 and 2. Stage 2's backwards finish first; its reduce-scatter must go out before stage 0's
   // last weight gradient is computed, not at the end of the step.
   const int pp = 2, dp = 2, v = 2, m = 4, rows = 4, stages = pp * v;
-  const auto plan = make_plan(*make_schedule("Interleaved1F1B"), {pp, v, m}, /*fsdp_stages=*/true);
+  const auto plan = make_plan(*make_schedule("Interleaved1F1B"), {pp, v, m}, {.fsdp_stages = true});
   auto g = at::detail::createCPUGenerator(3);
   std::vector<at::Tensor> xs, ys;
   for (int i = 0; i < m; ++i) xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
-  test::run_ranks(pp * dp, [&](dist::Comm& world) {
-    dist::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
+  test::run_ranks(pp * dp, [&](comm::Comm& world) {
+    comm::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
     const int d = mesh.coord("dp");
     test::EventLog log;
     Model model(stages);
@@ -249,7 +309,7 @@ TEST_CASE("a stage's REDUCE_GRAD is issued while the rank's other stage still ha
     std::vector<PipelineStage> mine;
     for (int s = 0; s < stages; ++s) {
       if (plan.owner[s] != mesh.coord("pp")) continue;
-      dist::Comm comm(std::make_shared<test::LoggingComm>(mesh.comm("dp").impl_ptr(), log, "stage" + std::to_string(s) + " "));
+      comm::Comm comm(std::make_shared<test::LoggingComm>(mesh.comm("dp").impl_ptr(), log, "stage" + std::to_string(s) + " "));
       comm.set_consistency_check(false);
       units.push_back(fsdp::fully_shard(model.layers[s].ptr(), comm));
       model.layers[s]->weight.register_hook([&log, s](const at::Tensor& grad) {
@@ -259,7 +319,7 @@ TEST_CASE("a stage's REDUCE_GRAD is issued while the rank's other stage still ha
       auto* unit = units.back().ptr().get();
       const bool last = s == stages - 1;
       mine.push_back({s, [unit, last](const at::Tensor& x) { auto y = unit->forward(x); return last ? y : at::tanh(y); },
-                      model.layers[s]->parameters(), unit});
+                      model.layers[s]->parameters(), fsdp_sharding(*unit)});
     }
     PipelineExecutor exec(plan, mesh.comm("pp"), mine,
                           [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
@@ -302,7 +362,7 @@ TEST_CASE("messages between two ranks match by order, as on NCCL: receives out o
   const auto want = reference_grads(spec.num_stages(), spec.microbatches);
   std::vector<double> error(2, 0), ordered_error(2, 0);
   for (const Plan* p : std::vector<const Plan*>{&plan, &unordered})
-    test::run_ranks(spec.pp, [&](dist::Comm& comm) {
+    test::run_ranks(spec.pp, [&](comm::Comm& comm) {
       Model model(spec.num_stages());
       std::vector<PipelineStage> mine;
       for (int s = 0; s < spec.num_stages(); ++s)
@@ -333,9 +393,9 @@ TEST_CASE("a send budget is never exceeded and changes no result") {
   for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{{"1F1B", 1}, {"Interleaved1F1B", 2}, {"ZBVZeroBubble", 2}})
     for (int budget : {1, 2}) {
       const ScheduleSpec spec{4, v, 8};
-      const auto plan = make_plan(*make_schedule(name), spec, false, budget);
+      const auto plan = make_plan(*make_schedule(name), spec, {.max_outstanding_sends = budget});
       const auto want = reference_grads(spec.num_stages(), 8);
-      test::run_ranks(4, [&](dist::Comm& comm) {
+      test::run_ranks(4, [&](comm::Comm& comm) {
         Model model(spec.num_stages());
         std::vector<PipelineStage> mine;
         for (int s = 0; s < spec.num_stages(); ++s)
@@ -361,7 +421,7 @@ TEST_CASE("5 AdamW steps of 1F1B at pp 4 match unpipelined training; two runs ar
   auto train_pipelined = [&](std::vector<std::vector<at::Tensor>>& params_out) {
     params_out.assign(pp, {});
     std::vector<double> losses(5, 0);
-    test::run_ranks(pp, [&](dist::Comm& comm) {
+    test::run_ranks(pp, [&](comm::Comm& comm) {
       Model model(pp);
       const int s = comm.rank();
       PipelineExecutor exec(plan, comm, {{s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
@@ -419,7 +479,7 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
   for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{
            {"GPipe", 1}, {"1F1B", 1}, {"Interleaved1F1B", 2}, {"LoopedBFS", 2}, {"InterleavedZeroBubble", 1},
            {"ZBVZeroBubble", 2}, {"DualPipeV", 2}}) {
-    const auto plan = make_plan(*make_schedule(name), {pp, v, m}, /*fsdp_stages=*/true, /*max_outstanding_sends=*/2);
+    const auto plan = make_plan(*make_schedule(name), {pp, v, m}, {.fsdp_stages = true, .max_outstanding_sends = 2});
     const int stages = pp * v;
     // Reference: 3 AdamW steps on the whole batch, one process, no sharding.
     Model ref(stages);
@@ -437,8 +497,8 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
       ropt.step();
       want_loss.push_back(loss.item<double>());
     }
-    test::run_ranks(pp * dp, [&](dist::Comm& world) {
-      dist::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
+    test::run_ranks(pp * dp, [&](comm::Comm& world) {
+      comm::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
       const int d = mesh.coord("dp");
       Model model(stages);
       std::vector<fsdp::FullyShard<torch::nn::LinearImpl>> units;
@@ -451,7 +511,7 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
           auto* unit = units.back().ptr().get();
           const bool last = s == stages - 1;
           mine.push_back({s, [unit, last](const at::Tensor& x) { auto y = unit->forward(x); return last ? y : at::tanh(y); },
-                          model.layers[s]->parameters(), unit});
+                          model.layers[s]->parameters(), fsdp_sharding(*unit)});
           for (auto& p : unit->sharded_parameters()) sharded.push_back(p);
         }
       PipelineExecutor exec(plan, mesh.comm("pp"), mine,
@@ -464,7 +524,7 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
         opt.zero_grad();
         auto loss = at::full({1}, exec.step(lx, ly), at::kDouble);
         opt.step();
-        mesh.comm("dp").all_reduce(loss, {dist::ReduceOp::kAvg}).wait();
+        mesh.comm("dp").all_reduce(loss, {comm::ReduceOp::kAvg}).wait();
         if (last) {
           INFO(name << " step " << step << " rank " << world.rank());
           CHECK(std::abs(loss.item<double>() - want_loss[step]) <= 1e-5 * want_loss[step]);
@@ -506,16 +566,16 @@ TEST_CASE("FSDP stages stay gathered across their microbatches: one all-gather p
   // step; otherwise the two nested ones again for the microbatches' forwards and backwards. The
   // two units with parameters reduce-scatter once per step either way.
   const int pp = 2, dp = 2, m = 4, rows = 4;
-  const auto plan = make_plan(*make_schedule("1F1B"), {pp, 1, m}, /*fsdp_stages=*/true);
+  const auto plan = make_plan(*make_schedule("1F1B"), {pp, 1, m}, {.fsdp_stages = true});
   auto g = at::detail::createCPUGenerator(5);
   std::vector<at::Tensor> xs, ys;
   for (int i = 0; i < m; ++i) xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
   std::map<bool, std::vector<double>> losses;
   for (bool keep : {true, false})
-    test::run_ranks(pp * dp, [&](dist::Comm& world) {
-      dist::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
+    test::run_ranks(pp * dp, [&](comm::Comm& world) {
+      comm::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
       auto counter = std::make_shared<test::CountingComm>(mesh.comm("dp").impl_ptr());
-      dist::Comm dp_comm(counter);
+      comm::Comm dp_comm(counter);
       dp_comm.set_consistency_check(false);
       const int s = mesh.coord("pp"), d = mesh.coord("dp");
       TwoBlockStage module;
@@ -526,7 +586,7 @@ TEST_CASE("FSDP stages stay gathered across their microbatches: one all-gather p
       }
       auto stage = fsdp::fully_shard(module, dp_comm);
       auto* root = stage.ptr().get();
-      std::vector<PipelineStage> mine{{s, [root](const at::Tensor& x) { return root->forward(x); }, root->parameters(), root}};
+      std::vector<PipelineStage> mine{{s, [root](const at::Tensor& x) { return root->forward(x); }, root->parameters(), fsdp_sharding(*root)}};
       ExecutorOptions eo{.activation_shape = {rows / dp, kDim}, .keep_stages_unsharded = keep};
       PipelineExecutor exec(plan, mesh.comm("pp"), mine,
                             [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); }, eo);

@@ -6,8 +6,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "pipeline/plan.hpp"
-#include "pipeline/table.hpp"
+#include "fsdpp/pipeline/plan.hpp"
+#include "fsdpp/pipeline/table.hpp"
 
 using namespace fsdpp::pipeline;
 
@@ -119,7 +119,7 @@ TEST_CASE("every built-in is valid, lowers and runs for pp 2 and 4 and several m
                  (c.name == "DualPipeV" && m < 2 * pp && why.find("at least as many microbatches as stages (") != std::string::npos)));
           continue;
         }
-        const auto plan = make_plan(*s, spec, /*fsdp_stages=*/true);
+        const auto plan = make_plan(*s, spec, {.fsdp_stages = true});
         int sends = 0, recvs = 0, reduces = 0, unshards = 0, reshards = 0;
         for (const auto& rank : plan.lowered)
           for (const auto& a : rank) {
@@ -254,7 +254,7 @@ TEST_CASE("sends and receives between two ranks come in the same order (NCCL mat
           for (bool fsdp : {false, true})
             for (int budget : {0, 1, 2}) {
               INFO(name << " pp=" << pp << " v=" << v << " m=" << m << " fsdp=" << fsdp << " budget=" << budget);
-              const auto plan = make_plan(*s, spec, fsdp, budget);
+              const auto plan = make_plan(*s, spec, {.fsdp_stages = fsdp, .max_outstanding_sends = budget});
               CHECK_NOTHROW(check_point_to_point_order(plan.lowered, plan.owner));
               CHECK_NOTHROW(simulate(plan.lowered, plan.owner, {}, budget));  // every receive before its use
               ++plans;

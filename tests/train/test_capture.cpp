@@ -13,12 +13,13 @@
 #include <chrono>
 #include <nlohmann/json.hpp>
 
-#include "dist/flight_recorder.hpp"
-#include "fsdpp/device_check.hpp"
-#include "dist/ranks.hpp"
-#include "fsdp/adamw.hpp"
-#include "fsdp/fully_shard.hpp"
-#include "models/moe.hpp"
+#include "fsdpp/comm/flight_recorder.hpp"
+#include "fsdpp/base/device_check.hpp"
+#include "comm/ranks.hpp"
+#include "fsdpp/fsdp/adamw.hpp"
+#include "fsdpp/fsdp/fully_shard.hpp"
+#include "fsdpp/models/moe.hpp"
+#include "fsdpp/train/sharding.hpp"
 
 using namespace fsdpp;
 
@@ -32,7 +33,7 @@ struct RankLog {
   std::vector<std::string> default_device_tensors;  // made in the first step (DefaultDeviceCheck)
 };
 
-std::vector<RankLog> train(bool static_buffers, int steps) {
+std::vector<RankLog> run_steps(bool static_buffers, int steps) {
   models::MoEConfig c;
   c.dim = 32, c.heads = 2, c.layers = 2, c.max_seq_len = 32, c.ffn_hidden = 64;
   c.experts = 4, c.top_k = 2, c.expert_hidden = 32;
@@ -46,11 +47,11 @@ std::vector<RankLog> train(bool static_buffers, int steps) {
     nets.push_back(models::MoETransformer(c));
   }
   std::vector<RankLog> logs(n);
-  test::run_ranks(n, [&](dist::Comm& comm) {
+  test::run_ranks(n, [&](comm::Comm& comm) {
     const int r = comm.rank();
     fsdp::FullyShardOptions o;
     o.static_buffers = static_buffers;  // reshard_after_forward left to its default
-    auto root = fsdp::fully_shard(nets[r], comm, o);
+    auto root = train::shard_model(nets[r], comm, o);
     logs[r].units = static_cast<int>(root->fsdp_unit().tree_units().size());
     fsdp::AdamW opt(root->sharded_parameters(), {.lr = 1e-2});
     auto x = at::zeros({B, T}, at::kLong), y = at::zeros({B, T}, at::kLong);  // static inputs
@@ -78,7 +79,7 @@ std::vector<RankLog> train(bool static_buffers, int steps) {
       // given) in issue order; communicators by name.
       const auto since = std::chrono::duration_cast<std::chrono::microseconds>(begin.time_since_epoch()).count();
       std::map<std::string, std::vector<std::string>> per_comm;
-      for (const auto& c : nlohmann::json::parse(dist::flight_records_json())) {
+      for (const auto& c : nlohmann::json::parse(comm::flight_records_json())) {
         if (c["rank"].get<int>() != r || c["size"].get<int>() != n) continue;
         for (const auto& e : c["entries"])
           if (e["issued_us"].get<int64_t>() >= since)
@@ -110,8 +111,8 @@ std::vector<RankLog> train(bool static_buffers, int steps) {
 
 TEST_CASE("capture-ready step on CPU: fixed buffer addresses, the same collectives every step, same results") {
   const int steps = 5;
-  const auto fixed = train(/*static_buffers=*/true, steps);
-  const auto plain = train(/*static_buffers=*/false, steps);
+  const auto fixed = run_steps(/*static_buffers=*/true, steps);
+  const auto plain = run_steps(/*static_buffers=*/false, steps);
   for (size_t r = 0; r < fixed.size(); ++r) {
     CAPTURE(r);
     CHECK(fixed[r].losses == plain[r].losses);  // bitwise

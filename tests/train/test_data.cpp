@@ -9,8 +9,8 @@
 #include <fstream>
 #include <set>
 
-#include "train/data.hpp"
-#include "train/recipe.hpp"
+#include "fsdpp/train/data.hpp"
+#include "fsdpp/train/recipe.hpp"
 
 using namespace fsdpp;
 namespace fs = std::filesystem;

@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "models/moe.hpp"
+#include "fsdpp/models/moe.hpp"
 
 using namespace fsdpp;
 using models::MoEConfig;
@@ -201,6 +201,45 @@ TEST_CASE("model: causal (a later byte never changes earlier logits), stages com
   int64_t n = 0;
   for (const auto& p : model->parameters()) n += p.numel();
   CHECK(n == c.parameter_count());
+}
+
+namespace {
+
+// A wrapper that counts its calls, as an FSDP unit or a checkpointing wrapper would stand in.
+struct CountingImpl : torch::nn::Module {
+  CountingImpl(models::Block block, int* calls) : inner(std::move(block)), calls(calls) {
+    for (auto& p : inner->named_parameters(/*recurse=*/false)) register_parameter(p.key(), p.value());
+    for (auto& c : inner->named_children()) register_module(c.key(), c.value());
+  }
+  at::Tensor forward(at::Tensor x) {
+    ++*calls;
+    return inner->forward(std::move(x));
+  }
+  models::Block inner;
+  int* calls;
+};
+
+}  // namespace
+
+TEST_CASE("model: wrap_blocks puts a wrapper where each block was, keeping names and results") {
+  auto model = models::MoETransformer(small_config());
+  at::NoGradGuard g;
+  const auto tokens = at::randint(256, {2, 12});
+  const auto before = model->forward(tokens);
+  std::vector<std::string> names;
+  for (const auto& p : model->named_parameters()) names.push_back(p.key());
+  int calls = 0;
+  model->wrap_blocks([&](const models::Block& b) {
+    return torch::nn::AnyModule(std::make_shared<CountingImpl>(b, &calls));
+  });
+  CHECK(model->forward(tokens).equal(before));
+  CHECK(calls == small_config().layers);  // forward went through every wrapper
+  std::vector<std::string> after;
+  for (const auto& p : model->named_parameters()) after.push_back(p.key());
+  CHECK(after == names);
+  CHECK(model->blocks().size() == size_t(small_config().layers));  // the blocks themselves, still reachable
+  // A stage is cut from the unwrapped model only.
+  CHECK_THROWS_WITH(models::MoETransformerImpl(*model, 0, 1), doctest::Contains("not wrapped"));
 }
 
 TEST_CASE("lm_loss: uniform logits give ln(vocab)") {

@@ -2,12 +2,14 @@
 // bundled recipe and config is valid.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
-#include "dist/init.hpp"
-#include "fsdpp/files.hpp"
-#include "train/recipe.hpp"
+#include "fsdpp/comm/init.hpp"
+#include "fsdpp/base/files.hpp"
+#include "fsdpp/pipeline/plan.hpp"
+#include "fsdpp/train/recipe.hpp"
 
 using namespace fsdpp;
 using nlohmann::json;
@@ -136,12 +138,12 @@ TEST_CASE("recipe: device and CUDA graph rules") {
   const auto cuda = problems(base(), {"train.device=cuda", "train.cuda_graph=true"});
   expect(cuda, "train.cuda_graph: needs model.routing \"capacity\" (static shapes; \"dropless\" routing reads each "
                "expert's token count on the host");
-  if (!dist::has_backend(dist::Backend::kNccl))
+  if (!comm::has_backend(comm::Backend::kNccl))
     expect(cuda, "train.device: \"cuda\" needs fsdpp built with the NCCL backend");
   // Pipelines are captured too, with the same rule (the plan keeps sends and receives in NCCL's order).
   const auto pp = problems(base(), {"train.device=cuda", "train.cuda_graph=true", "model.routing=capacity",
                                     "parallel.pp=2", "parallel.microbatches=2"});
-  if (dist::has_backend(dist::Backend::kNccl))
+  if (comm::has_backend(comm::Backend::kNccl))
     CHECK(pp == "valid");
   else
     CHECK(pp.find("train.cuda_graph") == std::string::npos);
@@ -157,9 +159,40 @@ TEST_CASE("recipe: precision overrides") {
   expect(p, "precision.overrides[2]: needs param_dtype or grad_dtype");
   expect(p, "precision.overrides[3].grad_dtype: must be one of float32 | bfloat16 | float16, got \"bfloat\", did you mean 'bfloat16'?");
   j["precision"]["overrides"] = json::parse(R"([{"match": "*.router.gate.weight", "param_dtype": "float32", "grad_dtype": "float32"}])");
+  j["precision"]["param_dtype"] = "bfloat16";
+  j["precision"]["reduce_dtype"] = "float16";
   const auto r = train::parse_recipe(j, "t.json", ".");
   REQUIRE(r.precision.overrides.size() == 1);
-  CHECK(*r.precision.overrides[0].grad_dtype == "float32");
+  CHECK((*r.precision.overrides[0].grad_dtype == at::kFloat));
+  // The policy fully_shard gets, ready: bfloat16 except the router gates, reduced in float16.
+  const auto& policy = r.precision.policy;
+  CHECK((policy.param_dtype == at::kBFloat16));
+  CHECK((policy.reduce_dtype == at::kHalf));
+  REQUIRE(policy.param_dtype_override);
+  REQUIRE(policy.grad_dtype);
+  const at::Tensor any;
+  CHECK((policy.param_dtype_override("layers.1.moe.router.gate.weight", any) == at::kFloat));
+  CHECK_FALSE(policy.param_dtype_override("layers.1.attn.qkv.weight", any).has_value());
+  CHECK((policy.grad_dtype("layers.1.moe.router.gate.weight", any) == at::kFloat));
+  // float32 parameters keep each parameter's own dtype (no cast), and no overrides means none.
+  const auto plain = train::parse_recipe(base(), "t.json", ".");
+  CHECK(!plain.precision.policy.param_dtype);
+  CHECK((plain.precision.policy.reduce_dtype == at::kFloat));
+  CHECK(!plain.precision.policy.param_dtype_override);
+}
+
+TEST_CASE("recipe: the pipeline plan is made once, when the recipe is read") {
+  CHECK(train::parse_recipe(base(), "t.json", ".").plan == nullptr);
+  const auto r = train::parse_recipe(base(), "t.json", kSource + "/recipes",
+                                     {"parallel.pp=2", "parallel.microbatches=4", "parallel.max_outstanding_sends=1"});
+  REQUIRE(r.plan);
+  CHECK(r.plan->spec.pp == 2);
+  CHECK(r.plan->spec.microbatches == 4);
+  CHECK(r.plan->max_outstanding_sends == 1);
+  // Lowered for sharded stages: each rank's program reduces each of its stages' gradients once.
+  for (const auto& rank : r.plan->lowered)
+    CHECK(std::count_if(rank.begin(), rank.end(),
+                        [](const pipeline::Action& a) { return a.type == pipeline::ActionType::kReduceGrad; }) == 1);
 }
 
 TEST_CASE("recipe: dotted overrides") {
@@ -191,7 +224,7 @@ TEST_CASE("recipe: every bundled recipe and config is valid") {
       found = ex.problems();
     }
     // A GPU recipe is valid where the build has the NCCL backend; elsewhere that is its only problem.
-    if (!dist::has_backend(dist::Backend::kNccl) && fsdpp::read_json_file(e.path().string()).value("train", json::object()).value("device", "") == "cuda") {
+    if (!comm::has_backend(comm::Backend::kNccl) && fsdpp::read_json_file(e.path().string()).value("train", json::object()).value("device", "") == "cuda") {
       REQUIRE(found.size() == 1);
       CHECK(found[0].find("train.device: \"cuda\" needs fsdpp built with the NCCL backend") != std::string::npos);
     } else {

@@ -9,8 +9,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "fsdpp/files.hpp"
-#include "fsdpp/safetensors.hpp"
+#include "fsdpp/base/files.hpp"
+#include "fsdpp/base/safetensors.hpp"
 
 using namespace fsdpp;
 namespace fs = std::filesystem;

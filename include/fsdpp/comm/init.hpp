@@ -1,0 +1,59 @@
+#pragma once
+// Creating communicators: from torchrun-style environment variables (env://) or from a store the
+// caller made. Communicators connect eagerly, so a wrong address, port or world size fails here,
+// within the timeout, and not at the first collective.
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "fsdpp/comm/comm.hpp"
+#include "fsdpp/comm/store.hpp"
+#include "fsdpp/comm/types.hpp"
+
+namespace fsdpp::comm {
+
+// The launch environment, as torchrun and `fsdpp launch` set it.
+struct LaunchEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr;
+  uint16_t master_port = 0;
+  bool agent_hosts_store = false;  // TORCHELASTIC_USE_AGENT_STORE=True: the launcher runs the store
+};
+
+// Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (required) and LOCAL_RANK, LOCAL_WORLD_SIZE
+// (optional). Throws CommError naming the variable that is missing or malformed.
+LaunchEnv read_launch_env();
+
+// True when the variables of a launcher (ours or torchrun) are present.
+bool launched_by_launcher();
+
+enum class Backend { kGloo, kNccl };
+
+struct InitOptions {
+  Backend backend = Backend::kGloo;
+  std::chrono::milliseconds timeout = kDefaultTimeout;
+  // Address this rank's transport listens on. Empty: 127.0.0.1 when the store is on loopback,
+  // otherwise the local address that routes to the store's host. FSDPP_BIND_ADDR overrides.
+  std::string bind_address;
+  // The watchdog (fsdpp/comm/flight_recorder.hpp): an operation in flight longer than this makes every
+  // rank dump its flight records to `flight_record_dir`, and ends the processes. Zero: off.
+  // FSDPP_WATCHDOG_TIMEOUT_S and FSDPP_FR_DUMP_DIR override both.
+  std::chrono::milliseconds watchdog_timeout{0};
+  std::string flight_record_dir = "fsdpp-flight-records";
+};
+
+// The world communicator of a launched process (env://).
+Comm init_from_env(const InitOptions& options = {});
+
+// A communicator of `size` ranks that rendezvous through `store`. Every rank passes a store that
+// sees the same keys (for example the same file, or the same TCP store).
+Comm connect(std::shared_ptr<Store> store, int rank, int size, const InitOptions& options = {});
+
+// Whether this build has each backend (FSDPP_WITH_GLOO / FSDPP_WITH_NCCL).
+bool has_backend(Backend backend);
+
+}  // namespace fsdpp::comm

@@ -1,0 +1,144 @@
+#pragma once
+// ParamGroup: the parameters of one sharded unit and the collectives that move them.
+//
+// Each parameter is chunked along dim 0 across the ranks of the communicator, with padding:
+// rows r * ceil(R/n) .. min(R, (r+1) * ceil(R/n)) live on rank r, so trailing ranks may own zero
+// rows (5 rows on 4 ranks: 2, 2, 1, 0). A rank keeps its rows in a zero-padded float buffer; the
+// optimizer sees a view of the real rows (sharded_parameters()).
+//
+// Note [unshard by storage resize]
+// The module's parameter tensors stay the same objects for the module's lifetime. At sharding time
+// each one is pointed (set_data, once) at a full-size buffer in its compute dtype whose storage is
+// then freed. Unsharding re-allocates that storage and fills it from one all-gather; resharding
+// frees it again. Autograd's saved references to the parameter therefore stay valid: only the
+// bytes behind them come and go. Reading a parameter while its unit is resharded is an error.
+//
+// Layout: all-gather and reduce-scatter use one rank-major layout, [rank 0: p0 | p1 | ...][rank 1:
+// p0 | p1 | ...]..., where pi is parameter i's padded shard. The all-gather packs as bytes, so one
+// collective serves a unit whose parameters have different dtypes; the all-gather input is a view
+// of this rank's slot of the output.
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fsdpp/comm/comm.hpp"
+#include "fsdpp/fsdp/mixed_precision.hpp"
+
+namespace fsdpp::fsdp {
+
+// Where one parameter's shard lives, as a checkpoint or a test needs to know.
+struct ShardInfo {
+  std::vector<std::string> names;  // FQNs in the unwrapped model; several when tied
+  std::vector<int64_t> global_shape;
+  int64_t row_offset = 0;  // first global row on this rank
+  int64_t local_rows = 0;
+  int64_t padded_rows = 0;  // ceil(rows / world size)
+  at::ScalarType compute_dtype = at::kFloat;
+  at::ScalarType grad_dtype = at::kFloat;
+};
+
+struct ParamSpec {
+  std::vector<std::string> names;
+  at::Tensor param;  // the module's parameter
+};
+
+class ParamGroup {
+ public:
+  // post_forward_group > 1: reshard_to_group() keeps 1/post_forward_group of the gathered
+  // parameters, and the next unshard gathers within groups of that many consecutive ranks.
+  ParamGroup(comm::Comm comm, std::vector<ParamSpec> params, const MixedPrecisionPolicy& mp,
+             std::string label, int post_forward_group = 0, bool static_buffers = false);
+
+  const std::string& label() const { return label_; }
+  const comm::Comm& comm() const { return comm_; }
+  bool empty() const { return params_.empty(); }
+  bool is_unsharded() const { return unsharded_; }
+  // Where the gather and reduce buffers and the unsharded parameters live now (null when
+  // released): with static buffers, the same from the first step on.
+  std::vector<const void*> buffer_addresses() const;
+
+  // Issues the all-gather (no-op when unsharded or already in flight).
+  void unshard_async();
+  // Completes the all-gather and fills the parameters.
+  void wait_unshard();
+  void reshard();
+  // Frees the unsharded parameters but keeps this rank's 1/N of the gathered bytes (N =
+  // post_forward_group), so that the next unshard is an all-gather among N ranks only.
+  void reshard_to_group();
+
+  // Moves each parameter's .grad into its unsharded accumulator (in grad_dtype).
+  void accumulate_grads();
+  // Packs the accumulated gradients (zeros for parameters that got none) and issues one
+  // reduce-scatter that averages over the ranks.
+  void reduce_grads_async();
+  // Waits for the reduce-scatter and adds the result to the sharded parameters' gradients.
+  void finish_reduce();
+  bool reduce_pending() const { return reduce_work_.has_value(); }
+  // True when some parameter holds a .grad that was not accumulated yet.
+  bool has_stray_grads() const;
+
+  std::vector<at::Tensor> sharded_parameters() const;
+  std::vector<ShardInfo> shard_infos() const;
+  // Full parameters in their original dtype, in the order of shard_infos(); collective.
+  std::vector<at::Tensor> gather_full_params();
+  // Sets this rank's rows from full parameters (same order); not collective.
+  void load_full_params(const std::vector<at::Tensor>& full);
+
+ private:
+  struct Param {
+    std::vector<std::string> names;
+    at::Tensor param;      // the module's parameter (identity kept)
+    at::Tensor unsharded;  // full-size compute-dtype buffer sharing param's storage
+    at::Tensor padded;     // this rank's rows, zero-padded to padded_rows, original dtype
+    at::Tensor sharded;    // leaf view of padded's real rows: what the optimizer updates
+    at::Tensor grad_acc;   // unsharded gradient accumulated in grad_dtype
+    std::vector<int64_t> shape;
+    int64_t rows = 0, padded_rows = 0, row_offset = 0, local_rows = 0, row_numel = 1;
+    at::ScalarType compute_dtype, grad_dtype;
+    int64_t gather_offset = 0, gather_bytes = 0;  // within one rank's slot of the all-gather
+    int64_t reduce_offset = 0;                    // elements, within one rank's reduce slot
+    // Views into the persistent buffers, made once (see Note [persistent views]).
+    at::Tensor copy_in;                                      // in this rank's gather slot
+    std::vector<std::pair<at::Tensor, at::Tensor>> copy_out; // (unsharded rows, gathered rows)
+    struct Pack {
+      at::Tensor dst;  // rows of the reduce input
+      int64_t offset, numel;  // elements of the flattened gradient
+    };
+    std::vector<Pack> pack;
+    std::vector<at::Tensor> pad;  // parts of the reduce input beyond the parameter: zeroed
+    at::Tensor reduce_all;        // the parameter's whole region of the reduce input
+    at::Tensor reduce_piece;      // this rank's rows in the reduce output
+    int64_t padded_numel() const { return padded_rows * row_numel; }
+    int64_t numel() const { return rows * row_numel; }
+  };
+
+  void check_plan_is_uniform();
+  void make_views();
+
+  comm::Comm comm_;
+  std::string label_;
+  std::string gather_label_, reduce_label_;  // flight-recorder labels of this unit's collectives
+  std::vector<Param> params_;
+  int64_t gather_slot_bytes_ = 0;
+  int64_t reduce_slot_numel_ = 0;
+  at::ScalarType reduce_dtype_ = at::kFloat;
+  bool unsharded_ = false;
+  bool static_buffers_ = false;
+  at::Device device_ = at::kCPU;  // of every parameter, buffer and plan-check tensor of the group
+  // Storage management behind unshard/reshard (Note [unshard by storage resize]); with static
+  // buffers, release is a no-op and allocate finds the storage in place.
+  void allocate(const at::Tensor& t, size_t nbytes) const;
+  void release(const at::Tensor& t) const;
+  at::Tensor gather_buf_;   // [ranks x slot] bytes, storage allocated only while in use
+  at::Tensor gather_slot_;  // this rank's slot of gather_buf_
+  at::Tensor reduce_in_, reduce_out_;  // likewise, in reduce_dtype
+  comm::Comm group_comm_;   // N consecutive ranks, for reshard_to_group
+  at::Tensor group_shard_;  // this rank's 1/N of the gather buffer while resharded to the group
+  std::optional<comm::Work> gather_work_;
+  std::optional<comm::Work> reduce_work_;
+};
+
+}  // namespace fsdpp::fsdp

@@ -1,0 +1,36 @@
+#pragma once
+// The shape of an MoE transformer (models/moe.hpp), on its own so that recipes and tools can hold
+// one without LibTorch's module headers.
+
+#include <cstdint>
+#include <string>
+
+namespace fsdpp::models {
+
+struct MoEConfig {
+  int64_t vocab_size = 256;
+  int64_t dim = 128;
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t max_seq_len = 256;
+  int64_t ffn_hidden = 384;     // dense SwiGLU layers
+  int64_t dense_layers = 0;     // the first N layers are dense, the rest MoE
+  int64_t experts = 4;          // 0: every layer dense
+  int64_t top_k = 2;
+  int64_t expert_hidden = 192;
+  bool shared_expert = false;
+  std::string score = "softmax";    // softmax | sigmoid
+  bool normalize_top_k = true;      // top-k weights sum to 1
+  std::string routing = "dropless"; // dropless | capacity
+  double capacity_factor = 1.25;
+  double aux_loss_coef = 0.01;
+  double z_loss_coef = 0.001;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  double init_std = 0.02;
+
+  bool is_moe_layer(int64_t i) const { return experts > 0 && i >= dense_layers; }
+  int64_t parameter_count() const;
+};
+
+}  // namespace fsdpp::models

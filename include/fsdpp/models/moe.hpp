@@ -1,0 +1,185 @@
+#pragma once
+// A decoder-only mixture-of-experts language model, usable on its own or through the trainer.
+//
+//   tokens -> embed -> [Block] x layers -> norm -> head -> logits
+//   Block:  x + attn(attn_norm(x));  x + ffn(ffn_norm(x))
+//   attn:   causal self-attention with rotary position embeddings (RoPE)
+//   ffn:    dense SwiGLU ("mlp") or mixture of experts ("moe"): a router gate scores the experts
+//           (softmax or sigmoid), each token goes to its top-k, E SwiGLU experts stored as stacked
+//           [E, ...] tensors, plus an optional shared expert every token passes through.
+//
+// Parameter names read naturally for per-parameter policies, for example
+//   embed.weight, layers.3.attn.qkv.weight, layers.3.moe.router.gate.weight,
+//   layers.3.moe.experts.w1 (E x hidden x dim), layers.3.ffn_norm.weight, norm.weight, head.weight
+// so "*.router.gate.weight" and "*norm*" select the router gates and the norms.
+//
+// Routing modes:
+//   dropless  every (token, expert) assignment is computed; expert batch sizes vary with the data.
+//   capacity  each expert takes at most C = ceil(capacity_factor * tokens * top_k / E) assignments
+//             in token order; the rest are dropped (the token keeps its residual). Shapes are static,
+//             which CUDA graphs need.
+//
+// Auxiliary losses (load balancing, Switch/GShard form: E * sum_e f_e * P_e, and the router z-loss:
+// mean logsumexp(logits)^2) are applied where they arise: each MoE layer attaches them to its output
+// with an identity whose backward also feeds the losses their gradient, coefficient times
+// aux_grad_scale(). That is what makes them work unchanged under pipeline stages, where no single
+// loss sees the whole model. Their values, and the dropped-token rate, accumulate in RouterStats.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fsdpp/models/config.hpp"
+
+namespace fsdpp::models {
+
+// Shared by the MoE layers of one model.
+struct RouterStats {
+  double aux_grad_scale = 1.0;  // multiplies the auxiliary losses' gradients (1 / microbatches)
+  // Sums since the last reset(), over the MoE layers and forwards, kept on the device (float64:
+  // aux loss, z-loss, dropped assignments, assignments, forwards) so that a step never reads a
+  // device value on the host, and a captured step replays them; read() does that once, after it.
+  at::Tensor sums;
+  struct Values {
+    double aux_loss = 0, z_loss = 0;
+    int64_t dropped = 0, assignments = 0, forwards = 0;
+  };
+  // `aux_z_dropped`: 3 float64 values of one forward that routed `assigned` token-expert pairs.
+  void add(const at::Tensor& aux_z_dropped, int64_t assigned);
+  void reset();
+  Values read() const;
+  double dropped_fraction() const;
+};
+
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(int64_t dim, double eps);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+  double eps;
+};
+TORCH_MODULE(RMSNorm);
+
+struct AttentionImpl : torch::nn::Module {
+  explicit AttentionImpl(const MoEConfig& c);
+  at::Tensor forward(const at::Tensor& x);
+  int64_t heads;
+  double rope_theta;
+  torch::nn::Linear qkv{nullptr}, out{nullptr};
+};
+TORCH_MODULE(Attention);
+
+struct SwiGLUImpl : torch::nn::Module {
+  SwiGLUImpl(int64_t dim, int64_t hidden);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Linear w1{nullptr}, w3{nullptr}, w2{nullptr};
+};
+TORCH_MODULE(SwiGLU);
+
+// E SwiGLU experts as stacked tensors: w1, w3 are [E, hidden, dim], w2 is [E, dim, hidden].
+struct ExpertsImpl : torch::nn::Module {
+  ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden);
+  // One expert on the rows routed to it.
+  at::Tensor forward_one(int64_t e, const at::Tensor& x);
+  // Every expert on its [capacity, dim] slot block: x is [E, C, dim].
+  at::Tensor forward_batched(const at::Tensor& x);
+  at::Tensor forward(const at::Tensor& x) { return forward_batched(x); }
+  at::Tensor w1, w3, w2;
+};
+TORCH_MODULE(Experts);
+
+struct RouterImpl : torch::nn::Module {
+  RouterImpl(int64_t dim, int64_t experts);
+  at::Tensor forward(const at::Tensor& x) { return gate(x); }
+  torch::nn::Linear gate{nullptr};
+};
+TORCH_MODULE(Router);
+
+// What the router decided for a [tokens, dim] input.
+struct Routing {
+  at::Tensor logits;   // [T, E], float32
+  at::Tensor scores;   // [T, E], float32 (softmax or sigmoid of logits)
+  at::Tensor weights;  // [T, k], float32, the combine weights
+  at::Tensor experts;  // [T, k], int64
+  at::Tensor aux_loss; // scalar: E * sum_e f_e * P_e
+  at::Tensor z_loss;   // scalar: mean over tokens of logsumexp(logits)^2
+};
+
+struct MoEImpl : torch::nn::Module {
+  MoEImpl(const MoEConfig& c, std::shared_ptr<RouterStats> stats);
+  at::Tensor forward(const at::Tensor& x);
+  Routing route(const at::Tensor& flat) const;
+  MoEConfig config;
+  std::shared_ptr<RouterStats> stats;
+  Router router{nullptr};
+  Experts experts{nullptr};
+  SwiGLU shared{nullptr};
+};
+TORCH_MODULE(MoE);
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterStats> stats);
+  at::Tensor forward(at::Tensor x);
+  RMSNorm attn_norm{nullptr}, ffn_norm{nullptr};
+  Attention attn{nullptr};
+  SwiGLU mlp{nullptr};
+  MoE moe{nullptr};
+};
+TORCH_MODULE(Block);
+
+// The whole model, or a pipeline stage of it: layers [first, last), with the embedding when
+// first == 0 and the final norm and head when last == layers. A stage takes its modules from a
+// full model (same tensors, same names), so stages of one model start from identical weights.
+// The model is a plain LibTorch module; a caller that shards it wraps each block first
+// (wrap_blocks; train/sharding.hpp does that with fsdp::FullyShard units).
+class MoETransformerImpl : public torch::nn::Module {
+ public:
+  explicit MoETransformerImpl(const MoEConfig& c);
+  MoETransformerImpl(const MoETransformerImpl& full, int64_t first, int64_t last);
+
+  // tokens [B, T] (int64) when this holds the embedding, else hidden states [B, T, dim];
+  // returns logits [B, T, vocab] (float32) when it holds the head, else hidden states.
+  at::Tensor forward(const at::Tensor& input);
+
+  const MoEConfig& config() const { return config_; }
+  RouterStats& router_stats() { return *stats_; }
+  bool has_embedding() const { return first_ == 0; }
+  bool has_head() const { return last_ == config_.layers; }
+  int64_t first_layer() const { return first_; }
+  int64_t last_layer() const { return last_; }
+
+  // The blocks this holds, in layer order: the modules themselves, also after wrap_blocks.
+  const std::vector<Block>& blocks() const { return blocks_; }
+  // Replaces each block, where forward calls it and under its name in `layers`, by wrap(block):
+  // a module around it (an FSDP unit, activation checkpointing) whose forward takes and returns
+  // the hidden states. Parameter names do not change when the wrapper adopts the block's
+  // parameters under their own names, as fsdp::FullyShard does. Stages are cut from an unwrapped
+  // model.
+  void wrap_blocks(const std::function<torch::nn::AnyModule(const Block&)>& wrap);
+
+  torch::nn::Embedding embed{nullptr};
+  std::shared_ptr<torch::nn::Module> layers;  // children named by global layer index
+  RMSNorm norm{nullptr};
+  torch::nn::Linear head{nullptr};
+
+ private:
+  std::vector<Block> blocks_;
+  std::vector<torch::nn::AnyModule> calls_;  // what forward calls: the blocks, or their wrappers
+  bool wrapped_ = false;
+  MoEConfig config_;
+  std::shared_ptr<RouterStats> stats_;
+  int64_t first_ = 0, last_ = 0;
+};
+TORCH_MODULE(MoETransformer);
+
+// Mean next-token cross entropy (nats per token): logits [B, T, V], targets [B, T].
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+}  // namespace fsdpp::models

@@ -1,0 +1,360 @@
+#pragma once
+// Lowering: from each rank's compute actions to the program a rank executes, with the sends and
+// receives between stages on different ranks.
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fsdpp/pipeline/action.hpp"
+
+namespace fsdpp::pipeline {
+
+// stage -> rank, from where each stage's actions appear. Throws when a stage appears on two ranks
+// or a stage in [0, num_stages) never appears.
+inline std::vector<int> infer_stage_ranks(const Program& program, int num_stages) {
+  std::vector<int> owner(num_stages, -1);
+  for (int r = 0; r < static_cast<int>(program.size()); ++r)
+    for (const auto& a : program[r]) {
+      if (a.stage < 0 || a.stage >= num_stages)
+        throw ScheduleError("rank " + std::to_string(r) + ": " + to_string(a) + " names stage " +
+                            std::to_string(a.stage) + ", but there are " + std::to_string(num_stages) +
+                            " stages");
+      if (owner[a.stage] >= 0 && owner[a.stage] != r)
+        throw ScheduleError("rank " + std::to_string(r) + ": " + to_string(a) + " runs stage " +
+                            std::to_string(a.stage) + ", which rank " + std::to_string(owner[a.stage]) +
+                            " also runs; a stage lives on one rank");
+      owner[a.stage] = r;
+    }
+  for (int s = 0; s < num_stages; ++s)
+    if (owner[s] < 0) throw ScheduleError("stage " + std::to_string(s) + " has no actions on any rank");
+  return owner;
+}
+
+// Checks a compute-only program: only F/B/I/W; for every stage and microbatch exactly one F and
+// either one B or one I and one W; B or I after that F, W after that I, on the stage's rank.
+inline void validate_compute(const Program& program, int num_stages, int microbatches) {
+  const auto owner = infer_stage_ranks(program, num_stages);
+  using Key = std::tuple<int, int, int>;  // stage, type, microbatch
+  std::set<Key> seen;
+  auto has = [&](int s, ActionType t, int mb) { return seen.count({s, static_cast<int>(t), mb}) > 0; };
+  for (int r = 0; r < static_cast<int>(program.size()); ++r)
+    for (const auto& a : program[r]) {
+      const std::string at = "rank " + std::to_string(r) + ": " + to_string(a);
+      if (!is_compute(a.type))
+        throw ScheduleError(at + ": a compute schedule holds only F, B, I and W actions");
+      if (a.microbatch < 0 || a.microbatch >= microbatches)
+        throw ScheduleError(at + ": microbatch " + std::to_string(a.microbatch) + " is outside [0, " +
+                            std::to_string(microbatches) + ")");
+      if (has(a.stage, a.type, a.microbatch)) throw ScheduleError(at + " appears twice");
+      using T = ActionType;
+      if ((a.type == T::kBackward || a.type == T::kBackwardInput) && !has(a.stage, T::kForward, a.microbatch))
+        throw ScheduleError(at + " comes before its forward " + std::to_string(a.stage) + "F" +
+                            std::to_string(a.microbatch));
+      if (a.type == T::kBackwardWeight && !has(a.stage, T::kBackwardInput, a.microbatch))
+        throw ScheduleError(at + " (W) comes before its input gradient " + std::to_string(a.stage) + "I" +
+                            std::to_string(a.microbatch));
+      if ((a.type == T::kBackward && has(a.stage, T::kBackwardInput, a.microbatch)) ||
+          (a.type == T::kBackwardInput && has(a.stage, T::kBackward, a.microbatch)))
+        throw ScheduleError(at + ": microbatch " + std::to_string(a.microbatch) + " of stage " +
+                            std::to_string(a.stage) + " has both B and I");
+      seen.insert({a.stage, static_cast<int>(a.type), a.microbatch});
+    }
+  for (int s = 0; s < num_stages; ++s)
+    for (int mb = 0; mb < microbatches; ++mb) {
+      const std::string what = " for microbatch " + std::to_string(mb) + " of stage " + std::to_string(s) +
+                               " (rank " + std::to_string(owner[s]) + ")";
+      if (!has(s, ActionType::kForward, mb)) throw ScheduleError("no forward" + what);
+      const bool b = has(s, ActionType::kBackward, mb), i = has(s, ActionType::kBackwardInput, mb);
+      if (!b && !i) throw ScheduleError("no backward" + what);
+      if (i && !has(s, ActionType::kBackwardWeight, mb)) throw ScheduleError("no W after the I" + what);
+    }
+}
+
+// Inserts SEND_F/RECV_F and SEND_B/RECV_B around computations whose neighbour stage is on another
+// rank. Ranks advance in turns, each emitting its next compute action once the input exists
+// (produced on the same rank, or sent by the peer). A send is emitted right after the computation
+// that produced the data; the matching receive right before the computation that consumes it, so
+// a receive buffer lives no longer than needed. Throws naming every rank's blocked action when the
+// compute order cannot run (a deadlock).
+inline Program add_send_recv(const Program& compute, const std::vector<int>& owner) {
+  const int ranks = static_cast<int>(compute.size()), stages = static_cast<int>(owner.size());
+  Program out(ranks);
+  std::vector<size_t> next(ranks, 0);
+  using Key = std::tuple<int, int, int>;  // (stage, type, mb)
+  std::vector<std::set<Key>> done(ranks), inbox(ranks);
+  auto k = [](int s, ActionType t, int mb) { return Key{s, static_cast<int>(t), mb}; };
+  using T = ActionType;
+  // The receive a computation needs, if its input comes from another rank; nullopt when none.
+  auto needed_recv = [&](int r, const Action& a) -> std::optional<Action> {
+    if (a.type == T::kForward && a.stage > 0 && owner[a.stage - 1] != r)
+      return Action{a.stage, T::kRecvF, a.microbatch};
+    if ((a.type == T::kBackward || a.type == T::kBackwardInput) && a.stage < stages - 1 &&
+        owner[a.stage + 1] != r)
+      return Action{a.stage, T::kRecvB, a.microbatch};
+    return std::nullopt;
+  };
+  auto ready = [&](int r, const Action& a) {
+    if (auto recv = needed_recv(r, a)) return inbox[r].count(k(recv->stage, recv->type, recv->microbatch)) > 0;
+    if (a.type == T::kForward && a.stage > 0) return done[r].count(k(a.stage - 1, T::kForward, a.microbatch)) > 0;
+    if ((a.type == T::kBackward || a.type == T::kBackwardInput) && a.stage < stages - 1)
+      return done[r].count(k(a.stage + 1, T::kBackward, a.microbatch)) > 0 ||
+             done[r].count(k(a.stage + 1, T::kBackwardInput, a.microbatch)) > 0;
+    return true;
+  };
+  for (;;) {
+    bool progress = false, finished = true;
+    for (int r = 0; r < ranks; ++r) {
+      if (next[r] >= compute[r].size()) continue;
+      finished = false;
+      const Action a = compute[r][next[r]];
+      if (!is_compute(a.type)) {  // UNSHARD / RESHARD: no data dependency
+        out[r].push_back(a);
+        ++next[r];
+        progress = true;
+        continue;
+      }
+      if (!ready(r, a)) continue;
+      if (auto recv = needed_recv(r, a)) out[r].push_back(*recv);
+      out[r].push_back(a);
+      done[r].insert(k(a.stage, a.type, a.microbatch));
+      ++next[r];
+      progress = true;
+      if (a.type == T::kForward && a.stage + 1 < stages && owner[a.stage + 1] != r) {
+        out[r].push_back({a.stage, T::kSendF, a.microbatch});
+        inbox[owner[a.stage + 1]].insert(k(a.stage + 1, T::kRecvF, a.microbatch));
+      }
+      if ((a.type == T::kBackward || a.type == T::kBackwardInput) && a.stage > 0 && owner[a.stage - 1] != r) {
+        out[r].push_back({a.stage, T::kSendB, a.microbatch});
+        inbox[owner[a.stage - 1]].insert(k(a.stage - 1, T::kRecvB, a.microbatch));
+      }
+    }
+    if (finished) return out;
+    if (!progress) {
+      std::string stuck;
+      for (int r = 0; r < ranks; ++r)
+        if (next[r] < compute[r].size())
+          stuck += (stuck.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " at " +
+                   to_string(compute[r][next[r]]) + " (its input has not been produced)";
+      throw ScheduleError("the schedule deadlocks: " + stuck);
+    }
+  }
+}
+
+// Note [point-to-point order]
+// NCCL has no tags: between two ranks, on one communicator, the k-th receive a rank posts gets the
+// k-th message its peer sends. The executor gives each directed pair of ranks its own communicator,
+// so a lowered program is correct on NCCL only if, for every pair (a, b), the messages a sends to b
+// in program order are the ones b receives from a, in the same order. Gloo's tags would forgive a
+// mismatch; the plan does not rely on them, so that every schedule runs on both backends and can be
+// captured in a CUDA graph.
+//
+// add_send_recv places each receive right before the computation that consumes it, which is not
+// always the order the peer sends in: a zero-bubble rank may run I of microbatch 3 before the
+// backward of microbatch 2 reaches its peer. order_receives() then posts such a receive earlier,
+// right before the receive of the message its peer sends next. Posting a receive earlier never
+// blocks anything (a receive waits on the device, not in the program); it only keeps its buffer
+// alive longer. make_plan checks the result for every schedule, and a table that places its own
+// sends and receives (a lowered table) is refused when it breaks the order.
+
+// The receive that takes a send's message, and the send a receive takes; nullopt for other actions.
+inline std::optional<Action> matching_recv(const Action& send) {
+  if (send.type == ActionType::kSendF) return Action{send.stage + 1, ActionType::kRecvF, send.microbatch};
+  if (send.type == ActionType::kSendB) return Action{send.stage - 1, ActionType::kRecvB, send.microbatch};
+  return std::nullopt;
+}
+inline std::optional<Action> matching_send(const Action& recv) {
+  if (recv.type == ActionType::kRecvF) return Action{recv.stage - 1, ActionType::kSendF, recv.microbatch};
+  if (recv.type == ActionType::kRecvB) return Action{recv.stage + 1, ActionType::kSendB, recv.microbatch};
+  return std::nullopt;
+}
+
+namespace detail {
+
+// "line 2, column 5: 1RECV_F0" for an action of a table read from a file, "rank 1: 1RECV_F0"
+// otherwise.
+inline std::string action_at(const Program& program, int rank, size_t index, const Positions* where) {
+  const std::string a = to_string(program[rank][index]);
+  if (where && rank < static_cast<int>(where->size()) && index < (*where)[rank].size())
+    return (*where)[rank][index] + ": " + a;
+  return "rank " + std::to_string(rank) + ": " + a;
+}
+
+}  // namespace detail
+
+// Throws a ScheduleError naming the first pair of ranks whose sends and receives disagree, and the
+// first message where they do. `where` (optional) gives each action's place in a table file.
+inline void check_point_to_point_order(const Program& lowered, const std::vector<int>& owner,
+                                       const Positions* where = nullptr) {
+  const int ranks = static_cast<int>(lowered.size());
+  struct Message {
+    Action send;   // what the message is, named by the action that sends it
+    size_t index;  // where this side moves it
+  };
+  std::vector<std::vector<std::vector<Message>>> sent(ranks, std::vector<std::vector<Message>>(ranks)),
+      received(ranks, std::vector<std::vector<Message>>(ranks));
+  for (int r = 0; r < ranks; ++r)
+    for (size_t i = 0; i < lowered[r].size(); ++i) {
+      const Action& a = lowered[r][i];
+      if (const auto recv = matching_recv(a)) sent[r][owner.at(recv->stage)].push_back({a, i});
+      if (const auto send = matching_send(a)) received[owner.at(send->stage)][r].push_back({*send, i});
+    }
+  for (int a = 0; a < ranks; ++a)
+    for (int b = 0; b < ranks; ++b) {
+      const auto &out = sent[a][b], &in = received[a][b];
+      for (size_t k = 0; k < std::max(out.size(), in.size()); ++k) {
+        if (k < out.size() && k < in.size() && out[k].send == in[k].send) continue;
+        const std::string send = k < out.size() ? detail::action_at(lowered, a, out[k].index, where)
+                                                : "rank " + std::to_string(a) + " sends nothing";
+        const std::string recv = k < in.size() ? detail::action_at(lowered, b, in[k].index, where) + " (the message of " +
+                                                     to_string(in[k].send) + ")"
+                                               : "rank " + std::to_string(b) + " receives nothing";
+        throw ScheduleError("rank " + std::to_string(a) + " -> rank " + std::to_string(b) + ": message " +
+                            std::to_string(k + 1) + " is " + send + " but " + recv +
+                            "; sends and receives between two ranks must come in the same order (NCCL matches "
+                            "them by order, not tag)");
+      }
+    }
+}
+
+// Moves receives earlier until, for every pair of ranks, they come in the order the peer sends;
+// see Note [point-to-point order]. Receives whose send is missing are left alone (the validators
+// name them).
+inline void order_receives(Program& lowered, const std::vector<int>& owner) {
+  const int ranks = static_cast<int>(lowered.size());
+  for (int from = 0; from < ranks; ++from) {
+    std::vector<std::vector<Action>> messages(ranks);  // the receives of `from`'s sends, per receiver
+    for (const auto& a : lowered[from])
+      if (const auto recv = matching_recv(a)) messages[owner.at(recv->stage)].push_back(*recv);
+    for (int to = 0; to < ranks; ++to) {
+      auto& p = lowered[to];
+      const auto& seq = messages[to];
+      // Backwards: once the receives of later messages are in order, the receive of message k
+      // goes right before that of message k + 1 when it came after it.
+      for (size_t k = seq.size(); k-- > 1;) {
+        const auto here = std::find(p.begin(), p.end(), seq[k - 1]), next = std::find(p.begin(), p.end(), seq[k]);
+        if (here == p.end() || next == p.end() || here < next) continue;
+        const auto at = next - p.begin();
+        const Action recv = *here;
+        p.erase(here);
+        p.insert(p.begin() + at, recv);
+      }
+    }
+  }
+}
+
+// Checks the sends and receives of a program that places its own (a lowered table): exactly those
+// its computations need, each once: a SEND_F after each forward whose next stage is on another
+// rank, a RECV_F on that rank, and likewise SEND_B/RECV_B for input gradients. Where they sit is
+// checked by the simulator; their order between two ranks by check_point_to_point_order.
+inline void validate_send_recv(const Program& lowered, const std::vector<int>& owner, const Positions* where = nullptr) {
+  using T = ActionType;
+  const int ranks = static_cast<int>(lowered.size()), stages = static_cast<int>(owner.size());
+  Program compute(ranks);
+  for (int r = 0; r < ranks; ++r)
+    for (const auto& a : lowered[r])
+      if (!matching_recv(a) && !matching_send(a)) compute[r].push_back(a);
+  const Program needed = add_send_recv(compute, owner);
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<Action> need;
+    for (const auto& a : needed[r])
+      if (matching_recv(a) || matching_send(a)) need.push_back(a);
+    std::vector<Action> seen;
+    for (size_t i = 0; i < lowered[r].size(); ++i) {
+      const Action& a = lowered[r][i];
+      const auto peer = matching_recv(a) ? matching_recv(a) : matching_send(a);
+      if (!peer) continue;
+      const std::string at = detail::action_at(lowered, r, i, where);
+      if (peer->stage < 0 || peer->stage >= stages)
+        throw ScheduleError(at + ": stage " + std::to_string(a.stage) + " has no " +
+                            (a.type == T::kSendF || a.type == T::kRecvB ? "next" : "previous") + " stage to talk to");
+      if (std::find(seen.begin(), seen.end(), a) != seen.end()) throw ScheduleError(at + " appears twice");
+      seen.push_back(a);
+      if (std::find(need.begin(), need.end(), a) == need.end())
+        throw ScheduleError(at + " is not needed: stage " + std::to_string(peer->stage) + " is on rank " +
+                            std::to_string(owner[peer->stage]) +
+                            (owner[peer->stage] == r ? ", this rank, so the data does not travel" : ""));
+    }
+    for (const auto& a : need)
+      if (std::find(seen.begin(), seen.end(), a) == seen.end()) {
+        const bool send = matching_recv(a).has_value();
+        const bool forward = a.type == T::kSendF || a.type == T::kRecvF;
+        const std::string data =
+            std::to_string(a.stage) + (forward ? "F" : "B") + std::to_string(a.microbatch) + (forward ? "" : " (or I)");
+        const int peer = owner[(send ? *matching_recv(a) : *matching_send(a)).stage];
+        throw ScheduleError("rank " + std::to_string(r) + " has no " + to_string(a) + ": " +
+                            (send ? "the output of " + data + " goes to rank " : "the input of " + data + " comes from rank ") +
+                            std::to_string(peer));
+      }
+  }
+}
+
+// For FSDP stages: before each compute action, the stages of the next `max_active_stages`
+// distinct stages this rank computes are unsharded (UNSHARD issued ahead of use, so a rank's
+// unshards are spread over its start-up bubble), and stages that fell out of that window are
+// resharded; everything still unsharded is resharded at the end.
+inline Program add_unshard_reshard(const Program& compute, int max_active_stages = 3) {
+  Program out(compute.size());
+  for (size_t r = 0; r < compute.size(); ++r) {
+    const auto& p = compute[r];
+    std::vector<int> active;
+    for (size_t i = 0; i < p.size(); ++i) {
+      std::vector<int> window;
+      for (size_t j = i; j < p.size() && static_cast<int>(window.size()) < max_active_stages; ++j)
+        if (std::find(window.begin(), window.end(), p[j].stage) == window.end()) window.push_back(p[j].stage);
+      for (auto it = active.begin(); it != active.end();) {
+        if (std::find(window.begin(), window.end(), *it) == window.end()) {
+          out[r].push_back({*it, ActionType::kReshard, -1});
+          it = active.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (int s : window)
+        if (std::find(active.begin(), active.end(), s) == active.end()) {
+          out[r].push_back({s, ActionType::kUnshard, -1});
+          active.push_back(s);
+        }
+      out[r].push_back(p[i]);
+    }
+    for (int s : active) out[r].push_back({s, ActionType::kReshard, -1});
+  }
+  return out;
+}
+
+// Moves `recv` in `rank`'s program to position `to` (earlier): posting a receive sooner is always
+// allowed; it only keeps its buffer alive longer.
+inline void hoist_recv(Program& program, int rank, const Action& recv, size_t to) {
+  auto& p = program[rank];
+  auto it = std::find(p.begin(), p.end(), recv);
+  if (it == p.end() || static_cast<size_t>(it - p.begin()) <= to) return;
+  p.erase(it);
+  p.insert(p.begin() + to, recv);
+}
+
+// After each stage's last backward (B or W), its REDUCE_GRAD (for FSDP stages).
+// The input gradient's send, when it directly follows, goes first: it is on the critical path.
+inline Program add_reduce_grad(const Program& program, int microbatches) {
+  Program out(program.size());
+  for (size_t r = 0; r < program.size(); ++r) {
+    std::map<int, int> count;
+    const auto& p = program[r];
+    for (size_t i = 0; i < p.size(); ++i) {
+      const auto& a = p[i];
+      out[r].push_back(a);
+      if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardWeight) &&
+          ++count[a.stage] == microbatches) {
+        if (i + 1 < p.size() && p[i + 1].type == ActionType::kSendB && p[i + 1].stage == a.stage)
+          out[r].push_back(p[++i]);
+        out[r].push_back({a.stage, ActionType::kReduceGrad, -1});
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace fsdpp::pipeline

@@ -1,0 +1,79 @@
+#pragma once
+// From a schedule and a spec to a checked, lowered program: the path every schedule takes,
+// built-in or not, before any communication happens.
+
+#include <string>
+#include <vector>
+
+#include "fsdpp/pipeline/lowering.hpp"
+#include "fsdpp/pipeline/schedule.hpp"
+#include "fsdpp/pipeline/simulator.hpp"
+
+namespace fsdpp::pipeline {
+
+struct Plan {
+  ScheduleSpec spec;
+  Program compute;        // each rank's compute actions
+  std::vector<int> owner;  // stage -> rank
+  Program lowered;        // with sends and receives (and REDUCE_GRAD when asked)
+  int max_outstanding_sends = 0;  // 0: unlimited
+};
+
+struct PlanOptions {
+  // Stages sharded over data-parallel ranks: UNSHARD/RESHARD around each stage's use and
+  // REDUCE_GRAD after its last backward.
+  bool fsdp_stages = false;
+  // A rank never has more sends in flight (0: unlimited); the simulation proves the budget cannot
+  // deadlock the schedule, hoisting receives where it must, or the plan is refused saying so.
+  int max_outstanding_sends = 0;
+};
+
+// Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.
+// Between any two ranks, sends and receives come in the same order (Note [point-to-point order]).
+//   make_plan(*make_schedule("1F1B"), {.pp = 2, .microbatches = 8}, {.fsdp_stages = true})
+inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const PlanOptions& options = {}) {
+  const bool fsdp_stages = options.fsdp_stages;
+  const int max_outstanding_sends = options.max_outstanding_sends;
+  schedule.check(spec);
+  Plan p;
+  p.spec = spec;
+  p.compute = schedule.compute_actions(spec);
+  if (static_cast<int>(p.compute.size()) != spec.pp)
+    throw ScheduleError(schedule.name() + ": " + std::to_string(p.compute.size()) + " ranks for pp " +
+                        std::to_string(spec.pp));
+  validate_compute(p.compute, spec.num_stages(), spec.microbatches);
+  p.owner = infer_stage_ranks(p.compute, spec.num_stages());
+  for (int s = 0; s < spec.num_stages(); ++s)
+    if (schedule.places_stages_by_layout() && p.owner[s] != stage_rank(schedule.layout(), s, spec.pp))
+      throw ScheduleError(schedule.name() + ": stage " + std::to_string(s) + " is on rank " +
+                          std::to_string(p.owner[s]) + ", not where its layout puts it");
+  if (auto own = schedule.lowered_actions(spec)) {
+    validate_send_recv(*own, p.owner);
+    check_point_to_point_order(*own, p.owner);
+    p.lowered = fsdp_stages ? add_unshard_reshard(*own) : std::move(*own);
+  } else {
+    p.lowered = add_send_recv(fsdp_stages ? add_unshard_reshard(p.compute) : p.compute, p.owner);
+    order_receives(p.lowered, p.owner);
+  }
+  if (fsdp_stages) p.lowered = add_reduce_grad(p.lowered, spec.microbatches);
+  p.max_outstanding_sends = max_outstanding_sends;
+  // Prove the lowered program runs to the end. Under a send budget, a send may wait for a receive
+  // its peer has not posted yet because the peer itself waits; then that receive is posted earlier
+  // (where the peer is stuck), which breaks the cycle at the cost of a longer-lived buffer, and the
+  // receives it overtook on its edge move with it (Note [point-to-point order]).
+  for (int attempt = 0;; ++attempt) {
+    std::vector<BudgetBlocker> blockers;
+    try {
+      simulate(p.lowered, p.owner, {}, max_outstanding_sends, &blockers);
+      break;
+    } catch (const ScheduleError&) {
+      if (blockers.empty() || attempt > 100000) throw;
+      for (const auto& b : blockers) hoist_recv(p.lowered, b.rank, b.recv, b.stuck_at);
+      order_receives(p.lowered, p.owner);
+    }
+  }
+  check_point_to_point_order(p.lowered, p.owner);
+  return p;
+}
+
+}  // namespace fsdpp::pipeline

@@ -1,0 +1,171 @@
+#pragma once
+// Recipes: one JSON file says everything about a training run. Sections map to option structs:
+//
+//   {
+//     "name": "moe-small",                   (default: the file name)
+//     "description": "one line for fsdpp ls",
+//     "model": "../configs/moe-small.json"   (a path, relative to the recipe, or an inline object),
+//     "data": {"source": "fortunes", "seq_len": 128, "val_fraction": 0.05},
+//     "parallel": {"dp": 2, "pp": 1, "schedule": "1F1B", "microbatches": 1, "stages_per_rank": 1,
+//                  "max_outstanding_sends": 0, "keep_stages_unsharded": true},
+//     "precision": {"param_dtype": "float32", "reduce_dtype": "float32",
+//                   "overrides": [{"match": "*.router.gate.weight", "param_dtype": "float32"}]},
+//     "optim": {"lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 50, "weight_decay": 0.1,
+//               "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "grad_clip": 1.0},
+//     "train": {"steps": 600, "global_batch": 32, "grad_accum": 1, "seed": 1234},
+//     "eval": {"interval": 100, "batches": 8},
+//     "checkpoint": {"interval": 0, "keep": 2, "storage": "shared"},
+//     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"},
+//     "dist": {"watchdog_timeout_s": 300, "check_collectives": false}
+//   }
+//
+// Every key has a default (the values above, from the option structs below). Validation reports
+// every problem at once, each naming the JSON path and the rule ("optim.lr: must be in (0, 10], got
+// -1"; "optim.lrr: unknown key, did you mean 'lr'?").
+
+#include <c10/core/ScalarType.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fsdpp/fsdp/mixed_precision.hpp"
+#include "fsdpp/models/config.hpp"
+
+namespace fsdpp::pipeline {
+struct Plan;
+}
+
+namespace fsdpp::train {
+
+// All of a recipe's problems, one per line in what().
+class RecipeError : public std::invalid_argument {
+ public:
+  RecipeError(std::string source, std::vector<std::string> problems);
+  const std::vector<std::string>& problems() const { return problems_; }
+
+ private:
+  std::vector<std::string> problems_;
+};
+
+struct DataOptions {
+  std::string source = "fortunes";  // fortunes | files | synthetic
+  std::vector<std::string> paths;   // files or directories (source "files")
+  int64_t seq_len = 128;
+  double val_fraction = 0.05;
+  int64_t synthetic_bytes = 1 << 20;
+};
+
+struct ParallelOptions {
+  int dp = 1, pp = 1;
+  std::string schedule = "1F1B";  // a registered name, or a .csv / .json action table
+  int microbatches = 1;           // per pipeline step (pp > 1)
+  int stages_per_rank = 1;
+  int max_outstanding_sends = 0;  // 0: unlimited
+  // pp > 1: each stage's blocks stay gathered from the plan's UNSHARD to its RESHARD (one
+  // all-gather per block per step); false gathers them again for every microbatch (less memory).
+  bool keep_stages_unsharded = true;
+};
+
+struct DtypeOverride {
+  std::string match;  // a glob on parameter names
+  std::optional<at::ScalarType> param_dtype, grad_dtype;
+};
+
+// Dtypes are named float32, bfloat16 or float16 in the recipe.
+struct PrecisionOptions {
+  at::ScalarType param_dtype = at::kFloat;   // of the gathered parameters and the activations
+  at::ScalarType reduce_dtype = at::kFloat;  // of the reduce-scatters
+  std::vector<DtypeOverride> overrides;      // the first that matches a parameter wins
+  // What fully_shard gets: the above as a policy, made by parse_recipe.
+  fsdp::MixedPrecisionPolicy policy;
+};
+
+struct OptimOptions {
+  double lr = 3e-3, min_lr_ratio = 0.1, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  int64_t warmup_steps = 50;
+  double grad_clip = 1.0;  // 0: off
+};
+
+struct TrainOptions {
+  int64_t steps = 600, global_batch = 32, grad_accum = 1, seed = 1234;
+  std::string device = "cpu";  // cpu (Gloo) | cuda (one GPU per local rank, NCCL)
+  // cuda only: capture one whole step (every microbatch, clipping, the optimizer) as a CUDA graph
+  // after warm-up steps, and replay it; needs capacity routing (static shapes) and pp = 1.
+  bool cuda_graph = false;
+};
+
+struct EvalOptions {
+  int64_t interval = 100, batches = 8;  // interval 0: only at the end
+};
+
+struct CheckpointOptions {
+  bool enabled = true;   // false: no checkpoints at all (benchmarks)
+  int64_t interval = 0;  // 0: only at the end
+  int64_t keep = 2;
+  // "shared": one directory every rank sees. "local": each node writes its own ranks' files to its
+  // own disk (the same path on every node); the commit is agreed by all ranks, and resuming takes
+  // the newest step every node committed (at the same dp x pp).
+  std::string storage = "shared";
+};
+
+struct LoggingOptions {
+  int64_t interval = 10;
+  std::string metrics = "rank0";  // rank0 | all | none
+  bool plot = true;
+  std::string output_dir = "runs/{name}";
+};
+
+struct DistOptions {
+  double watchdog_timeout_s = 300;  // an operation in flight longer: dump flight records, end the run; 0: off
+  bool check_collectives = false;   // compare every collective across ranks before issuing it
+};
+
+struct Recipe {
+  std::string name;
+  std::string source;  // file path, for messages
+  models::MoEConfig model;
+  DataOptions data;
+  ParallelOptions parallel;
+  PrecisionOptions precision;
+  OptimOptions optim;
+  TrainOptions train;
+  EvalOptions eval;
+  CheckpointOptions checkpoint;
+  LoggingOptions logging;
+  DistOptions dist;
+  // model.init_from: a safetensors file of full weights under the model's parameter names (as
+  // `fsdpp ckpt consolidate` or safetensors.torch.save_file write them) to start from instead of
+  // the seeded initialisation; empty for none. Ignored on --resume (the checkpoint wins).
+  std::string init_from;
+  nlohmann::json resolved;  // the recipe after overrides, with the model inline
+  // pp > 1: the lowered schedule, made and checked once by parse_recipe (null with pp = 1).
+  std::shared_ptr<const pipeline::Plan> plan;
+
+  std::string output_dir() const;  // logging.output_dir with {name} filled in
+  int world_size() const { return parallel.dp * parallel.pp; }
+  // Sequences each dp rank processes per forward (microbatch).
+  int64_t micro_batch() const;
+};
+
+// Reads and validates a recipe file, after applying `overrides` ("optim.lr=1e-3": the value is
+// JSON when it parses as JSON, else a string). `world_size`, when known (launched, or --nproc),
+// must equal dp x pp. Throws RecipeError.
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {},
+                   std::optional<int> world_size = std::nullopt);
+
+// The same for a JSON value; relative model paths resolve against `base_dir`.
+Recipe parse_recipe(nlohmann::json j, const std::string& source, const std::string& base_dir,
+                    const std::vector<std::string>& overrides = {}, std::optional<int> world_size = std::nullopt);
+
+// A model config file or object; throws RecipeError.
+models::MoEConfig parse_model_config(const nlohmann::json& j, const std::string& source);
+nlohmann::json to_json(const models::MoEConfig& c);
+
+// Levenshtein distance, for "did you mean" suggestions.
+size_t edit_distance(const std::string& a, const std::string& b);
+
+}  // namespace fsdpp::train

@@ -1,0 +1,72 @@
+#include "fsdpp/comm/fault.hpp"
+
+#include "fsdpp/comm/flight_recorder.hpp"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+
+namespace fsdpp::comm {
+
+namespace {
+
+Fault parse(const char* text) {
+  Fault f;
+  if (!text || !*text) return f;
+  std::istringstream in(text);
+  std::string part;
+  std::getline(in, f.kind, ':');
+  std::string at_key;
+  while (std::getline(in, part, ':')) {
+    const auto eq = part.find('=');
+    const std::string key = part.substr(0, eq), value = eq == std::string::npos ? "" : part.substr(eq + 1);
+    if (key == "rank") f.rank = std::atoi(value.c_str());
+    else if (key == "attempt") f.attempt = value == "any" ? -1 : std::atoi(value.c_str());
+    else f.at = std::atoll(value.c_str()), at_key = key;
+  }
+  // This process's start of the group (TORCHELASTIC_RESTART_COUNT, 0 on the first).
+  const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const int attempt_now = restart ? std::atoi(restart) : 0;
+  if (f.attempt >= 0 && f.attempt != attempt_now) f.disarmed = true;
+  const bool ok = f.rank >= 0 && f.at >= 0 &&
+                  ((f.kind == "skip_all_gather" && at_key == "count") ||
+                   ((f.kind == "kill" || f.kind == "kill_in_checkpoint") && at_key == "step"));
+  if (!ok)
+    throw std::invalid_argument(fmt::format(
+        "FSDPP_FAULT={}: expected skip_all_gather:rank=R:count=N, kill:rank=R:step=N or kill_in_checkpoint:rank=R:step=N, "
+        "optionally followed by :attempt=K or :attempt=any",
+        text));
+  return f;
+}
+
+}  // namespace
+
+const Fault& injected_fault() {
+  static const Fault f = parse(std::getenv("FSDPP_FAULT"));
+  return f;
+}
+
+namespace detail {
+
+bool skip_this_all_gather() {
+  // Called by every all_gather: without this fault, one test of a static.
+  static const bool armed = injected_fault().kind == "skip_all_gather" && !injected_fault().disarmed;
+  if (!armed) return false;
+  const Fault& f = injected_fault();
+  static const int rank = [] {
+    const char* r = std::getenv("RANK");
+    return r ? std::atoi(r) : 0;
+  }();
+  // Only labelled operations count (fully_shard's unshards, not set-up checks), so that N picks
+  // an operation of training whatever the set-up issued.
+  if (rank != f.rank || OpLabel::current().empty()) return false;
+  static std::atomic<int64_t> count{0};
+  return ++count == f.at;
+}
+
+}  // namespace detail
+
+}  // namespace fsdpp::comm

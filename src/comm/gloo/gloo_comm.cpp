@@ -1,0 +1,531 @@
+// The Gloo backend: CPU tensors over Debian's libgloo (TCP transport). Built as a plugin of its own,
+// libfsdpp_gloo.so, which libfsdpp opens on first use (Note [Gloo in its own lookup scope]).
+//
+// Note [one worker thread per communicator]
+// Each communicator owns a worker thread that runs its collectives one after another, in issue
+// order. That gives stream semantics (issue many, wait later) and lets compute continue while
+// communication runs, and since a gloo context is never used by two collectives at once, each
+// collective can use a fresh tag without any cross-thread coordination. Point-to-point operations
+// are posted by the worker (so they keep issue order) but completed by a second thread, so that a
+// posted receive never blocks the collectives behind it.
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <gloo/allgather.h>
+#include <gloo/allgatherv.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
+#include <gloo/alltoallv.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/types.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "gloo_plugin.hpp"
+
+namespace fsdpp::comm::detail {
+
+namespace {
+
+std::shared_ptr<CommImpl> make_comm(std::shared_ptr<Store> store, int rank, int size,
+                                    const BackendConfig& config);
+
+constexpr uint8_t kReduceScatterSlotPrefix = 0x41;  // gloo's own prefixes are 0x01-0x0f
+constexpr uint8_t kPointToPointSlotPrefix = 0x42;
+
+class GlooStoreAdapter : public gloo::rendezvous::Store {
+ public:
+  explicit GlooStoreAdapter(comm::Store& store) : store_(store) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_.set(key, std::vector<uint8_t>(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    auto v = store_.get(key);
+    return {v.begin(), v.end()};
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, kDefaultTimeout); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    store_.wait(keys, timeout);
+  }
+
+ private:
+  comm::Store& store_;
+};
+
+// One TCP device (one listening socket and event loop) per bind address per process.
+std::shared_ptr<gloo::transport::Device> device_for(const std::string& address) {
+  static std::mutex mu;
+  static std::map<std::string, std::weak_ptr<gloo::transport::Device>> devices;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto d = devices[address].lock()) return d;
+  gloo::transport::tcp::attr attr;
+  attr.hostname = address;
+  auto d = gloo::transport::tcp::CreateDevice(attr);
+  devices[address] = d;
+  return d;
+}
+
+bool is_half(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+template <typename T>
+gloo::AllreduceOptions::Func reduce_fn(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return [](void* c, const void* a, const void* b, size_t n) {
+        auto* z = static_cast<T*>(c);
+        auto* x = static_cast<const T*>(a);
+        auto* y = static_cast<const T*>(b);
+        for (size_t i = 0; i < n; ++i) z[i] = static_cast<T>(x[i] + y[i]);
+      };
+    case ReduceOp::kMax:
+      return [](void* c, const void* a, const void* b, size_t n) {
+        auto* z = static_cast<T*>(c);
+        auto* x = static_cast<const T*>(a);
+        auto* y = static_cast<const T*>(b);
+        for (size_t i = 0; i < n; ++i) z[i] = std::max(x[i], y[i]);
+      };
+    case ReduceOp::kMin:
+      return [](void* c, const void* a, const void* b, size_t n) {
+        auto* z = static_cast<T*>(c);
+        auto* x = static_cast<const T*>(a);
+        auto* y = static_cast<const T*>(b);
+        for (size_t i = 0; i < n; ++i) z[i] = std::min(x[i], y[i]);
+      };
+  }
+  return {};
+}
+
+// Calls f.template operator()<T>() with T the C++ type of a (non-16-bit) dtype.
+template <typename F>
+void dispatch(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: return f.template operator()<float>();
+    case at::kDouble: return f.template operator()<double>();
+    case at::kInt: return f.template operator()<int32_t>();
+    case at::kLong: return f.template operator()<int64_t>();
+    case at::kByte: return f.template operator()<uint8_t>();
+    default: throw CommError(fmt::format("internal: no reduction for {}", c10::toString(t)));
+  }
+}
+
+struct P2p {
+  std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
+  bool is_send;
+  std::shared_ptr<WorkState> state;
+};
+
+class GlooComm : public CommImpl {
+ public:
+  GlooComm(std::shared_ptr<Store> store, int rank, int size, const BackendConfig& config)
+      : store_(std::move(store)), rank_(rank), size_(size), config_(config) {
+    context_ = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context_->setTimeout(config.timeout);
+    try {
+      auto device = device_for(config.bind_address);
+      GlooStoreAdapter adapter(*store_);
+      context_->connectFullMesh(adapter, device);
+      // A rank may finish its side of the mesh before its peers finish theirs; if it went on and
+      // closed the communicator, they would fail. Returning only once all are connected makes
+      // "connected" mean the same thing on every rank.
+      if (size > 1) {
+        gloo::BarrierOptions barrier(context_);
+        barrier.setTimeout(config.timeout);
+        gloo::barrier(barrier);
+      }
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("rank {}/{}: connecting the Gloo transport (listening on {}) "
+                                  "failed: {}",
+                                  rank, size, config.bind_address, e.what()));
+    }
+    worker_ = std::thread([this] { run_worker(); });
+  }
+
+  ~GlooComm() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+    std::lock_guard<std::mutex> lock(waiters_mu_);
+    for (auto& w : waiters_) w.thread.join();
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend() const override { return "gloo"; }
+
+  Work all_gather(const at::Tensor& out, const at::Tensor& in,
+                  const AllGatherOptions& opts) override {
+    auto what = describe("all_gather", in, fmt::format("in={} out={}", in.numel(), out.numel()));
+    return enqueue(std::move(what), {out, in}, [this, out, in, counts = opts.counts](uint32_t tag) {
+      const size_t esize = out.element_size();
+      if (size_ == 1) {
+        if (in.data_ptr() != out.data_ptr()) out.copy_(in);
+        return;
+      }
+      if (counts.empty()) {
+        if (in.numel() == 0) return;
+        gloo::AllgatherOptions o(context_);
+        auto* slot = static_cast<uint8_t*>(out.data_ptr()) + rank_ * in.numel() * esize;
+        // The input may already sit in this rank's slot of the output; gloo then skips the copy.
+        if (in.data_ptr() != slot) o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
+        o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
+        o.setTag(tag);
+        o.setTimeout(config_.timeout);
+        gloo::allgather(o);
+      } else {
+        if (out.numel() == 0) return;
+        std::vector<size_t> bytes(counts.size());
+        for (size_t i = 0; i < counts.size(); ++i) bytes[i] = counts[i] * esize;
+        gloo::AllgathervOptions o(context_);
+        o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
+        o.setOutput(static_cast<uint8_t*>(out.data_ptr()), bytes);
+        o.setTag(tag);
+        o.setTimeout(config_.timeout);
+        gloo::allgatherv(o);
+      }
+    });
+  }
+
+  Work reduce_scatter(const at::Tensor& out, const at::Tensor& in,
+                      const ReduceScatterOptions& opts) override {
+    auto what = describe("reduce_scatter", in,
+                         fmt::format("{} in={} out={}", to_string(opts.op), in.numel(), out.numel()));
+    return enqueue(std::move(what), {out, in},
+                   [this, out, in, op = opts.op](uint32_t tag) { ring_reduce_scatter(out, in, op, tag); });
+  }
+
+  Work all_reduce(const at::Tensor& t, const AllReduceOptions& opts) override {
+    auto what = describe("all_reduce", t, fmt::format("{} n={}", to_string(opts.op), t.numel()));
+    return enqueue(std::move(what), {t}, [this, t, op = opts.op](uint32_t tag) {
+      if (t.numel() == 0 || size_ == 1) return;
+      // 16-bit floats are reduced in float32: the ring gives every rank the same bits, and the
+      // sum does not lose precision at each hop.
+      at::Tensor buf = is_half(t.scalar_type()) ? t.to(at::kFloat) : t;
+      dispatch(buf.scalar_type(), [&]<typename T>() {
+        gloo::AllreduceOptions o(context_);
+        o.setOutput(buf.data_ptr<T>(), buf.numel());
+        o.setReduceFunction(reduce_fn<T>(op));
+        o.setTag(tag);
+        o.setTimeout(config_.timeout);
+        gloo::allreduce(o);
+      });
+      if (op == ReduceOp::kAvg) buf.div_(size_);
+      if (!buf.is_same(t)) t.copy_(buf);
+    });
+  }
+
+  Work broadcast(const at::Tensor& t, const BroadcastOptions& opts) override {
+    auto what = describe("broadcast", t, fmt::format("root={} n={}", opts.root, t.numel()));
+    return enqueue(std::move(what), {t}, [this, t, root = opts.root](uint32_t tag) {
+      if (t.numel() == 0 || size_ == 1) return;
+      gloo::BroadcastOptions o(context_);
+      o.setOutput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
+      o.setRoot(root);
+      o.setTag(tag);
+      o.setTimeout(config_.timeout);
+      gloo::broadcast(o);
+    });
+  }
+
+  Work all_to_all(const at::Tensor& out, const at::Tensor& in,
+                  const AllToAllOptions& opts) override {
+    auto what = describe("all_to_all", in, fmt::format("in={} out={}", in.numel(), out.numel()));
+    return enqueue(std::move(what), {out, in}, [this, out, in, opts](uint32_t tag) {
+      const int64_t esize = out.element_size();
+      if (opts.in_splits.empty()) {
+        if (in.numel() == 0) return;
+        gloo::AlltoallOptions o(context_);
+        o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
+        o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
+        o.setTag(tag);
+        o.setTimeout(config_.timeout);
+        gloo::alltoall(o);
+        return;
+      }
+      auto to_bytes = [&](const std::vector<int64_t>& v) {
+        std::vector<int64_t> b(v.size());
+        for (size_t i = 0; i < v.size(); ++i) b[i] = v[i] * esize;
+        return b;
+      };
+      // gloo wants a valid pointer even for an empty side; a one-byte scratch serves.
+      uint8_t scratch = 0;
+      auto ptr = [&](const at::Tensor& t) {
+        return t.numel() ? static_cast<uint8_t*>(t.data_ptr()) : &scratch;
+      };
+      gloo::AlltoallvOptions o(context_);
+      o.setInput(ptr(in), to_bytes(opts.in_splits));
+      o.setOutput(ptr(out), to_bytes(opts.out_splits));
+      o.setTag(tag);
+      o.setTimeout(config_.timeout);
+      gloo::alltoallv(o);
+    });
+  }
+
+  Work send(const at::Tensor& t, int dst, uint32_t tag) override {
+    return post_p2p(true, t, dst, tag);
+  }
+  Work recv(const at::Tensor& t, int src, uint32_t tag) override {
+    return post_p2p(false, t, src, tag);
+  }
+
+  Work barrier() override {
+    return enqueue(fmt::format("rank {}/{} barrier", rank_, size_), {}, [this](uint32_t tag) {
+      if (size_ == 1) return;
+      gloo::BarrierOptions o(context_);
+      o.setTag(tag);
+      o.setTimeout(config_.timeout);
+      gloo::barrier(o);
+    });
+  }
+
+  std::shared_ptr<CommImpl> split(int color, int key) override {
+    const int seq = split_seq_++;
+    auto mine = at::tensor({int64_t{color}, int64_t{key}}, at::kLong);
+    auto all = at::empty({2 * size_}, at::kLong);
+    all_gather(all, mine, {}).wait();
+    if (color < 0) return nullptr;
+    const auto* v = all.data_ptr<int64_t>();
+    std::vector<std::pair<int64_t, int>> members;  // (key, parent rank)
+    for (int r = 0; r < size_; ++r)
+      if (v[2 * r] == color) members.emplace_back(v[2 * r + 1], r);
+    std::sort(members.begin(), members.end());
+    int new_rank = 0;
+    while (members[new_rank].second != rank_) ++new_rank;
+    const int new_size = static_cast<int>(members.size());
+    auto store = make_prefix_store(fmt::format("split{}/color{}", seq, color), store_);
+    join(*store, new_rank, new_size, config_.timeout);
+    return make_comm(std::move(store), new_rank, new_size, config_);
+  }
+
+ private:
+  struct Task {
+    std::shared_ptr<WorkState> state;
+    // Returns false when the operation completes elsewhere (point-to-point).
+    std::function<bool(uint32_t tag)> run;
+  };
+
+  std::string describe(const char* op, const at::Tensor& t, const std::string& sizes) const {
+    return fmt::format("rank {}/{} {} {} {}", rank_, size_, op, c10::toString(t.scalar_type()),
+                       sizes);
+  }
+
+  template <typename F>
+  Work enqueue(std::string what, std::vector<at::Tensor> tensors, F&& body) {
+    auto state = std::make_shared<WorkState>(std::move(what));
+    if (size_ == 1) {
+      // Alone in the group, every collective is a local copy: run it here rather than pay two
+      // thread hand-offs. Nothing else can be queued (send/recv to self are rejected).
+      try {
+        state->start();
+        body(0);
+        state->finish();
+      } catch (...) {
+        state->finish(std::current_exception());
+      }
+      return Work(state);
+    }
+    state->tensors = std::move(tensors);
+    push({state, [body = std::forward<F>(body)](uint32_t tag) {
+            body(tag);
+            return true;
+          }});
+    return Work(state);
+  }
+
+  void push(Task task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+  void run_worker() {
+    uint32_t tag = 0;
+    for (;;) {
+      Task task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and everything issued has run
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (broken_) {
+        task.state->finish(broken_);
+        continue;
+      }
+      try {
+        task.state->start();
+        if (task.run(tag++)) task.state->finish();
+      } catch (...) {
+        // A failed gloo operation leaves the context unusable; later operations fail fast with
+        // the original cause instead of hanging.
+        broken_ = std::current_exception();
+        note_failure(task.state->what, broken_);
+        task.state->finish(broken_);
+      }
+    }
+  }
+
+  Work post_p2p(bool is_send, const at::Tensor& t, int peer, uint32_t tag) {
+    auto state = std::make_shared<WorkState>(
+        fmt::format("rank {}/{} {} rank {} tag {} {} n={}", rank_, size_,
+                    is_send ? "send to" : "recv from", peer, tag, c10::toString(t.scalar_type()),
+                    t.numel()));
+    if (t.numel() == 0) {
+      state->finish();
+      return Work(state);
+    }
+    state->tensors = {t};
+    push({state, [this, is_send, t, peer, tag, state](uint32_t) {
+            auto buf = context_->createUnboundBuffer(t.data_ptr(), t.nbytes());
+            const auto slot = gloo::Slot::build(kPointToPointSlotPrefix, tag);
+            if (is_send)
+              buf->send(peer, slot, 0, t.nbytes());
+            else
+              buf->recv(peer, slot, 0, t.nbytes());
+            start_waiter({std::move(buf), is_send, state});
+            return false;
+          }});
+    return Work(state);
+  }
+
+  void start_waiter(P2p op) {
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    std::thread thread([this, op = std::move(op), done]() mutable {
+      try {
+        if (op.is_send)
+          op.buffer->waitSend(config_.timeout);
+        else
+          op.buffer->waitRecv(config_.timeout);
+        op.state->finish();
+      } catch (...) {
+        note_failure(op.state->what, std::current_exception());
+        op.state->finish(std::current_exception());
+      }
+      done->store(true);
+    });
+    std::lock_guard<std::mutex> lock(waiters_mu_);
+    for (auto it = waiters_.begin(); it != waiters_.end();) {
+      if (it->done->load()) {
+        it->thread.join();
+        it = waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    waiters_.push_back({std::move(thread), std::move(done)});
+  }
+
+  // Ring reduce-scatter over gloo's transport. At step s rank r sends its partial sum of chunk
+  // (r - s - 1) to rank r + 1 and adds its own contribution to the partial of chunk (r - s - 2)
+  // that arrives from rank r - 1; after size - 1 steps it holds the full sum of chunk r. Each
+  // chunk is reduced in one fixed order, so the result does not depend on timing.
+  void ring_reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op,
+                           uint32_t tag) {
+    const int64_t n = out.numel();
+    if (n == 0) return;
+    const auto acc_type = is_half(in.scalar_type()) ? at::kFloat : in.scalar_type();
+    const at::Tensor src = in.scalar_type() == acc_type ? in : in.to(acc_type);
+    if (size_ == 1) {  // the sum or average over one rank is the input
+      out.copy_(in);
+      return;
+    }
+    auto chunk = [&](int c) { return src.narrow(0, ((c % size_) + size_) % size_ * n, n); };
+    const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
+    const auto slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
+    const size_t bytes = n * src.element_size();
+    // Two partial-sum buffers: one is being sent while the other receives.
+    at::Tensor bufs[2] = {at::empty({n}, src.options()), at::empty({n}, src.options())};
+    std::unique_ptr<gloo::transport::UnboundBuffer> ub[2] = {
+        context_->createUnboundBuffer(bufs[0].data_ptr(), bytes),
+        context_->createUnboundBuffer(bufs[1].data_ptr(), bytes)};
+    at::Tensor first = chunk(rank_ - 1);
+    auto first_ub = context_->createUnboundBuffer(first.data_ptr(), bytes);
+    first_ub->send(right, slot, 0, bytes);
+    bool send_pending[2] = {false, false};
+    dispatch(acc_type, [&]<typename T>() {
+      auto add = reduce_fn<T>(op);
+      for (int s = 0; s < size_ - 1; ++s) {
+        const int b = s % 2;
+        // A gloo buffer takes one operation at a time: the send it started two steps ago must
+        // have left before it receives again.
+        if (send_pending[b]) ub[b]->waitSend(config_.timeout);
+        ub[b]->recv(left, slot, 0, bytes);
+        ub[b]->waitRecv(config_.timeout);
+        add(bufs[b].data_ptr<T>(), bufs[b].data_ptr<T>(), chunk(rank_ - s - 2).data_ptr<T>(), n);
+        send_pending[b] = s < size_ - 2;
+        if (send_pending[b]) ub[b]->send(right, slot, 0, bytes);
+      }
+    });
+    first_ub->waitSend(config_.timeout);
+    for (int b = 0; b < 2; ++b)
+      if (send_pending[b]) ub[b]->waitSend(config_.timeout);
+    at::Tensor result = bufs[(size_ - 2) % 2];
+    if (op == ReduceOp::kAvg) result.div_(size_);
+    out.copy_(result);
+  }
+
+  std::shared_ptr<Store> store_;
+  const int rank_, size_;
+  const BackendConfig config_;
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  int split_seq_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  std::exception_ptr broken_;  // touched only by the worker thread
+  std::thread worker_;
+
+  struct Waiter {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::mutex waiters_mu_;
+  std::vector<Waiter> waiters_;
+};
+
+std::shared_ptr<CommImpl> make_comm(std::shared_ptr<Store> store, int rank, int size,
+                                    const BackendConfig& config) {
+  return std::make_shared<GlooComm>(std::move(store), rank, size, config);
+}
+
+const char* bound_gloo_library() {
+  static const std::string path = [] {
+    Dl_info info{};
+    const auto fn = static_cast<void (*)(const gloo::AllreduceOptions&)>(&gloo::allreduce);
+    return dladdr(reinterpret_cast<void*>(fn), &info) && info.dli_fname ? std::string(info.dli_fname)
+                                                                         : std::string("unknown");
+  }();
+  return path.c_str();
+}
+
+}  // namespace
+
+}  // namespace fsdpp::comm::detail
+
+extern "C" __attribute__((visibility("default"))) const fsdpp::comm::detail::GlooPlugin*
+fsdpp_gloo_plugin() {
+  static const fsdpp::comm::detail::GlooPlugin plugin{fsdpp::comm::detail::make_comm,
+                                                      fsdpp::comm::detail::bound_gloo_library};
+  return &plugin;
+}

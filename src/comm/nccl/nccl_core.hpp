@@ -1,0 +1,108 @@
+#pragma once
+// The NCCL backend's core: one NCCL communicator and the CUDA stream its operations run on. It
+// needs only the CUDA runtime and NCCL (no LibTorch), so it compiles and links on machines without
+// a GPU or a CUDA-enabled LibTorch; nccl_comm.cpp adapts it to CommImpl with LibTorch's streams.
+//
+// Note [stream ordering]
+// Every operation first makes the communicator's stream wait for `ready` (an event the caller
+// recorded on the stream that produced the input), then enqueues the NCCL call, then records and
+// returns an event. Whoever reads the output makes its own stream wait for that event. So the
+// host never blocks, collectives overlap compute, and operations on one communicator run in issue
+// order, as on the Gloo backend's worker thread.
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace fsdpp::comm::nccl {
+
+// A CUDA or NCCL failure: "rank 1/4 all_gather: NCCL error 'unhandled cuda error' (last: ...)".
+class NcclError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// An owned CUDA event (timing disabled), shared by the operations and waits that use it. Events
+// come from a pool: the last owner returns the event instead of destroying it.
+using EventPtr = std::shared_ptr<std::remove_pointer_t<cudaEvent_t>>;
+
+class EventPool;
+
+// How ranks meet: rank 0 publishes the NCCL unique id under a key, the others read it (blocking
+// until it is there). The dist layer passes its Store.
+struct Rendezvous {
+  std::function<void(const std::string& key, const std::vector<uint8_t>& value)> set;
+  std::function<std::vector<uint8_t>(const std::string& key)> get;
+};
+
+class Core {
+ public:
+  // Collective over `size` ranks: makes `device` current, creates a non-blocking stream and the
+  // communicator (eagerly, ncclCommInitRank with the id rank 0 published under `key`).
+  Core(int rank, int size, int device, const Rendezvous& rendezvous, const std::string& key);
+  ~Core();
+  Core(const Core&) = delete;
+  Core& operator=(const Core&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  cudaStream_t stream() const { return stream_; }
+
+  // Collective: ranks with the same color form a new communicator (ncclCommSplit), ordered by
+  // (key, rank); a negative color takes part and gets null.
+  std::unique_ptr<Core> split(int color, int key);
+
+  // Each returns the event that completes with the operation (see Note [stream ordering]).
+  // Counts are elements of `type`; all_gather and reduce_scatter count one rank's part.
+  EventPtr all_gather(const void* in, void* out, size_t count, ncclDataType_t type, cudaEvent_t ready);
+  EventPtr reduce_scatter(const void* in, void* out, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                          cudaEvent_t ready);
+  EventPtr all_reduce(const void* in, void* out, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                      cudaEvent_t ready);
+  EventPtr broadcast(void* buffer, size_t count, ncclDataType_t type, int root, cudaEvent_t ready);
+  // Element counts and offsets per peer, in one NCCL group.
+  EventPtr all_to_all(const void* in, void* out, const std::vector<size_t>& send_counts,
+                      const std::vector<size_t>& send_offsets, const std::vector<size_t>& recv_counts,
+                      const std::vector<size_t>& recv_offsets, ncclDataType_t type, cudaEvent_t ready);
+  EventPtr send(const void* buffer, size_t count, ncclDataType_t type, int peer, cudaEvent_t ready);
+  EventPtr recv(void* buffer, size_t count, ncclDataType_t type, int peer, cudaEvent_t ready);
+  // An all-reduce of one element on a scratch buffer.
+  EventPtr barrier();
+
+  // Size in bytes of one element of `type`.
+  static size_t element_size(ncclDataType_t type);
+
+  // An error NCCL hit after an operation was enqueued (a peer gone, a network failure), or
+  // ncclSuccess; ncclCommGetAsyncError, safe to call from any thread.
+  ncclResult_t async_error() const;
+  std::string async_error_message() const;
+  // Ends the communicator's operations in flight (ncclCommAbort), so that a rank whose peers are
+  // gone or hung can exit; the communicator is unusable afterwards. Idempotent, any thread.
+  void abort();
+  bool aborted() const { return aborted_.load(); }
+
+ private:
+  Core(int rank, int size, int device, ncclComm_t comm);
+  void check(cudaError_t e, const char* what) const;
+  void check(ncclResult_t r, const char* what) const;
+  void wait_for(cudaEvent_t ready, const char* what);
+  EventPtr finished(const char* what);
+
+  int rank_, size_, device_;
+  std::shared_ptr<EventPool> events_;
+  std::atomic<bool> aborted_{false};
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  void* scratch_ = nullptr;  // the barrier's element
+};
+
+}  // namespace fsdpp::comm::nccl

@@ -1,0 +1,143 @@
+#include "fsdpp/train/checkpoints.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "fsdpp/base/files.hpp"
+#include "fsdpp/base/safetensors.hpp"
+#include "fsdpp/fsdp/checkpoint.hpp"
+
+namespace fsdpp::train {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// The CRC-32C of a JSON record without its own "crc32c" field, as written (dump(1)).
+std::string record_checksum(json record) {
+  record.erase("crc32c");
+  const auto text = record.dump(1);
+  return crc_hex(crc32c(text.data(), text.size()));
+}
+
+}  // namespace
+
+std::string step_dir_name(int64_t step) { return fmt::format("step-{:08}", step); }
+
+std::optional<std::string> latest_checkpoint(const std::string& output_dir) {
+  const fs::path dir = fs::path(output_dir) / "checkpoints";
+  std::ifstream f(dir / "latest");
+  std::string name;
+  if (f && std::getline(f, name) && fs::exists(dir / name / "trainer.json")) return (dir / name).string();
+  return std::nullopt;
+}
+
+std::vector<std::string> committed_checkpoints(const std::string& output_dir) {
+  const fs::path dir = fs::path(output_dir) / "checkpoints";
+  std::vector<std::string> out;
+  const auto latest = latest_checkpoint(output_dir);
+  if (latest) out.push_back(*latest);
+  std::vector<std::string> steps;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const auto name = e.path().filename().string();
+    if (e.is_directory() && name.rfind("step-", 0) == 0 && fs::exists(e.path() / "trainer.json") &&
+        (!latest || e.path().string() != *latest))
+      steps.push_back(e.path().string());
+  }
+  std::sort(steps.rbegin(), steps.rend());  // step-<N> names sort by step
+  out.insert(out.end(), steps.begin(), steps.end());
+  return out;
+}
+
+std::pair<int, uint64_t> verify_checkpoint(const std::string& dir, bool present_only) {
+  const auto meta_file = (fs::path(dir) / "trainer.json").string();
+  json meta = json::object();
+  // A directory fsdp::save_sharded wrote has no trainer.json: its ranks' files are still checked.
+  if (fs::exists(meta_file) || !fs::exists(fs::path(dir) / "rank0.json")) {
+    try {
+      meta = read_json_file(meta_file);
+    } catch (const std::runtime_error& e) {
+      throw std::runtime_error(std::string("checkpoint: ") + e.what());
+    }
+  }
+  try {
+    if (meta.contains("crc32c") && meta.at("crc32c").get<std::string>() != record_checksum(meta))
+      throw std::runtime_error(fmt::format("checkpoint: {} is damaged: its contents do not match the CRC-32C it records",
+                                           meta_file));
+    const json files = meta.value("files", json::object());
+    for (const auto& [name, d] : files.items()) {
+      const auto file = (fs::path(dir) / name).string();
+      // On local storage a node holds its own ranks' files; trainer.json names every rank's node.
+      if (!fs::exists(file) && (present_only || d.contains("node"))) continue;
+      check_file_digest(file, d.at("bytes").get<uint64_t>(), d.at("crc32c").get<std::string>(), meta_file);
+    }
+  } catch (const json::exception& e) {
+    throw std::runtime_error(fmt::format("checkpoint: {} is malformed: {}", meta_file, e.what()));
+  }
+  fsdp::verify_sharded(dir, present_only || meta.value("storage", "shared") == "local");
+  int files = 0;
+  uint64_t bytes = 0;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file()) ++files, bytes += e.file_size();
+  return {files, bytes};
+}
+
+// A checkpoint directory, given it or an output directory.
+std::string find_checkpoint(const std::string& path) {
+  if (fs::exists(fs::path(path) / "trainer.json")) return path;
+  if (auto latest = latest_checkpoint(path)) return *latest;
+  throw std::runtime_error(fmt::format("{} is neither a checkpoint (no trainer.json) nor a run directory with one", path));
+}
+
+
+void write_commit_record(const std::string& dir, json meta) {
+  meta["crc32c"] = record_checksum(meta);
+  write_file_atomically((fs::path(dir) / "trainer.json").string(), meta.dump(1) + "\n");
+}
+
+void commit_checkpoint(const std::string& checkpoints_dir, int64_t step, int64_t keep) {
+  const fs::path dir = checkpoints_dir;
+  const fs::path tmp = dir / (".tmp-" + step_dir_name(step)), final_dir = dir / step_dir_name(step);
+  // The rename is atomic, and `latest` moves only after it.
+  const fs::path old = dir / (".old-" + step_dir_name(step));
+  fs::remove_all(old);
+  if (fs::exists(final_dir)) fs::rename(final_dir, old);
+  fs::rename(tmp, final_dir);
+  fs::remove_all(old);
+  sync_to_disk(dir.string());
+  write_file_atomically((dir / "latest").string(), step_dir_name(step) + "\n");
+  std::vector<fs::path> done;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) done.push_back(e.path());
+  std::sort(done.begin(), done.end());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i) fs::remove_all(done[i]);
+}
+
+std::string consolidate_checkpoint(const std::vector<std::string>& paths, const std::string& output_file) {
+  std::vector<std::string> dirs;
+  json meta;
+  for (const auto& path : paths) {
+    dirs.push_back(find_checkpoint(path));
+    const json m = read_json_file((fs::path(dirs.back()) / "trainer.json").string());
+    if (dirs.size() == 1) meta = m;
+    else if (m.at("step") != meta.at("step"))
+      throw std::runtime_error(fmt::format("{} holds step {} but {} step {}: give the directories of one checkpoint",
+                                           dirs.back(), m.at("step").dump(), dirs.front(), meta.at("step").dump()));
+  }
+  const auto full = fsdp::read_full_parameters(dirs);
+  const auto tmp = output_file + ".tmp";
+  write_safetensors(tmp, full,
+                    {{"format", "pt"}, {"fsdpp.model_config", meta.at("model").dump()},
+                     {"fsdpp.step", std::to_string(meta.at("step").get<int64_t>())}});
+  fs::rename(tmp, output_file);
+  return fmt::format("{}", fmt::join(dirs, " + "));
+}
+
+}  // namespace fsdpp::train

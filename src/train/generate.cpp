@@ -1,0 +1,38 @@
+#include "fsdpp/train/generate.hpp"
+
+#include <ATen/ATen.h>
+
+#include <limits>
+
+namespace fsdpp::train {
+
+std::string generate(models::MoETransformerImpl& model, const std::string& prompt, const SampleOptions& o) {
+  at::NoGradGuard g;
+  auto gen = at::detail::createCPUGenerator(o.seed);
+  std::vector<int64_t> tokens;
+  for (unsigned char ch : prompt) tokens.push_back(ch);
+  if (tokens.empty()) tokens.push_back('\n');
+  std::string out;
+  const int64_t window = model.config().max_seq_len;
+  for (int64_t i = 0; i < o.max_new_bytes; ++i) {
+    const int64_t n = std::min<int64_t>(window, static_cast<int64_t>(tokens.size()));
+    const auto x = at::tensor(std::vector<int64_t>(tokens.end() - n, tokens.end()), at::kLong).unsqueeze(0);
+    auto logits = model.forward(x).select(1, n - 1).squeeze(0);
+    int64_t next;
+    if (o.temperature <= 0) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      logits = logits / o.temperature;
+      if (o.top_k > 0 && o.top_k < logits.size(0)) {
+        const auto kth = std::get<0>(at::topk(logits, o.top_k)).min();
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+      }
+      next = at::multinomial(at::softmax(logits, -1), 1, false, gen).item<int64_t>();
+    }
+    tokens.push_back(next);
+    out.push_back(static_cast<char>(next));
+  }
+  return out;
+}
+
+}  // namespace fsdpp::train

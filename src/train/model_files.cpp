@@ -1,0 +1,62 @@
+#include "fsdpp/train/model_files.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <filesystem>
+#include <set>
+
+#include "fsdpp/base/files.hpp"
+#include "fsdpp/base/safetensors.hpp"
+#include "fsdpp/fsdp/checkpoint.hpp"
+#include "fsdpp/train/checkpoints.hpp"
+#include "fsdpp/train/recipe.hpp"
+
+namespace fsdpp::train {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+models::MoETransformer load_model(const std::string& path) {
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  models::MoEConfig config;
+  if (fs::is_regular_file(path)) {
+    auto file = read_safetensors(path);
+    const auto it = file.metadata.find("fsdpp.model_config");
+    if (it == file.metadata.end())
+      throw std::runtime_error(fmt::format("{}: no fsdpp.model_config in its metadata (not written by fsdpp ckpt consolidate)", path));
+    config = parse_model_config(json::parse(it->second), path + " metadata");
+    state = std::move(file.tensors);
+  } else {
+    const auto dir = find_checkpoint(path);
+    config = parse_model_config(read_json_file((fs::path(dir) / "trainer.json").string()).at("model"), dir + "/trainer.json");
+    state = fsdp::read_full_parameters(dir);
+  }
+  auto model = models::MoETransformer(config);
+  load_full_weights(*model, state, path);
+  return model;
+}
+
+void load_full_weights(models::MoETransformerImpl& model, const std::vector<std::pair<std::string, at::Tensor>>& state,
+                       const std::string& source) {
+  at::NoGradGuard g;
+  auto params = model.named_parameters();
+  std::set<std::string> seen;
+  for (const auto& [name, t] : state) {
+    auto* p = params.find(name);
+    if (!p) throw std::runtime_error(fmt::format("{}: tensor '{}' is not a parameter of the model", source, name));
+    if (p->sizes() != t.sizes())
+      throw std::runtime_error(fmt::format("{}: '{}' has shape [{}] but the model expects [{}]", source, name,
+                                           fmt::join(t.sizes(), ", "), fmt::join(p->sizes(), ", ")));
+    if (!at::isFloatingType(t.scalar_type()))
+      throw std::runtime_error(fmt::format("{}: '{}' is {}, not a floating-point tensor", source, name,
+                                           c10::toString(t.scalar_type())));
+    p->copy_(t);  // in the model's dtype
+    seen.insert(name);
+  }
+  for (const auto& p : params)
+    if (!seen.count(p.key())) throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", source, p.key()));
+}
+
+}  // namespace fsdpp::train
