@@ -323,10 +323,11 @@ at::Tensor MoETransformerImpl::forward(const at::Tensor& input) {
   return head(norm(h)).to(at::kFloat);
 }
 
-void MoETransformerImpl::wrap_blocks(const std::function<torch::nn::AnyModule(const Block&)>& wrap) {
+void MoETransformerImpl::wrap_blocks(const std::function<torch::nn::AnyModule(const Block&, int64_t)>& wrap) {
   for (size_t i = 0; i < blocks_.size(); ++i) {
-    calls_[i] = wrap(blocks_[i]);
-    layers->replace_module(std::to_string(first_ + int64_t(i)), calls_[i].ptr());
+    const int64_t layer = first_ + int64_t(i);
+    calls_[i] = wrap(blocks_[i], layer);
+    layers->replace_module(std::to_string(layer), calls_[i].ptr());
   }
   wrapped_ = true;
 }

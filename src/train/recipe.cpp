@@ -432,6 +432,17 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       t.integer("seed", rc.train.seed, 0, kBig);
       t.string("device", rc.train.device, {"cpu", "cuda"});
       t.boolean("cuda_graph", rc.train.cuda_graph);
+      if (const json* ac = t.find("activation_checkpointing")) {
+        if (ac->is_string() && (*ac == "none" || *ac == "full")) {
+          rc.train.activation_checkpointing = *ac == "full" ? 1 : 0;
+        } else if (ac->is_number_integer() && *ac >= 1 && *ac <= rc.model.layers) {
+          rc.train.activation_checkpointing = ac->get<int64_t>();
+        } else {
+          t.fail("activation_checkpointing",
+                 fmt::format("must be \"none\", \"full\" or k, every k-th block (1 to model.layers = {}), got {}",
+                             rc.model.layers, ac->dump()));
+        }
+      }
       if (rc.train.device == "cuda" && !comm::has_backend(comm::Backend::kNccl))
         t.fail("device", "\"cuda\" needs fsdpp built with the NCCL backend (a CUDA build of LibTorch; this build "
                          "has none)");
@@ -508,6 +519,16 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       } catch (const std::exception& e) {
         top.fail("parallel.schedule", e.what());
       }
+      if (rc.plan && rc.train.activation_checkpointing > 0)
+        for (const auto& rank : rc.plan->compute)
+          if (std::any_of(rank.begin(), rank.end(),
+                          [](const pipeline::Action& a) { return a.type == pipeline::ActionType::kBackwardInput; })) {
+            top.fail("train.activation_checkpointing",
+                     fmt::format("schedule {} splits backward into input and weight halves (I, W), which would "
+                                 "recompute each checkpointed block twice and count its weight gradients twice; "
+                                 "use a schedule without I/W or \"none\"", par.schedule));
+            break;
+          }
     } else if (par.max_outstanding_sends != 0) {
       top.fail("parallel.max_outstanding_sends", "only used with pp > 1");
     }

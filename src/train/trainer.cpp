@@ -193,7 +193,7 @@ void Trainer::build() {
   auto& dp = mesh_.comm("dp");
   const auto& par = recipe_.parallel;
   if (!recipe_.plan) {
-    roots_.push_back(shard_model(full, dp, options));
+    roots_.push_back(shard_model(full, dp, options, recipe_.train.activation_checkpointing));
     stage_ids_.push_back(0);
   } else {
     const auto& plan = *recipe_.plan;
@@ -204,7 +204,7 @@ void Trainer::build() {
       if (plan.owner[st] != mesh_.coord("pp")) continue;
       const int64_t first = c.layers * st / stages, last = c.layers * (st + 1) / stages;
       roots_.push_back(shard_model(models::MoETransformer(std::make_shared<models::MoETransformerImpl>(*full, first, last)),
-                                   dp, options));
+                                   dp, options, recipe_.train.activation_checkpointing));
       stage_ids_.push_back(st);
       auto* root = roots_.back().ptr().get();
       mine.push_back({.index = st,
@@ -244,6 +244,10 @@ void Trainer::build() {
   log(fmt::format("model: {:.2f}M parameters ({} layers, dim {}, {} experts top-{}, {} routing); dp {} x pp {}{}",
                   double(c.parameter_count()) / 1e6, c.layers, c.dim, c.experts, c.top_k, c.routing, par.dp, par.pp,
                   par.pp > 1 ? fmt::format(", schedule {} with {} microbatches", par.schedule, par.microbatches) : ""));
+  if (const int64_t every = recipe_.train.activation_checkpointing; every > 0)
+    log(every == 1 ? std::string("activation checkpointing: every block recomputes its forward in backward")
+                   : fmt::format("activation checkpointing: every {}-th block (layers 0, {}, ...) recomputes its forward "
+                                 "in backward", every, every));
 }
 
 // Note [capturable step]

@@ -229,7 +229,7 @@ TEST_CASE("model: wrap_blocks puts a wrapper where each block was, keeping names
   std::vector<std::string> names;
   for (const auto& p : model->named_parameters()) names.push_back(p.key());
   int calls = 0;
-  model->wrap_blocks([&](const models::Block& b) {
+  model->wrap_blocks([&](const models::Block& b, int64_t) {
     return torch::nn::AnyModule(std::make_shared<CountingImpl>(b, &calls));
   });
   CHECK(model->forward(tokens).equal(before));

@@ -181,6 +181,26 @@ TEST_CASE("recipe: precision overrides") {
   CHECK(!plain.precision.policy.param_dtype_override);
 }
 
+TEST_CASE("recipe: activation checkpointing is none, full or every k-th block") {
+  const auto ac = [](const std::string& value) {
+    return train::parse_recipe(base(), "t.json", kSource + "/recipes", {"train.activation_checkpointing=" + value})
+        .train.activation_checkpointing;
+  };
+  CHECK(train::parse_recipe(base(), "t.json", ".").train.activation_checkpointing == 0);
+  CHECK(ac("none") == 0);
+  CHECK(ac("full") == 1);
+  CHECK(ac("2") == 2);
+  expect(problems(base(), {"train.activation_checkpointing=some"}),
+         "train.activation_checkpointing: must be \"none\", \"full\" or k, every k-th block (1 to model.layers = 2), got \"some\"");
+  expect(problems(base(), {"train.activation_checkpointing=3"}), "(1 to model.layers = 2), got 3");
+  expect(problems(base(), {"train.activation_checkpointing=0"}), "got 0");
+  // Schedules that split backward into I and W are refused with it, naming the schedule.
+  expect(problems(base(), {"train.activation_checkpointing=full", "parallel.pp=2", "parallel.microbatches=2",
+                           "parallel.schedule=InterleavedZeroBubble"}),
+         "train.activation_checkpointing: schedule InterleavedZeroBubble splits backward");
+  CHECK(problems(base(), {"train.activation_checkpointing=full", "parallel.pp=2", "parallel.microbatches=2"}) == "valid");
+}
+
 TEST_CASE("recipe: the pipeline plan is made once, when the recipe is read") {
   CHECK(train::parse_recipe(base(), "t.json", ".").plan == nullptr);
   const auto r = train::parse_recipe(base(), "t.json", kSource + "/recipes",

@@ -168,6 +168,28 @@ TEST_CASE("run: dp, pp (1F1B) and dp x pp train to the same losses on the same d
   for (const auto& d : {dp, pp, twod}) fs::remove_all(d);
 }
 
+TEST_CASE("run: activation checkpointing trains as without it, at dp 2 and at pp 2") {
+  const std::string common = "train.steps=8 train.global_batch=8 logging.interval=1 eval.interval=0";
+  for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=4"}) {
+    CAPTURE(layout);
+    const auto plain = fresh_dir("ac-none"), every = fresh_dir("ac-full"), some = fresh_dir("ac-2");
+    train_run(plain, common + " " + layout);
+    const auto out = train_run(every, common + " " + layout + " train.activation_checkpointing=full");
+    CHECK(out.find("activation checkpointing: every block recomputes") != std::string::npos);
+    train_run(some, common + " " + layout + " train.activation_checkpointing=2");
+    const auto a = losses(plain), b = losses(every), c = losses(some);
+    REQUIRE(a.size() == 8);
+    REQUIRE(b.size() == 8);
+    REQUIRE(c.size() == 8);
+    for (const auto& [step, loss] : a) {
+      CAPTURE(step);
+      CHECK(b.at(step) == doctest::Approx(loss).epsilon(1e-5));
+      CHECK(c.at(step) == doctest::Approx(loss).epsilon(1e-5));
+    }
+    for (const auto& d : {plain, every, some}) fs::remove_all(d);
+  }
+}
+
 TEST_CASE("run: a checkpoint loads at another layout; consolidate writes full named parameters") {
   const auto dir = fresh_dir("relayout");
   const std::string args = "train.steps=10 logging.interval=1 eval.interval=0";

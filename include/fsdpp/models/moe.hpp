@@ -157,12 +157,13 @@ class MoETransformerImpl : public torch::nn::Module {
 
   // The blocks this holds, in layer order: the modules themselves, also after wrap_blocks.
   const std::vector<Block>& blocks() const { return blocks_; }
-  // Replaces each block, where forward calls it and under its name in `layers`, by wrap(block):
+  // Replaces each block, where forward calls it and under its name in `layers`, by
+  // wrap(block, layer index in the full model):
   // a module around it (an FSDP unit, activation checkpointing) whose forward takes and returns
   // the hidden states. Parameter names do not change when the wrapper adopts the block's
   // parameters under their own names, as fsdp::FullyShard does. Stages are cut from an unwrapped
   // model.
-  void wrap_blocks(const std::function<torch::nn::AnyModule(const Block&)>& wrap);
+  void wrap_blocks(const std::function<torch::nn::AnyModule(const Block&, int64_t layer)>& wrap);
 
   torch::nn::Embedding embed{nullptr};
   std::shared_ptr<torch::nn::Module> layers;  // children named by global layer index

@@ -12,7 +12,8 @@
 //                   "overrides": [{"match": "*.router.gate.weight", "param_dtype": "float32"}]},
 //     "optim": {"lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 50, "weight_decay": 0.1,
 //               "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "grad_clip": 1.0},
-//     "train": {"steps": 600, "global_batch": 32, "grad_accum": 1, "seed": 1234},
+//     "train": {"steps": 600, "global_batch": 32, "grad_accum": 1, "seed": 1234,
+//               "activation_checkpointing": "none"},
 //     "eval": {"interval": 100, "batches": 8},
 //     "checkpoint": {"interval": 0, "keep": 2, "storage": "shared"},
 //     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"},
@@ -96,6 +97,9 @@ struct TrainOptions {
   // cuda only: capture one whole step (every microbatch, clipping, the optimizer) as a CUDA graph
   // after warm-up steps, and replay it; needs capacity routing (static shapes) and pp = 1.
   bool cuda_graph = false;
+  // Recompute blocks' forwards in backward instead of keeping their activations: the recipe says
+  // "none" (0), "full" (1: every block) or k (every block whose layer index is a multiple of k).
+  int64_t activation_checkpointing = 0;
 };
 
 struct EvalOptions {

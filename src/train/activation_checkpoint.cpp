@@ -1,0 +1,49 @@
+#include "fsdpp/train/activation_checkpoint.hpp"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace fsdpp::train {
+
+// Forward: the wrapped module without autograd, keeping only its input. Backward: the same forward
+// again with autograd, on a fresh leaf holding the saved input, then a nested backward from the
+// incoming gradient, which accumulates the parameters' gradients; the leaf's gradient goes on.
+struct RecomputeInBackward : torch::autograd::Function<RecomputeInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, CheckpointImpl* module) {
+    ctx->saved_data["module"] = reinterpret_cast<int64_t>(module);
+    ctx->save_for_backward({x});
+    at::NoGradGuard no_grad;
+    return module->inner_.forward(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* module = reinterpret_cast<CheckpointImpl*>(ctx->saved_data["module"].toInt());
+    const auto saved = ctx->get_saved_variables()[0];
+    auto leaf = saved.detach().requires_grad_(saved.requires_grad());
+    at::Tensor out;
+    {
+      at::AutoGradMode grad_mode(true);
+      out = module->inner_.forward(leaf);
+    }
+    ++module->recomputes_;
+    torch::autograd::backward({out}, {grads[0]});
+    return {leaf.requires_grad() ? leaf.grad() : at::Tensor(), at::Tensor()};
+  }
+};
+
+CheckpointImpl::CheckpointImpl(torch::nn::AnyModule inner) : inner_(std::move(inner)) {
+  auto& m = *inner_.ptr();
+  for (auto& p : m.named_parameters(/*recurse=*/false)) register_parameter(p.key(), p.value(), p.value().requires_grad());
+  for (auto& b : m.named_buffers(/*recurse=*/false)) register_buffer(b.key(), b.value());
+  for (auto& c : m.named_children()) register_module(c.key(), c.value());
+}
+
+at::Tensor CheckpointImpl::forward(at::Tensor x) {
+  if (!at::GradMode::is_enabled()) return inner_.forward(x);  // evaluation: nothing to keep
+  // The output must require a gradient for the parameters' sake even when x needs none: then the
+  // recompute starts from a leaf whose gradient goes nowhere.
+  return RecomputeInBackward::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), this);
+}
+
+}  // namespace fsdpp::train
