@@ -4,6 +4,8 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "fsdpp/base/adopt.hpp"
+
 namespace fsdpp::train {
 
 // Forward: the wrapped module without autograd, keeping only its input. Backward: the same forward
@@ -33,10 +35,7 @@ struct RecomputeInBackward : torch::autograd::Function<RecomputeInBackward> {
 };
 
 CheckpointImpl::CheckpointImpl(torch::nn::AnyModule inner) : inner_(std::move(inner)) {
-  auto& m = *inner_.ptr();
-  for (auto& p : m.named_parameters(/*recurse=*/false)) register_parameter(p.key(), p.value(), p.value().requires_grad());
-  for (auto& b : m.named_buffers(/*recurse=*/false)) register_buffer(b.key(), b.value());
-  for (auto& c : m.named_children()) register_module(c.key(), c.value());
+  adopt_members(*this, *inner_.ptr());
 }
 
 at::Tensor CheckpointImpl::forward(at::Tensor x) {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "fsdpp/base/adopt.hpp"
 #include "fsdpp/models/moe.hpp"
 
 using namespace fsdpp;
@@ -208,8 +209,7 @@ namespace {
 // A wrapper that counts its calls, as an FSDP unit or a checkpointing wrapper would stand in.
 struct CountingImpl : torch::nn::Module {
   CountingImpl(models::Block block, int* calls) : inner(std::move(block)), calls(calls) {
-    for (auto& p : inner->named_parameters(/*recurse=*/false)) register_parameter(p.key(), p.value());
-    for (auto& c : inner->named_children()) register_module(c.key(), c.value());
+    adopt_members(*this, *inner);
   }
   at::Tensor forward(at::Tensor x) {
     ++*calls;

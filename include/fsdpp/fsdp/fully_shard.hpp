@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdpp/base/adopt.hpp"
 #include "fsdpp/comm/comm.hpp"
 #include "fsdpp/fsdp/unit.hpp"
 
@@ -141,10 +142,7 @@ class FullyShardImpl
   explicit FullyShardImpl(std::shared_ptr<Impl> inner)
       : unit_(inner ? inner->name() : "null"), inner_(std::move(inner)) {
     TORCH_CHECK(inner_, "FullyShard: cannot wrap a null module");
-    for (auto& p : inner_->named_parameters(/*recurse=*/false))
-      register_parameter(p.key(), p.value(), p.value().requires_grad());
-    for (auto& b : inner_->named_buffers(/*recurse=*/false)) register_buffer(b.key(), b.value());
-    for (auto& c : inner_->named_children()) register_module(c.key(), c.value());
+    adopt_members(*this, *inner_);
   }
   template <class H>
     requires std::is_base_of_v<torch::nn::ModuleHolder<Impl>, H>
