@@ -241,6 +241,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     {"train": train, "pp": pipelined, "unit-cost": unit_cost}[args.what](args)
+    torch_moe.exit_rank()
 
 
 if __name__ == "__main__":

@@ -188,7 +188,8 @@ def compare(a_path, b_path):
 
 def main():
     if sys.argv[1] == "--torch-rank":
-        return torch_rank(sys.argv[2], sys.argv[3])
+        torch_rank(sys.argv[2], sys.argv[3])
+        torch_moe.exit_rank()
     fsdpp, steps_bin = sys.argv[1], sys.argv[2]
     base = json.load(open(CONFIG))
     configs = {"moe": base, "dense": {**base, "experts": 0}}
