@@ -36,6 +36,20 @@ string(REGEX REPLACE ".*FMT_VERSION ([0-9]+).*" "\\1" FSDPP_TORCH_FMT_VERSION "$
 fsdpp_header_dependency(nlohmann_json nlohmann_json::nlohmann_json nlohmann/json.hpp)
 fsdpp_header_dependency(CLI11 CLI11::CLI11 CLI/CLI.hpp)
 
+# SentencePiece (Debian's libsentencepiece-dev): the tokenizers of data.tokenizer and
+# `fsdpp tokenizer train`. It keeps its own protobuf-lite to itself (no protobuf symbols exported),
+# as LibTorch does its protobuf.
+find_path(FSDPP_SENTENCEPIECE_INCLUDE_DIR sentencepiece_processor.h PATH_SUFFIXES include)
+find_library(FSDPP_SENTENCEPIECE_LIBRARY sentencepiece PATH_SUFFIXES lib)
+find_library(FSDPP_SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train PATH_SUFFIXES lib)
+if(NOT FSDPP_SENTENCEPIECE_INCLUDE_DIR OR NOT FSDPP_SENTENCEPIECE_LIBRARY OR NOT FSDPP_SENTENCEPIECE_TRAIN_LIBRARY)
+  message(FATAL_ERROR "fsdpp needs SentencePiece: install libsentencepiece-dev (scripts/setup.sh) or put its "
+                      "headers and libraries on CMAKE_PREFIX_PATH")
+endif()
+add_library(fsdpp_sentencepiece INTERFACE IMPORTED GLOBAL)
+target_include_directories(fsdpp_sentencepiece INTERFACE ${FSDPP_SENTENCEPIECE_INCLUDE_DIR})
+target_link_libraries(fsdpp_sentencepiece INTERFACE ${FSDPP_SENTENCEPIECE_TRAIN_LIBRARY} ${FSDPP_SENTENCEPIECE_LIBRARY})
+
 set(FSDPP_HAVE_GLOO OFF)
 if(NOT FSDPP_WITH_GLOO STREQUAL "OFF")
   find_package(Gloo CONFIG QUIET)

@@ -72,7 +72,7 @@ build() {
   [[ -n $nccl_so ]] || { echo "gpu-check: no libnccl in $nccl_lib" >&2; return 1; }
   say "CUDA $cuda, NCCL $nccl_so, LibTorch $torch_prefix"
   cmake -S . -B "$out" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_INCLUDE_PATH="$deps/include" -DCUDAToolkit_ROOT="$cuda" \
+    -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_INCLUDE_PATH="$deps/include" -DCMAKE_LIBRARY_PATH="$deps/lib" -DCUDAToolkit_ROOT="$cuda" \
     -DFSDPP_WITH_NCCL=ON -DFSDPP_WITH_GLOO=OFF -DFSDPP_BUILD_BENCH=OFF \
     -DNCCL_INCLUDE_DIR="$nccl_inc" -DNCCL_LIBRARY="$nccl_so" &&
     ninja -C "$out" -j"$(nproc)" fsdpp_cli fsdpp_test_gpu fsdpp_test_nccl_core

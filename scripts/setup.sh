@@ -2,7 +2,8 @@
 # Installs what fsdpp needs on Debian 12 (run as root). Safe to run again: it installs only what is
 # missing, so a second run takes seconds.
 #
-#  - Debian packages: the compiler tool chain, Gloo, the header-only libraries, the test tools.
+#  - Debian packages: the compiler tool chain, Gloo, SentencePiece, the header-only libraries, the
+#    test tools.
 #  - LibTorch: PyTorch 2.15's, from the torch==2.15.0 wheel (a CUDA build that also runs on CPU-only
 #    machines), in a virtual environment shared by every clone of this user: $FSDPP_VENV, by default
 #    ~/.cache/fsdpp/venv. The same environment holds PyTorch itself and safetensors, which the tests
@@ -13,6 +14,7 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config git
   libgloo-dev
   libeigen3-dev nlohmann-json3-dev doctest-dev libcli11-dev
+  libsentencepiece-dev            # tokenizers (data.tokenizer, fsdpp tokenizer train)
   iproute2 procps                 # network namespaces for the two-node test; ps for orphan checks
   fortunes                        # the default training corpus (/usr/share/games/fortunes)
   python3 python3-venv            # the virtual environment that holds PyTorch 2.15

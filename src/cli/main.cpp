@@ -21,7 +21,9 @@
 #include "fsdpp/train/checkpoints.hpp"
 #include "fsdpp/train/generate.hpp"
 #include "fsdpp/train/model_files.hpp"
+#include "fsdpp/train/tokenizer.hpp"
 #include "fsdpp/train/trainer.hpp"
+#include "data_commands.hpp"
 
 namespace {
 
@@ -347,9 +349,15 @@ int main(int argc, char** argv) {
   cmd_generate->add_option("checkpoint", gen_path, "run directory, checkpoint directory or consolidated .safetensors")
       ->required()->check(CLI::ExistingPath);
   cmd_generate->add_option("--prompt", gen_prompt, "text to continue");
-  cmd_generate->add_option("--bytes", sample.max_new_bytes, "bytes to generate")->check(CLI::Range(1, 100000));
+  cmd_generate->add_option("--tokens,--bytes", sample.max_new_tokens, "tokens to generate (bytes, with the bytes tokenizer)")
+      ->check(CLI::Range(1, 100000));
   cmd_generate->add_option("--temperature", sample.temperature, "0: greedy")->check(CLI::Range(0.0, 10.0));
-  cmd_generate->add_option("--top-k", sample.top_k, "sample among the k likeliest bytes (0: all)")->check(CLI::Range(0, 256));
+  cmd_generate->add_option("--top-k", sample.top_k, "sample among the k likeliest tokens (0: all)")->check(CLI::NonNegativeNumber);
+  std::string gen_tokenizer;
+  cmd_generate->add_option("--tokenizer", gen_tokenizer,
+                           "the tokenizer's .model file, where it has moved since training (its contents must be the same)");
+
+  const auto data_commands = cli::add_data_commands(app);
   cmd_generate->add_option("--seed", sample.seed, "sampling seed");
 
   std::vector<std::string> ckpt_in;
@@ -387,8 +395,15 @@ int main(int argc, char** argv) {
     }
     if (cmd_ls->parsed()) return list_bundled();
     if (cmd_generate->parsed()) {
-      auto model = train::load_model(gen_path);
-      std::cout << gen_prompt << train::generate(*model, gen_prompt, sample) << std::endl;
+      nlohmann::json recorded;
+      auto model = train::load_model(gen_path, &recorded);
+      const auto spec = gen_tokenizer.empty() ? recorded.value("spec", std::string("bytes")) : gen_tokenizer;
+      if (spec == "none")
+        throw std::runtime_error(fmt::format("{} was trained on token shards without a tokenizer (data.tokenizer \"none\"): "
+                                             "nothing can decode its tokens", gen_path));
+      const auto tokenizer = train::Tokenizer::load(spec);
+      tokenizer->check_matches(recorded, gen_path);
+      std::cout << gen_prompt << train::generate(*model, *tokenizer, gen_prompt, sample) << std::endl;
       return 0;
     }
     if (cmd_consolidate->parsed()) {
@@ -399,6 +414,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (cmd_verify->parsed()) return verify_checkpoints(verify_in);
+    if (const int status = cli::run_data_commands(*data_commands); status >= 0) return status;
     if (cmd_analyze->parsed()) {
       bool found = false;
       std::cout << comm::analyze_flight_records(fr_dir, &found);

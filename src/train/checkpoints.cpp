@@ -135,6 +135,7 @@ std::string consolidate_checkpoint(const std::vector<std::string>& paths, const 
   const auto tmp = output_file + ".tmp";
   write_safetensors(tmp, full,
                     {{"format", "pt"}, {"fsdpp.model_config", meta.at("model").dump()},
+                     {"fsdpp.tokenizer", meta.value("tokenizer", json{{"spec", "bytes"}, {"hash", "bytes"}}).dump()},
                      {"fsdpp.step", std::to_string(meta.at("step").get<int64_t>())}});
   fs::rename(tmp, output_file);
   return fmt::format("{}", fmt::join(dirs, " + "));

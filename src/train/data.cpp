@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 
 #include "fsdpp/train/recipe.hpp"
 
@@ -32,13 +33,51 @@ void seeded_shuffle(std::vector<int64_t>& v, uint64_t seed) {
   for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[splitmix64(s) % i]);
 }
 
-namespace {
-
-std::string read_file(const fs::path& p) {
+std::string read_text_file(const std::string& p) {
   std::ifstream f(p, std::ios::binary);
-  if (!f) throw std::runtime_error(fmt::format("data: cannot read {}", p.string()));
+  if (!f) throw std::runtime_error(fmt::format("data: cannot read {}", p));
   return {std::istreambuf_iterator<char>(f), {}};
 }
+
+std::vector<std::string> list_text_files(const std::string& root) {
+  std::vector<std::string> out;
+  if (fs::is_regular_file(root)) return {root};
+  if (!fs::is_directory(root)) throw std::runtime_error(fmt::format("data: {} does not exist", root));
+  std::vector<std::string> all;
+  for (const auto& e : fs::recursive_directory_iterator(root)) all.push_back(e.path().string());
+  std::sort(all.begin(), all.end());
+  // A file reached twice (through a link) counts once.
+  std::set<fs::path> seen;
+  for (auto& p : all) {
+    std::error_code ec;
+    const auto real = fs::canonical(p, ec);
+    if (!ec && fs::is_regular_file(real) && seen.insert(real).second) out.push_back(std::move(p));
+  }
+  return out;
+}
+
+int64_t permute_index(int64_t i, int64_t n, uint64_t key) {
+  // A four-round Feistel network on the smallest even number of bits that covers n, walking the
+  // cycle until the value falls inside [0, n) (fewer than four rounds of walking on average).
+  int bits = 2;
+  while ((int64_t{1} << bits) < n) bits += 2;
+  const int half = bits / 2;
+  const uint64_t mask = (uint64_t{1} << half) - 1;
+  auto x = static_cast<uint64_t>(i);
+  do {
+    uint64_t left = x >> half, right = x & mask;
+    for (uint64_t round = 0; round < 4; ++round) {
+      uint64_t s = key ^ (right * 0x9E3779B97F4A7C15ull) ^ (round << 56);
+      const uint64_t next = left ^ (splitmix64(s) & mask);
+      left = right;
+      right = next;
+    }
+    x = (left << half) | right;
+  } while (x >= static_cast<uint64_t>(n));
+  return static_cast<int64_t>(x);
+}
+
+namespace {
 
 // Fortune files hold records separated by lines of a single '%'.
 void split_fortunes(const std::string& text, std::vector<std::string>& docs) {
@@ -51,15 +90,6 @@ void split_fortunes(const std::string& text, std::vector<std::string>& docs) {
     if (doc.find_first_not_of(" \t\n") != std::string::npos) docs.push_back(std::move(doc));
     start = end == std::string::npos ? text.size() : end + 3;
   }
-}
-
-std::vector<fs::path> text_files(const fs::path& root) {
-  std::vector<fs::path> out;
-  if (fs::is_regular_file(root)) return {root};
-  if (!fs::is_directory(root)) throw std::runtime_error(fmt::format("data: {} does not exist", root.string()));
-  for (const auto& e : fs::recursive_directory_iterator(root)) out.push_back(e.path());
-  std::sort(out.begin(), out.end());
-  return out;
 }
 
 // Text with structure a small model can learn: sentences from a fixed vocabulary of words with
@@ -102,17 +132,17 @@ Corpus load_corpus(const DataOptions& o, uint64_t seed) {
     if (!fs::is_directory(dir))
       throw std::runtime_error(fmt::format("data: the fortunes corpus is not at {} (install Debian's fortunes "
                                            "package: bash scripts/setup.sh)", dir.string()));
-    for (const auto& p : text_files(dir)) {
+    for (const auto& p : list_text_files(dir)) {
       // The .dat indexes are binary; .u8 files are symlinks to UTF-8 copies of the same text.
-      if (!fs::is_regular_file(fs::symlink_status(p)) || p.has_extension()) continue;
-      split_fortunes(read_file(p), docs);
+      if (!fs::is_regular_file(fs::symlink_status(p)) || fs::path(p).has_extension()) continue;
+      split_fortunes(read_text_file(p), docs);
       ++files;
     }
   } else {
     for (const auto& root : o.paths)
-      for (const auto& p : text_files(root)) {
+      for (const auto& p : list_text_files(root)) {
         if (!fs::is_regular_file(p)) continue;
-        auto text = read_file(p);
+        auto text = read_text_file(p);
         if (!text.empty()) docs.push_back(std::move(text));
         ++files;
       }
@@ -140,31 +170,37 @@ Corpus load_corpus(const DataOptions& o, uint64_t seed) {
   return c;
 }
 
-TokenStream::TokenStream(std::vector<uint8_t> bytes, int64_t seq_len, uint64_t seed, bool shuffle)
-    : bytes_(std::move(bytes)), seq_len_(seq_len), seed_(seed), shuffle_(shuffle) {
-  windows_ = bytes_.size() > size_t(seq_len_) ? (static_cast<int64_t>(bytes_.size()) - 1) / seq_len_ : 0;
-  if (windows_ < 1)
-    throw std::runtime_error(fmt::format("data: {} bytes cannot make one sample of seq_len {} + 1", bytes_.size(), seq_len_));
+void MemoryTokens::read(int64_t, int64_t offset, int64_t count, int64_t* out) const {
+  std::copy_n(tokens_.data() + offset, count, out);
 }
 
-int64_t TokenStream::window_of(int64_t g) {
+TokenStream::TokenStream(std::shared_ptr<const TokenSource> source, int64_t seq_len, uint64_t seed, bool shuffle)
+    : source_(std::move(source)), seq_len_(seq_len), seed_(seed), shuffle_(shuffle) {
+  int64_t most = 0;
+  for (int64_t s = 0; s < source_->segments(); ++s) {
+    first_window_.push_back(windows_);
+    const int64_t n = source_->segment_tokens(s);
+    most = std::max(most, n);
+    windows_ += n > seq_len_ ? (n - 1) / seq_len_ : 0;
+  }
+  first_window_.push_back(windows_);
+  if (windows_ < 1)
+    throw std::runtime_error(fmt::format("data: {} tokens cannot make one sample of seq_len {} + 1", most, seq_len_));
+}
+
+int64_t TokenStream::window_of(int64_t g) const {
   const int64_t epoch = g / windows_, pos = g % windows_;
   if (!shuffle_) return pos;
-  if (epoch != epoch_) {
-    perm_.resize(static_cast<size_t>(windows_));
-    for (int64_t i = 0; i < windows_; ++i) perm_[static_cast<size_t>(i)] = i;
-    seeded_shuffle(perm_, seed_ * 0x100000001B3ull + static_cast<uint64_t>(epoch));
-    epoch_ = epoch;
-  }
-  return perm_[static_cast<size_t>(pos)];
+  return permute_index(pos, windows_, seed_ * 0x100000001B3ull + static_cast<uint64_t>(epoch));
 }
 
-at::Tensor TokenStream::samples(int64_t first, int64_t count) {
+at::Tensor TokenStream::samples(int64_t first, int64_t count) const {
   auto out = at::empty({count, seq_len_ + 1}, at::kLong);
   auto* p = out.data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) {
-    const auto* src = bytes_.data() + window_of(first + i) * seq_len_;
-    for (int64_t t = 0; t <= seq_len_; ++t) *p++ = src[t];
+  for (int64_t i = 0; i < count; ++i, p += seq_len_ + 1) {
+    const int64_t w = window_of(first + i);
+    const auto seg = std::upper_bound(first_window_.begin(), first_window_.end(), w) - first_window_.begin() - 1;
+    source_->read(seg, (w - first_window_[static_cast<size_t>(seg)]) * seq_len_, seq_len_ + 1, p);
   }
   return out;
 }

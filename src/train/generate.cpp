@@ -2,19 +2,27 @@
 
 #include <ATen/ATen.h>
 
+#include <fmt/format.h>
+
 #include <limits>
+
+#include "fsdpp/train/tokenizer.hpp"
 
 namespace fsdpp::train {
 
-std::string generate(models::MoETransformerImpl& model, const std::string& prompt, const SampleOptions& o) {
+std::string generate(models::MoETransformerImpl& model, const Tokenizer& tokenizer, const std::string& prompt,
+                     const SampleOptions& o) {
+  if (tokenizer.vocab_size() != model.config().vocab_size)
+    throw std::invalid_argument(fmt::format("generate: tokenizer {} has a vocabulary of {} but the model {}",
+                                            tokenizer.spec(), tokenizer.vocab_size(), model.config().vocab_size));
   at::NoGradGuard g;
   auto gen = at::detail::createCPUGenerator(o.seed);
   std::vector<int64_t> tokens;
-  for (unsigned char ch : prompt) tokens.push_back(ch);
-  if (tokens.empty()) tokens.push_back('\n');
-  std::string out;
+  for (const auto t : tokenizer.encode(prompt)) tokens.push_back(t);
+  if (tokens.empty()) tokens.push_back(tokenizer.eot() >= 0 ? tokenizer.eot() : tokenizer.encode("\n").front());
+  std::vector<int32_t> out;
   const int64_t window = model.config().max_seq_len;
-  for (int64_t i = 0; i < o.max_new_bytes; ++i) {
+  for (int64_t i = 0; i < o.max_new_tokens; ++i) {
     const int64_t n = std::min<int64_t>(window, static_cast<int64_t>(tokens.size()));
     const auto x = at::tensor(std::vector<int64_t>(tokens.end() - n, tokens.end()), at::kLong).unsqueeze(0);
     auto logits = model.forward(x).select(1, n - 1).squeeze(0);
@@ -29,10 +37,11 @@ std::string generate(models::MoETransformerImpl& model, const std::string& promp
       }
       next = at::multinomial(at::softmax(logits, -1), 1, false, gen).item<int64_t>();
     }
+    if (next == tokenizer.eot()) break;
     tokens.push_back(next);
-    out.push_back(static_cast<char>(next));
+    out.push_back(static_cast<int32_t>(next));
   }
-  return out;
+  return tokenizer.decode(out);
 }
 
 }  // namespace fsdpp::train

@@ -18,11 +18,17 @@ namespace fsdpp::train {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-models::MoETransformer load_model(const std::string& path) {
+models::MoETransformer load_model(const std::string& path, json* tokenizer) {
   std::vector<std::pair<std::string, at::Tensor>> state;
   models::MoEConfig config;
+  // Files that predate the tokenizer record were all trained on bytes.
+  const json bytes = {{"spec", "bytes"}, {"hash", "bytes"}, {"vocab_size", 256}};
   if (fs::is_regular_file(path)) {
     auto file = read_safetensors(path);
+    if (tokenizer) {
+      const auto t = file.metadata.find("fsdpp.tokenizer");
+      *tokenizer = t == file.metadata.end() ? bytes : json::parse(t->second);
+    }
     const auto it = file.metadata.find("fsdpp.model_config");
     if (it == file.metadata.end())
       throw std::runtime_error(fmt::format("{}: no fsdpp.model_config in its metadata (not written by fsdpp ckpt consolidate)", path));
@@ -30,7 +36,9 @@ models::MoETransformer load_model(const std::string& path) {
     state = std::move(file.tensors);
   } else {
     const auto dir = find_checkpoint(path);
-    config = parse_model_config(read_json_file((fs::path(dir) / "trainer.json").string()).at("model"), dir + "/trainer.json");
+    const json meta = read_json_file((fs::path(dir) / "trainer.json").string());
+    config = parse_model_config(meta.at("model"), dir + "/trainer.json");
+    if (tokenizer) *tokenizer = meta.value("tokenizer", bytes);
     state = fsdp::read_full_parameters(dir);
   }
   auto model = models::MoETransformer(config);

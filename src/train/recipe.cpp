@@ -14,6 +14,8 @@
 #include "fsdpp/pipeline/plan.hpp"
 #include "fsdpp/pipeline/table.hpp"
 #include "fsdpp/train/data.hpp"
+#include "fsdpp/train/shards.hpp"
+#include "fsdpp/train/tokenizer.hpp"
 
 namespace fsdpp::train {
 
@@ -358,8 +360,10 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
     }
     {
       Reader d = top.section("data");
-      d.string("source", rc.data.source, {"fortunes", "files", "synthetic"});
+      d.string("source", rc.data.source, {"fortunes", "files", "synthetic", "shards"});
       d.strings("paths", rc.data.paths);
+      d.string("path", rc.data.path);
+      d.string("tokenizer", rc.data.tokenizer);
       d.integer("seq_len", rc.data.seq_len, 2, 1 << 20);
       d.number("val_fraction", rc.data.val_fraction, 0, 0.5, true);
       d.integer("synthetic_bytes", rc.data.synthetic_bytes, 1024, kBig);
@@ -368,6 +372,47 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       if (rc.data.source == "files" && rc.data.paths.empty()) d.fail("paths", "source \"files\" needs at least one path");
       if (rc.data.source != "files" && !rc.data.paths.empty())
         d.fail("paths", fmt::format("only read with source \"files\" (source is \"{}\")", rc.data.source));
+      if (rc.data.source == "shards" && rc.data.path.empty())
+        d.fail("path", "source \"shards\" needs the directory of token shards (fsdpp tokenize writes one)");
+      if (rc.data.source != "shards" && !rc.data.path.empty())
+        d.fail("path", fmt::format("only read with source \"shards\" (source is \"{}\")", rc.data.source));
+      if (!rc.data.path.empty()) {
+        rc.data.path = resolve(rc.data.path, base_dir);
+        std::error_code ec;
+        if (!fs::is_directory(rc.data.path, ec)) {
+          d.fail("path", fmt::format("{} is not a directory", rc.data.path));
+        } else {
+          // Every shard's header against its size (and the index), before any rank starts.
+          for (const char* split : {"train", "val"}) try {
+              ShardSet(rc.data.path, split, rc.model.vocab_size);
+            } catch (const std::exception& e) {
+              d.fail("path", e.what());
+            }
+        }
+      }
+      // "none": token shards made by another tool (llm.c's GPT-2 files): tokens are only checked
+      // against the model's vocabulary, and nothing is decoded.
+      if (rc.data.tokenizer == "none" && rc.data.source != "shards")
+        d.fail("tokenizer", fmt::format("\"none\" is only for source \"shards\" (source is \"{}\")", rc.data.source));
+      if (rc.data.tokenizer != "bytes" && rc.data.tokenizer != "none") rc.data.tokenizer = resolve(rc.data.tokenizer, base_dir);
+      if (rc.data.tokenizer != "none") try {
+        rc.tokenizer = Tokenizer::load(rc.data.tokenizer);
+        if (rc.tokenizer->vocab_size() != rc.model.vocab_size)
+          d.fail("tokenizer", fmt::format("{} has a vocabulary of {} but model.vocab_size is {}: they must be equal",
+                                          rc.data.tokenizer, rc.tokenizer->vocab_size(), rc.model.vocab_size));
+        const auto index = fs::path(rc.data.path) / "index.json";
+        std::error_code ec;
+        if (rc.data.source == "shards" && fs::is_regular_file(index, ec)) {
+          const auto recorded = read_json_file(index.string(), "shard index").value("tokenizer", json::object());
+          try {
+            rc.tokenizer->check_matches(recorded, "data.path " + rc.data.path);
+          } catch (const std::runtime_error& e) {
+            d.fail("tokenizer", fmt::format("{}: set data.tokenizer to the tokenizer the shards were made with", e.what()));
+          }
+        }
+      } catch (const std::exception& e) {
+        d.fail("tokenizer", e.what());
+      }
       for (size_t i = 0; i < rc.data.paths.size(); ++i) {
         auto& p = rc.data.paths[i];
         p = resolve(p, base_dir);

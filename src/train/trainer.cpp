@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -33,6 +34,8 @@
 #include "fsdpp/train/model_files.hpp"
 #include "fsdpp/train/report.hpp"
 #include "fsdpp/train/sharding.hpp"
+#include "fsdpp/train/shards.hpp"
+#include "fsdpp/train/tokenizer.hpp"
 
 namespace fsdpp::train {
 
@@ -41,6 +44,13 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// This process's peak resident memory (what the kernel counts: anonymous and mapped file pages).
+double peak_rss_mib() {
+  struct rusage u {};
+  ::getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_maxrss) / 1024.0;
+}
 
 // Linear warmup to lr, then cosine decay to lr * min_lr_ratio at the last step.
 double learning_rate(const OptimOptions& o, int64_t step, int64_t total) {
@@ -97,7 +107,13 @@ class Trainer {
   }
 
   void prepare_output();
+  void load_data();
   void build();
+  // Validation loss (nats per token) in bits per byte of text.
+  double bits_per_byte(double nats_per_token) const { return nats_per_token / std::log(2.0) / val_bytes_per_token_; }
+  json tokenizer_identity() const {
+    return recipe_.tokenizer ? recipe_.tokenizer->identity() : json{{"spec", recipe_.data.tokenizer}};
+  }
   double train_step(int64_t step);
   void fill_inputs(int64_t step);
   at::Tensor step_body();
@@ -135,6 +151,7 @@ class Trainer {
   Tracer tracer_;
 
   std::optional<TokenStream> train_data_, val_data_;
+  double val_bytes_per_token_ = 0;  // 0: unknown (shards from another tool)
   std::vector<ShardedModel> roots_;  // one per stage this rank holds (the whole model when pp = 1)
   std::vector<int> stage_ids_;
   std::optional<pipeline::PipelineExecutor> executor_;
@@ -172,12 +189,40 @@ void Trainer::prepare_output() {
   world().barrier().wait();
 }
 
+void Trainer::load_data() {
+  const auto& d = recipe_.data;
+  const auto seed = static_cast<uint64_t>(recipe_.train.seed);
+  const auto* tok = recipe_.tokenizer.get();
+  if (d.source == "shards") {
+    auto train = std::make_shared<ShardSet>(d.path, "train", recipe_.model.vocab_size);
+    auto val = std::make_shared<ShardSet>(d.path, "val", recipe_.model.vocab_size);
+    log(fmt::format("data: {}: train {}; validation {}", d.path, train->description(), val->description()));
+    // Bits per byte need the text's size: the index records it (other tools' shards do not).
+    const auto& split = val->index().is_object() ? val->index()["splits"]["val"] : json();
+    if (split.is_object() && split.value("bytes", 0) > 0)
+      val_bytes_per_token_ = double(split["bytes"].get<int64_t>()) / double(split["tokens"].get<int64_t>());
+    train_data_.emplace(std::move(train), d.seq_len, seed);
+    val_data_.emplace(std::move(val), d.seq_len, 0, /*shuffle=*/false);
+    return;
+  }
+  const Corpus corpus = load_corpus(d, seed);
+  const auto t0 = Clock::now();
+  auto encoded = encode_all(*tok, std::vector<std::string>{corpus.train, corpus.val});
+  auto& train = encoded[0];
+  auto& val = encoded[1];
+  val_bytes_per_token_ = double(corpus.val.size()) / double(std::max<size_t>(1, val.size()));
+  log(fmt::format("data: {}{}", corpus.description,
+                  d.tokenizer == "bytes" ? ""
+                                         : fmt::format("; tokenized with {} in {:.1f} s: {:.2f} M tokens, {:.2f} bytes/token",
+                                                       d.tokenizer, std::chrono::duration<double>(Clock::now() - t0).count(),
+                                                       double(train.size() + val.size()) / 1e6, val_bytes_per_token_)));
+  train_data_.emplace(std::move(train), d.seq_len, seed);
+  val_data_.emplace(std::move(val), d.seq_len, 0, /*shuffle=*/false);
+}
+
 void Trainer::build() {
   const auto& c = recipe_.model;
-  const Corpus corpus = load_corpus(recipe_.data, static_cast<uint64_t>(recipe_.train.seed));
-  log(fmt::format("data: {}", corpus.description));
-  train_data_.emplace(corpus.train, recipe_.data.seq_len, static_cast<uint64_t>(recipe_.train.seed));
-  val_data_.emplace(corpus.val, recipe_.data.seq_len, 0, /*shuffle=*/false);
+  load_data();
 
   if (recipe_.train.device == "cuda") device_ = at::Device(at::kCUDA, fsdpp::current_cuda_device());
   // Every rank builds the same full model from the seed (on the CPU, so that every device starts
@@ -449,6 +494,7 @@ void Trainer::save_checkpoint(int64_t step) {
                  {"recipe", recipe_.resolved},
                  // The data order is a function of the seed; the position, of the step.
                  {"data", {{"seed", recipe_.train.seed}, {"samples_consumed", step * recipe_.train.global_batch}}},
+                 {"tokenizer", tokenizer_identity()},
                  {"storage", recipe_.checkpoint.storage},
                  {"files", files}};
     write_commit_record(tmp.string(), std::move(meta));
@@ -520,6 +566,7 @@ int64_t Trainer::restore() {
     if (!saved_model.contains(k) || saved_model[k] != v)
       throw std::runtime_error(fmt::format("--resume: {} was written with model.{} = {}, the recipe now says {}", dir, k,
                                            saved_model.contains(k) ? saved_model[k].dump() : "nothing", v.dump()));
+  if (recipe_.tokenizer) recipe_.tokenizer->check_matches(meta.value("tokenizer", json::object()), "--resume: " + dir);
   for (auto& root : roots_) root->reshard();
   fsdp::read_shard_files(all_shards(), dir, optimizer_.get(), /*present_only=*/local_storage());
   const int64_t step = meta.at("step");
@@ -565,7 +612,7 @@ RunResult Trainer::run() {
   RunResult result;
   std::vector<double> step_seconds;  // of every training step, for the summary's median
   result.output_dir = out_.string();
-  log(fmt::format("training: steps {}..{} of {}, {} sequences x {} bytes per step; output in {}", step + 1, end,
+  log(fmt::format("training: steps {}..{} of {}, {} sequences x {} tokens per step; output in {}", step + 1, end,
                   recipe_.train.steps, recipe_.train.global_batch, recipe_.data.seq_len, out_.string()));
 
   const auto run_start = Clock::now();
@@ -630,11 +677,17 @@ RunResult Trainer::run() {
       span("eval", "steps", e0);
       result.val_loss = last_val;
       val_series_.emplace_back(step, last_val);
-      metric({{"step", step}, {"val_loss", last_val}});
-      log(fmt::format("step {}: validation loss {:.4f} nats/byte ({:.3f} bits/byte)", step, last_val, last_val / std::log(2.0)));
+      json m = {{"step", step}, {"val_loss", last_val}};
+      if (val_bytes_per_token_ > 0) {
+        result.val_bpb = bits_per_byte(last_val);
+        m["val_bpb"] = result.val_bpb;
+      }
+      metric(m);
+      log(fmt::format("step {}: validation loss {:.4f} nats/token{}", step, last_val,
+                      val_bytes_per_token_ > 0 ? fmt::format(" ({:.3f} bits/byte)", result.val_bpb) : ""));
       if (lead() && recipe_.logging.plot)
         write_loss_svg((out_ / "loss.svg").string(), train_series_, val_series_,
-                       fmt::format("{}: loss (nats per byte)", recipe_.name));
+                       fmt::format("{}: loss (nats per token)", recipe_.name));
     }
     if (recipe_.checkpoint.enabled && ((recipe_.checkpoint.interval > 0 && step % recipe_.checkpoint.interval == 0) || step == end))
       save_checkpoint(step);
@@ -652,14 +705,18 @@ RunResult Trainer::run() {
                           {"step_ms_median", 1e3 * median(step_seconds)},
                           {"train_loss", result.train_loss},
                           {"val_loss", result.val_loss},
+                          {"val_bpb", val_bytes_per_token_ > 0 ? json(result.val_bpb) : json()},
+                          {"tokenizer", recipe_.data.tokenizer},
                           {"dp", recipe_.parallel.dp},
                           {"pp", recipe_.parallel.pp},
-                          {"restarts", options_.restart}};
+                          {"restarts", options_.restart},
+                          {"peak_rss_mib", peak_rss_mib()}};
     write_file_atomically((out_ / "summary.json").string(), summary.dump(1) + "\n");
-    std::cout << fmt::format("done: {} steps in {} ({:.1f}k tok/s); train loss {:.4f}, validation loss {:.4f} nats/byte\n"
+    std::cout << fmt::format("done: {} steps in {} ({:.1f}k tok/s); train loss {:.4f}, validation loss {:.4f} nats/token{}\n"
                              "outputs: {}/ (loss.svg, metrics/, {}summary.json{})",
                              steps_run, format_duration(result.seconds), result.tokens_per_s / 1e3, result.train_loss,
-                             result.val_loss, out_.string(),
+                             result.val_loss,
+                             val_bytes_per_token_ > 0 ? fmt::format(" ({:.3f} bits/byte)", result.val_bpb) : "", out_.string(),
                              recipe_.checkpoint.enabled ? fmt::format("checkpoints/{}, ", step_dir_name(step)) : "",
                              options_.trace ? ", trace.json" : "")
               << std::endl;

@@ -1,5 +1,6 @@
-// Byte-level data: epochs visit every window once across data-parallel ranks, order is a function
-// of the seed alone, fortunes split into documents, validation documents stay out of training.
+// Data order: epochs visit every window once across data-parallel ranks, order is a function of
+// the seed alone, windows stay inside their segment; fortunes split into documents, validation
+// documents stay out of training.
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
 #include <unistd.h>
@@ -17,7 +18,22 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
+std::vector<int32_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
+
+// Segments of the given lengths; token i of segment s is 1000 * s + i.
+class Segments final : public train::TokenSource {
+ public:
+  explicit Segments(std::vector<int64_t> sizes) : sizes_(std::move(sizes)) {}
+  int64_t segments() const override { return static_cast<int64_t>(sizes_.size()); }
+  int64_t segment_tokens(int64_t s) const override { return sizes_[static_cast<size_t>(s)]; }
+  void read(int64_t s, int64_t offset, int64_t count, int64_t* out) const override {
+    REQUIRE(offset + count <= sizes_[static_cast<size_t>(s)]);
+    for (int64_t i = 0; i < count; ++i) out[i] = 1000 * s + offset + i;
+  }
+
+ private:
+  std::vector<int64_t> sizes_;
+};
 
 std::string text(int64_t n) {
   std::string s;
@@ -73,6 +89,33 @@ TEST_CASE("data: samples are the window's bytes; same seed same order, another s
   CHECK(e0 != e1);
   CHECK_THROWS_WITH_AS(train::TokenStream(bytes_of("abc"), 8, 1), doctest::Contains("cannot make one sample"),
                        std::runtime_error);
+}
+
+TEST_CASE("data: the epoch order is a bijection of [0, n) for every n, and another key gives another") {
+  for (int64_t n : {1, 2, 3, 5, 16, 17, 100, 1000, 4097}) {
+    CAPTURE(n);
+    std::vector<int64_t> a, b;
+    for (int64_t i = 0; i < n; ++i) a.push_back(train::permute_index(i, n, 11)), b.push_back(train::permute_index(i, n, 12));
+    std::vector<int64_t> sorted(a);
+    std::sort(sorted.begin(), sorted.end());
+    for (int64_t i = 0; i < n; ++i) REQUIRE(sorted[static_cast<size_t>(i)] == i);
+    if (n >= 5) CHECK(a != b);
+  }
+}
+
+TEST_CASE("data: windows never straddle two segments (two shards), and every one is read") {
+  const int64_t seq = 4;
+  // 9 tokens: windows at 0 and 4 (the second needs tokens 4..8); 4 tokens: none; 14: 3.
+  train::TokenStream stream(std::make_shared<Segments>(std::vector<int64_t>{9, 4, 14}), seq, 5);
+  REQUIRE(stream.windows() == 5);
+  const auto x = stream.samples(0, 5);
+  std::set<int64_t> starts;
+  for (int64_t i = 0; i < 5; ++i) {
+    const int64_t first = x[i][0].item<int64_t>();
+    starts.insert(first);
+    for (int64_t t = 1; t <= seq; ++t) CHECK(x[i][t].item<int64_t>() == first + t);  // one segment, in order
+  }
+  CHECK(starts == std::set<int64_t>{0, 4, 2000, 2004, 2008});
 }
 
 TEST_CASE("data: fortunes split into documents; indexes and symlinks skipped; validation kept apart") {

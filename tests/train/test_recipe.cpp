@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <unistd.h>
 
 #include "fsdpp/comm/init.hpp"
 #include "fsdpp/base/files.hpp"
 #include "fsdpp/pipeline/plan.hpp"
 #include "fsdpp/train/recipe.hpp"
+#include "fsdpp/train/shards.hpp"
+#include "fsdpp/train/tokenizer.hpp"
 
 using namespace fsdpp;
 using nlohmann::json;
@@ -199,6 +202,50 @@ TEST_CASE("recipe: activation checkpointing is none, full or every k-th block") 
                            "parallel.schedule=InterleavedZeroBubble"}),
          "train.activation_checkpointing: schedule InterleavedZeroBubble splits backward");
   CHECK(problems(base(), {"train.activation_checkpointing=full", "parallel.pp=2", "parallel.microbatches=2"}) == "valid");
+}
+
+TEST_CASE("recipe: the tokenizer's vocabulary is the model's; token shards need their directory and tokenizer") {
+  auto j = base();
+  j["data"]["tokenizer"] = "tokenizers/fortunes-bpe-2048.model";  // relative to the recipe's folder
+  expect(problems(j), "data.tokenizer: " + kSource + "/recipes/tokenizers/fortunes-bpe-2048.model has a vocabulary of 2048 "
+                      "but model.vocab_size is 256: they must be equal");
+  j["model"]["vocab_size"] = 2048;
+  const auto r = train::parse_recipe(j, "test.json", kSource + "/recipes");
+  REQUIRE(r.tokenizer);
+  CHECK(r.tokenizer->vocab_size() == 2048);
+  j["data"]["tokenizer"] = "tokenizers/missing.model";
+  // Neither beside the recipe nor in the working directory: the message names the full path.
+  expect(problems(j), "data.tokenizer: tokenizer " + fs::current_path().string() + "/tokenizers/missing.model: no such file");
+  j = base();
+  j["data"]["tokenizer"] = "none";
+  expect(problems(j), "data.tokenizer: \"none\" is only for source \"shards\" (source is \"synthetic\")");
+  j = base();
+  j["data"]["source"] = "shards";
+  expect(problems(j), "data.path: source \"shards\" needs the directory of token shards");
+  j["data"]["path"] = "/nonexistent/shards";
+  expect(problems(j), "data.path: /nonexistent/shards is not a directory");
+  // Shards made with one tokenizer are not read with another.
+  const auto dir = fs::temp_directory_path() / ("fsdpp-recipe-shards-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  json shards = json::array();
+  for (const std::string split : {"train", "val"}) {
+    train::ShardWriter w((dir / ("t_" + split + "_000001.bin")).string(), train::kShardU16);
+    const std::vector<int32_t> tokens(100, 3);
+    w.append(tokens.data(), tokens.size());
+    w.close();
+    shards.push_back({{"file", "t_" + split + "_000001.bin"}, {"split", split}, {"tokens", 100}});
+  }
+  write_file_atomically((dir / "index.json").string(),
+                        json{{"tokenizer", {{"spec", "/somewhere/tok.model"}, {"hash", "crc32c:12345678"}}}, {"shards", shards}}.dump());
+  j["data"]["path"] = dir.string();
+  expect(problems(j), "data.tokenizer: data.path " + dir.string() + " was written with tokenizer /somewhere/tok.model "
+                      "(crc32c:12345678), not bytes (bytes)");
+  j["data"]["tokenizer"] = "none";  // nothing decoded: any shards of the right vocabulary
+  CHECK(problems(j) == "valid");
+  // Shards are opened, and their headers checked, when the recipe is read.
+  fs::resize_file(dir / "t_val_000001.bin", 1100);
+  expect(problems(j), "data.path: data: " + (dir / "t_val_000001.bin").string() + ": the header (offset 8) says 100 tokens");
+  fs::remove_all(dir);
 }
 
 TEST_CASE("recipe: the pipeline plan is made once, when the recipe is read") {

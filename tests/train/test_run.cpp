@@ -3,7 +3,11 @@
 // another layout and consolidate into one safetensors file that an independent reader accepts.
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
+#include <thread>
 
 #include <chrono>
 #include <cstdio>
@@ -20,6 +24,9 @@
 #include "fsdpp/train/checkpoints.hpp"
 #include "fsdpp/train/generate.hpp"
 #include "fsdpp/train/model_files.hpp"
+#include "fsdpp/train/data.hpp"
+#include "fsdpp/train/shards.hpp"
+#include "fsdpp/train/tokenizer.hpp"
 #include "fsdpp/train/trainer.hpp"
 
 using namespace fsdpp;
@@ -243,6 +250,119 @@ TEST_CASE("run: a checkpoint loads at another layout; consolidate writes full na
   CHECK(g1.out.size() >= 44);
   fs::remove_all(dir);
   fs::remove_all(ref);
+}
+
+TEST_CASE("run: token shards from `fsdpp tokenize` train to the same losses at dp 1, 2 and 4, resume bitwise, and "
+          "generate through the run's tokenizer") {
+  const auto dir = fresh_dir("shards");
+  const auto text = dir + "/text", shards = dir + "/shards";
+  fs::create_directories(text);
+  int copied = 0;
+  for (const auto& e : fs::directory_iterator(train::fortunes_dir()))
+    if (e.is_regular_file() && !e.is_symlink() && !e.path().has_extension() && copied < 8)
+      fs::copy_file(e.path(), fs::path(text) / e.path().filename()), ++copied;
+  const std::string bundled = std::string(FSDPP_SOURCE_DIR) + "/recipes/tokenizers/fortunes-bpe-2048.model";
+  const auto t = sh(kBin + " tokenize --tokenizer " + bundled + " " + text + " -o " + shards +
+                    " --shard-tokens 20000 --val-fraction 0.25");
+  INFO(t.out);
+  REQUIRE(t.rc == 0);
+  CHECK(t.out.find("MB/s") != std::string::npos);
+  CHECK(fs::exists(shards + "/index.json"));
+
+  const std::string common = "data.source=shards data.path=" + shards + " data.tokenizer=" + bundled +
+                             " model.vocab_size=2048 train.steps=16 train.global_batch=8 logging.interval=1 "
+                             "eval.interval=8 eval.batches=1 checkpoint.interval=8 optim.lr=3e-3";
+  const auto d1 = dir + "/dp1", d2 = dir + "/dp2", d4 = dir + "/dp4", split = dir + "/split";
+  train_run(d1, common + " parallel.dp=1 train.grad_accum=2");
+  const auto out2 = train_run(d2, common + " parallel.dp=2");
+  train_run(d4, common + " parallel.dp=4");
+  CHECK(out2.find("bits/byte") != std::string::npos);
+  const auto a = losses(d1), b = losses(d2), c = losses(d4);
+  REQUIRE(a.size() == 16);
+  for (const auto& [step, loss] : a) {
+    CAPTURE(step);
+    CHECK(b.at(step) == doctest::Approx(loss).epsilon(2e-4));
+    CHECK(c.at(step) == doctest::Approx(loss).epsilon(2e-4));
+  }
+  CHECK(a.at(16) < a.at(1) - 0.25);
+  const auto summary = json::parse(std::ifstream(d2 + "/summary.json"));
+  // Bits per byte: nats per token over ln 2, over the validation split's bytes per token.
+  const auto index = json::parse(std::ifstream(shards + "/index.json"));
+  const double bytes_per_token = index["splits"]["val"]["bytes"].get<double>() / index["splits"]["val"]["tokens"].get<double>();
+  CHECK(summary["val_bpb"].get<double>() ==
+        doctest::Approx(summary["val_loss"].get<double>() / std::log(2.0) / bytes_per_token).epsilon(1e-9));
+
+  // Interrupted and resumed, over shards, bitwise.
+  train_run(split, common + " parallel.dp=2 --stop-after 8");
+  train_run(split, common + " parallel.dp=2 --resume");
+  for (const auto& [step, loss] : b) {
+    CAPTURE(step);
+    CHECK(losses(split).at(step) == loss);
+  }
+  check_same_parameters(checkpoint(d2, 16), checkpoint(split, 16));
+
+  // The checkpoint names its tokenizer; generation decodes with it, from the run or a consolidated file.
+  const auto meta = json::parse(std::ifstream(checkpoint(d2, 16) + "/trainer.json"));
+  CHECK(meta["tokenizer"]["hash"] == train::Tokenizer::load(bundled)->hash());
+  REQUIRE(sh(kBin + " ckpt consolidate " + d2 + " -o " + dir + "/model.safetensors").rc == 0);
+  const auto g1 = sh(kBin + " generate " + d2 + " --prompt 'The ' --tokens 20 --seed 3");
+  const auto g2 = sh(kBin + " generate " + dir + "/model.safetensors --prompt 'The ' --tokens 20 --seed 3");
+  INFO(g1.out);
+  CHECK(g1.rc == 0);
+  CHECK(g1.out == g2.out);
+  CHECK(g1.out.rfind("The ", 0) == 0);
+  // Another tokenizer (trained here by the CLI) is refused, not used to print gibberish.
+  const auto other = dir + "/other.model";
+  const auto tt = sh(kBin + " tokenizer train --vocab 700 " + text + " -o " + other);
+  INFO(tt.out);
+  REQUIRE(tt.rc == 0);
+  CHECK(tt.out.find("bytes/token") != std::string::npos);
+  const auto g3 = sh(kBin + " generate " + dir + "/model.safetensors --tokenizer " + other);
+  CHECK(g3.rc == 1);
+  CHECK(g3.out.find("was written with tokenizer " + bundled) != std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("run: `fsdpp tokenize` killed mid-way leaves no half-written shard under a shard's name, and runs again") {
+  const auto dir = fresh_dir("tokenize-killed");
+  const auto text = dir + "/text", shards = dir + "/shards";
+  fs::create_directories(text);
+  // About 25 MB of text: several seconds of tokenizing.
+  std::string all;
+  for (const auto& e : fs::directory_iterator(train::fortunes_dir()))
+    if (e.is_regular_file() && !e.is_symlink() && !e.path().has_extension()) all += train::read_text_file(e.path().string());
+  for (int i = 0; all.size() * i < 25'000'000; ++i) std::ofstream(text + "/part" + std::to_string(i)) << all;
+  const std::string bundled = std::string(FSDPP_SOURCE_DIR) + "/recipes/tokenizers/fortunes-bpe-2048.model";
+  const std::string cmd = kBin + " tokenize --tokenizer " + bundled + " " + text + " -o " + shards + " --shard-tokens 300000";
+  FILE* p = popen(("exec " + cmd + " > " + dir + "/log 2>&1 & echo $!").c_str(), "r");
+  REQUIRE(p);
+  int pid = 0;
+  REQUIRE(fscanf(p, "%d", &pid) == 1);
+  pclose(p);
+  // Kill it once the first shard is complete and the next one is being written.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  auto count = [&](const std::string& suffix) {
+    int n = 0;
+    if (fs::exists(shards))
+      for (const auto& e : fs::directory_iterator(shards)) n += e.path().string().ends_with(suffix);
+    return n;
+  };
+  while (count(".bin") < 1 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  REQUIRE(count(".bin") >= 1);
+  CHECK_FALSE(fs::exists(shards + "/index.json"));
+  // Every file under a shard's name is whole: the reader checks each header against its size.
+  std::unique_ptr<train::ShardSet> partial;
+  CHECK_NOTHROW(partial = std::make_unique<train::ShardSet>(shards, "train", 2048));
+  if (partial) CHECK(partial->tokens() == 300000 * partial->segments());
+  const auto again = sh(cmd);
+  INFO(again.out);
+  REQUIRE(again.rc == 0);
+  CHECK(count(".tmp") == 0);
+  CHECK(fs::exists(shards + "/index.json"));
+  fs::remove_all(dir);
 }
 
 TEST_CASE("run: outputs (metrics, plot, summary, trace) and capacity routing's dropped-token rate") {

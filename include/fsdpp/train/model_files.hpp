@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,7 +20,8 @@ void load_full_weights(models::MoETransformerImpl& model, const std::vector<std:
                        const std::string& source);
 
 // An unsharded model with the weights of a checkpoint directory, an output directory or a
-// consolidated safetensors file.
-models::MoETransformer load_model(const std::string& path);
+// consolidated safetensors file. `tokenizer`, when given, receives the tokenizer the weights were
+// trained with, as Tokenizer::identity() recorded it ("bytes" for files that predate the record).
+models::MoETransformer load_model(const std::string& path, nlohmann::json* tokenizer = nullptr);
 
 }  // namespace fsdpp::train

@@ -42,6 +42,8 @@ struct Plan;
 
 namespace fsdpp::train {
 
+class Tokenizer;
+
 // All of a recipe's problems, one per line in what().
 class RecipeError : public std::invalid_argument {
  public:
@@ -53,8 +55,10 @@ class RecipeError : public std::invalid_argument {
 };
 
 struct DataOptions {
-  std::string source = "fortunes";  // fortunes | files | synthetic
+  std::string source = "fortunes";  // fortunes | files | synthetic | shards
   std::vector<std::string> paths;   // files or directories (source "files")
+  std::string path;                 // a directory of token shards (source "shards")
+  std::string tokenizer = "bytes";  // "bytes" or a SentencePiece .model file
   int64_t seq_len = 128;
   double val_fraction = 0.05;
   int64_t synthetic_bytes = 1 << 20;
@@ -148,6 +152,8 @@ struct Recipe {
   nlohmann::json resolved;  // the recipe after overrides, with the model inline
   // pp > 1: the lowered schedule, made and checked once by parse_recipe (null with pp = 1).
   std::shared_ptr<const pipeline::Plan> plan;
+  // data.tokenizer, loaded (validation checks its vocabulary against the model's).
+  std::shared_ptr<const Tokenizer> tokenizer;
 
   std::string output_dir() const;  // logging.output_dir with {name} filled in
   int world_size() const { return parallel.dp * parallel.pp; }

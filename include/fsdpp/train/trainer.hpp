@@ -41,7 +41,8 @@ struct RunOptions {
 
 struct RunResult {
   int64_t steps_done = 0;
-  double train_loss = 0, val_loss = 0;  // last logged, last evaluated (nats per byte)
+  double train_loss = 0, val_loss = 0;  // last logged, last evaluated (nats per token)
+  double val_bpb = 0;                   // the last validation loss in bits per byte of text (0: unknown)
   double seconds = 0, tokens_per_s = 0;
   std::vector<double> losses;  // training loss of every step this process ran
   std::string output_dir;
