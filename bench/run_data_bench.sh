@@ -9,6 +9,8 @@
 #     32 sequences of 128 tokens per step, 40 steps. Peak RSS of the process (summary.json's
 #     peak_rss_mib: getrusage, which counts mapped file pages too) and tokens/s over steps 2-40.
 #     Sizes alternate within each round.
+#  3. Bytes against BPE: moe-small and moe-small-bpe (the same model but for the embedding and head,
+#     2 ranks) for the first 300 of their 1000 steps; validation loss in bits per byte.
 # Writes bench/results/data.md. Needs about 11 GB of free disk under $TMPDIR (default /tmp).
 #   bash bench/run_data_bench.sh [build-dir] [rounds]
 # Runs with the machine's OPENBLAS_* settings as they are.
@@ -80,10 +82,19 @@ for r in $(seq "$rounds"); do
   done
 done > "$work/train.txt"
 
-"$python" - "$work/tokenize.txt" "$work/train.txt" "$build" "$rounds" > "$out.tmp" <<'PY'
+# ---- 3. bytes against BPE
+for recipe in moe-small moe-small-bpe; do
+  d=$work/$recipe
+  "$build/fsdpp" run recipes/$recipe.json checkpoint.enabled=false logging.plot=false logging.output_dir="$d" \
+    --stop-after 300 > "$d.log" 2>&1 || { cat "$d.log"; exit 1; }
+  echo "$recipe $("$python" -c "import json,sys; s=json.load(open(sys.argv[1])); print(s['val_loss'], s['val_bpb'], s['tokens_per_s'])" "$d/summary.json")"
+done > "$work/bpe.txt"
+
+"$python" - "$work/tokenize.txt" "$work/train.txt" "$build" "$rounds" "$work/bpe.txt" > "$out.tmp" <<'PY'
 import datetime, statistics, sys
 tok = [l.split() for l in open(sys.argv[1])]
 train = [l.split() for l in open(sys.argv[2])]
+bpe = [l.split() for l in open(sys.argv[5])]
 print("# Real data: tokenize throughput, and training over token shards of growing size")
 print()
 print(f"Command: `bash bench/run_data_bench.sh {sys.argv[3]} {sys.argv[4]}` ({datetime.date.today()}), 2 cores, 23 GB of RAM,")
@@ -126,6 +137,18 @@ for gb in ("0.5", "2", "8"):
 print()
 print(f"8 GB against 0.5 GB: peak RSS {rows['8'][0] - rows['0.5'][0]:+.0f} MiB ({rows['8'][0] / rows['0.5'][0]:.3f}x), "
       f"tokens/s {rows['8'][1] / rows['0.5'][1]:.3f}x.")
+print()
+print("## Bytes against BPE on fortunes")
+print()
+print("`recipes/moe-small.json` (bytes) and `recipes/moe-small-bpe.json` (fortunes-bpe-2048), each stopped after")
+print("300 of its 1000 steps (the learning-rate schedule is the 1000-step one), 2 ranks, 32 sequences of 128")
+print("tokens per step: the BPE run sees about 2.5x the text per step. Validation on each run's own")
+print("held-out fortunes (the same documents: the split depends on the seed only), 8 batches.")
+print()
+print("| recipe | validation loss (nats/token) | bits per byte | tokens/s |")
+print("|---|---:|---:|---:|")
+for name, loss, bpb, tps in bpe:
+    print(f"| {name} | {float(loss):.4f} | {float(bpb):.4f} | {float(tps):.0f} |")
 PY
 mv "$out.tmp" "$out"
 cat "$out"
