@@ -198,8 +198,10 @@ void write_shard_files(const std::vector<Shard>& shards, int rank, int world, co
 
 void save_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer) {
   auto& comm = root.fsdp_unit().comm();
-  write_shard_files(shards(root), comm.rank(), comm.size(), dir, optimizer);
+  auto replicate = root.fsdp_unit().options().replicate;  // HSDP: the first replica group writes
+  if (!replicate || replicate->rank() == 0) write_shard_files(shards(root), comm.rank(), comm.size(), dir, optimizer);
   comm.barrier().wait();  // the checkpoint is complete when every rank's files are in place
+  if (replicate) replicate->barrier().wait();
 }
 
 void read_shard_files(const std::vector<Shard>& shards, const std::string& dir, AdamW* optimizer, bool present_only) {

@@ -64,11 +64,14 @@ void zero_block(const at::Tensor& t) {
 }  // namespace
 
 ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const MixedPrecisionPolicy& mp,
-                       std::string label, int post_forward_group, bool static_buffers)
+                       std::string label, int post_forward_group, bool static_buffers,
+                       std::optional<comm::Comm> replicate)
     : comm_(std::move(comm)),
+      replicate_(std::move(replicate)),
       label_(std::move(label)),
       gather_label_("fsdp all_gather " + label_),
-      reduce_label_("fsdp reduce_scatter " + label_) {
+      reduce_label_("fsdp reduce_scatter " + label_),
+      replicate_label_("fsdp all_reduce (replicas) " + label_) {
   static_buffers_ = static_buffers;
   const int64_t n = comm_.size(), rank = comm_.rank();
   std::optional<at::ScalarType> widest_grad;
@@ -353,6 +356,12 @@ void ParamGroup::finish_reduce() {
   if (!reduce_work_) return;
   reduce_work_->wait();
   reduce_work_.reset();
+  if (replicate_ && replicate_->size() > 1) {
+    // HSDP: the shard group's average, averaged again over the replicas (equal group sizes make
+    // it the average over every data-parallel rank).
+    comm::OpLabel op_label(&replicate_label_);
+    replicate_->all_reduce(reduce_out_, {comm::ReduceOp::kAvg}).wait();
+  }
   at::NoGradGuard no_grad;
   for (auto& q : params_) {
     if (q.reduce_offset < 0) continue;

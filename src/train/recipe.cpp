@@ -429,6 +429,14 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       p.integer("stages_per_rank", rc.parallel.stages_per_rank, 1, 64);
       p.integer("max_outstanding_sends", rc.parallel.max_outstanding_sends, 0, 1 << 16);
       p.boolean("keep_stages_unsharded", rc.parallel.keep_stages_unsharded);
+      int dp_shard = 0;
+      p.integer("dp_replicate", rc.parallel.dp_replicate, 1, 4096);
+      p.integer("dp_shard", dp_shard, 1, 4096);
+      // dp_shard, when given, sets dp (so that an override of it needs no matching override of dp).
+      auto& par = rc.parallel;
+      if (dp_shard > 0) par.dp = par.dp_replicate * dp_shard;
+      if (par.dp % par.dp_replicate != 0)
+        p.fail("dp_replicate", fmt::format("must divide parallel.dp ({}), got {}", par.dp, par.dp_replicate));
     }
     {
       Reader pr = top.section("precision");
@@ -578,6 +586,9 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       top.fail("parallel.max_outstanding_sends", "only used with pp > 1");
     }
     if (par.pp == 1 && !par.keep_stages_unsharded) top.fail("parallel.keep_stages_unsharded", "only used with pp > 1");
+    if (par.dp_replicate > 1 && rc.checkpoint.storage == "local")
+      top.fail("parallel.dp_replicate", "HSDP writes one copy of each shard, from the first replica group; with "
+                                        "checkpoint.storage \"local\" the other nodes could not resume: use \"shared\"");
     std::error_code ec;
     if (rc.data.source == "fortunes" && !fs::is_directory(fortunes_dir(), ec))
       top.fail("data.source", fmt::format("the fortunes corpus is not at {} (install Debian's fortunes package: "

@@ -86,7 +86,7 @@ bool stdout_is_terminal() {
 class Trainer {
  public:
   Trainer(const Recipe& r, comm::Comm world, const RunOptions& o)
-      : recipe_(r), options_(o), mesh_(std::move(world), {{"pp", r.parallel.pp}, {"dp", r.parallel.dp}}),
+      : recipe_(r), options_(o), mesh_(std::move(world), {{"pp", r.parallel.pp}, {"dp_replicate", r.parallel.dp_replicate}, {"dp_shard", r.parallel.dp_shard()}}),
         out_(r.output_dir()), rank_(mesh_.world().rank()), local_rank_(env_int("LOCAL_RANK", rank_)),
         node_(env_int("GROUP_RANK", 0)),
         progress_(r.train.steps, o.tty.value_or(stdout_is_terminal()), std::cout), tracer_(rank_) {}
@@ -100,7 +100,11 @@ class Trainer {
   // rank manages the directory there (rank 0 does on shared storage).
   bool local_storage() const { return recipe_.checkpoint.storage == "local"; }
   bool checkpoint_writer() const { return local_storage() ? local_rank_ == 0 : lead(); }
-  int dp_rank() const { return mesh_.coord("dp"); }
+  // The dp ranks are dp_replicate groups of dp_shard (HSDP); data is split over all of them.
+  int dp_rank() const { return mesh_.coord("dp_replicate") * recipe_.parallel.dp_shard() + mesh_.coord("dp_shard"); }
+  // With HSDP every replica group holds the same shards: one of them counts in the gradient norm
+  // and writes checkpoints.
+  bool first_replica() const { return mesh_.coord("dp_replicate") == 0; }
   bool holds_last_stage() const { return !recipe_.plan || stage_ids_.back() == recipe_.plan->spec.num_stages() - 1; }
   void log(const std::string& line) {
     if (lead()) progress_.print(line);
@@ -234,8 +238,9 @@ void Trainer::build() {
     log(fmt::format("model: weights from {}", recipe_.init_from));
   }
   full->to(device_);
-  const fsdp::FullyShardOptions options{.mp = recipe_.precision.policy, .static_buffers = recipe_.train.cuda_graph};
-  auto& dp = mesh_.comm("dp");
+  fsdp::FullyShardOptions options{.mp = recipe_.precision.policy, .static_buffers = recipe_.train.cuda_graph};
+  if (recipe_.parallel.dp_replicate > 1) options.replicate = mesh_.comm("dp_replicate");
+  auto& dp = mesh_.comm("dp_shard");
   const auto& par = recipe_.parallel;
   if (!recipe_.plan) {
     roots_.push_back(shard_model(full, dp, options, recipe_.train.activation_checkpointing));
@@ -360,8 +365,9 @@ at::Tensor Trainer::step_body() {
   auto router = at::zeros({5}, f64);  // aux loss, z-loss, dropped, assignments, forwards
   {
     at::NoGradGuard g;
-    for (auto& p : params_)
-      if (p.grad().defined()) sq.add_(p.grad().to(at::kDouble).pow(2).sum());
+    if (first_replica())
+      for (auto& p : params_)
+        if (p.grad().defined()) sq.add_(p.grad().to(at::kDouble).pow(2).sum());
     for (auto& root : roots_)
       if (const auto& st = root->inner().router_stats(); st.sums.defined()) router.add_(st.sums);
   }
@@ -472,25 +478,33 @@ void Trainer::save_checkpoint(int64_t step) {
     fs::create_directories(tmp);
   }
   world().barrier().wait();
-  fsdp::write_shard_files(all_shards(), rank_, world().size(), tmp.string(), optimizer_.get());  // written and synced
+  // One copy: with HSDP the first replica group's ranks write (files numbered over them), the
+  // other groups hold the same shards.
+  const int files_world = recipe_.parallel.pp * recipe_.parallel.dp_shard();
+  const int file_rank = mesh_.coord("pp") * recipe_.parallel.dp_shard() + mesh_.coord("dp_shard");
+  if (first_replica())
+    fsdp::write_shard_files(all_shards(), file_rank, files_world, tmp.string(), optimizer_.get());  // written and synced
   maybe_fire("kill_in_checkpoint", rank_, step);
-  // Every rank's index (which records its tensor file's checksum), by size and CRC-32C, goes into
+  // Every file's index (which records its tensor file's checksum), by size and CRC-32C, goes into
   // the commit record, which records its own: every byte of a checkpoint is covered.
-  const auto index = digest_file((tmp / fmt::format("rank{}.json", rank_)).string());
-  std::vector<double> digests(3 * static_cast<size_t>(world().size()), 0.0);
-  digests[3 * rank_] = static_cast<double>(index.bytes);
-  digests[3 * rank_ + 1] = static_cast<double>(index.crc32c);
-  digests[3 * rank_ + 2] = node_;
+  std::vector<double> digests(3 * static_cast<size_t>(files_world), 0.0);
+  if (first_replica()) {
+    const auto index = digest_file((tmp / fmt::format("rank{}.json", file_rank)).string());
+    digests[3 * file_rank] = static_cast<double>(index.bytes);
+    digests[3 * file_rank + 1] = static_cast<double>(index.crc32c);
+    digests[3 * file_rank + 2] = node_;
+  }
   digests = sum_over_world(digests);
   if (checkpoint_writer()) {
     json files = json::object();
-    for (int r = 0; r < world().size(); ++r) {
+    for (int r = 0; r < files_world; ++r) {
       json f = {{"bytes", static_cast<int64_t>(digests[3 * r])}, {"crc32c", crc_hex(static_cast<uint32_t>(digests[3 * r + 1]))}};
       if (local_storage()) f["node"] = static_cast<int>(digests[3 * r + 2]);
       files[fmt::format("rank{}.json", r)] = f;
     }
     json meta = {{"format", kRunCheckpointFormat}, {"step", step},           {"world_size", world().size()},
-                 {"dp", recipe_.parallel.dp},            {"pp", recipe_.parallel.pp}, {"model", to_json(recipe_.model)},
+                 {"dp", recipe_.parallel.dp},            {"pp", recipe_.parallel.pp},
+                 {"dp_replicate", recipe_.parallel.dp_replicate}, {"model", to_json(recipe_.model)},
                  {"recipe", recipe_.resolved},
                  // The data order is a function of the seed; the position, of the step.
                  {"data", {{"seed", recipe_.train.seed}, {"samples_consumed", step * recipe_.train.global_batch}}},

@@ -63,15 +63,17 @@ Trace train_reference(int micro) {
 
 // Sharded over comm: each rank takes its slice of the batch; `micro` microbatches, all but the last
 // without gradient sync.
-Trace train_sharded(comm::Comm& comm, int micro, fsdp::FullyShardOptions options = {}) {
+// `data_comm`: the ranks the batch is split over, when they are not just `comm`'s (HSDP).
+Trace train_sharded(comm::Comm& comm, int micro, fsdp::FullyShardOptions options = {}, comm::Comm* data_comm = nullptr) {
   auto ref = make_reference();
   auto net = Net(8, 3);
   test::copy_params(*net, *ref);
   auto model = fsdp::fully_shard(net, comm, options);
   const auto data = make_data();
-  const int64_t local = kBatch / comm.size();
-  const auto x = data.x.narrow(0, comm.rank() * local, local);
-  const auto y = data.y.narrow(0, comm.rank() * local, local);
+  comm::Comm& dp = data_comm ? *data_comm : comm;
+  const int64_t local = kBatch / dp.size();
+  const auto x = data.x.narrow(0, dp.rank() * local, local);
+  const auto y = data.y.narrow(0, dp.rank() * local, local);
   torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
   Trace t;
   for (int s = 0; s < kSteps; ++s) {
@@ -86,7 +88,7 @@ Trace train_sharded(comm::Comm& comm, int micro, fsdp::FullyShardOptions options
     }
     opt.step();
     auto l = at::full({1}, loss_sum, at::kDouble);
-    comm.all_reduce(l, {comm::ReduceOp::kAvg}).wait();
+    dp.all_reduce(l, {comm::ReduceOp::kAvg}).wait();
     t.losses.push_back(l.item<double>());
   }
   t.params = fsdp::full_state_dict(*model.ptr());
@@ -127,6 +129,44 @@ TEST_CASE("gradient accumulation with no-sync microbatches matches too") {
     test::run_ranks(n, [&](comm::Comm& comm) {
       check_same(train_sharded(comm, 2), want, "world " + std::to_string(n) + ", 2 microbatches");
     });
+}
+
+TEST_CASE("HSDP: sharded within groups of 2 and replicated across 2 groups, 10 AdamW steps match plain LibTorch") {
+  const auto want = train_reference(1);
+  for (int micro : {1, 3})  // 3 samples per rank: 1 or 3 microbatches
+    test::run_ranks(4, [&](comm::Comm& world) {
+      // Groups of consecutive ranks {0, 1} and {2, 3}; replicas {0, 2} and {1, 3}.
+      auto shard = world.split(world.rank() / 2, world.rank() % 2);
+      auto replicas = world.split(world.rank() % 2, world.rank() / 2);
+      fsdp::FullyShardOptions o;
+      o.replicate = replicas;
+      check_same(train_sharded(shard, micro, o, &world), want, "HSDP 2 x 2, " + std::to_string(micro) + " microbatches");
+    });
+}
+
+TEST_CASE("HSDP: the first replica group saves the one copy, which loads at another layout") {
+  const auto dir = test::fresh_store_path() + "-hsdp";
+  test::run_ranks(4, [&](comm::Comm& world) {
+    auto shard = world.split(world.rank() / 2, world.rank() % 2);
+    fsdp::FullyShardOptions o;
+    o.replicate = world.split(world.rank() % 2, world.rank() / 2);
+    auto net = Net(8, 3);
+    test::copy_params(*net, *make_reference());
+    auto model = fsdp::fully_shard(net, shard, o);
+    fsdp::save_sharded(*model.ptr(), dir);
+  });
+  CHECK(std::filesystem::exists(dir + "/rank1.json"));
+  CHECK_FALSE(std::filesystem::exists(dir + "/rank2.json"));
+  const auto want = make_reference()->named_parameters();
+  test::run_ranks(3, [&](comm::Comm& comm) {
+    auto model = fsdp::fully_shard(Net(8, 3), comm);
+    fsdp::load_sharded(*model.ptr(), dir);
+    for (const auto& [name, value] : fsdp::full_state_dict(*model.ptr())) {
+      INFO(name);
+      CHECK(value.equal(want[name]));
+    }
+  });
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("overlap off, reshard_after_forward off: same results") {

@@ -129,6 +129,22 @@ TEST_CASE("recipe: layout rules (world size, batch divisibility, schedules, stag
                           "parallel.schedule=" + kSource + "/tests/pipeline/custom_1f1b.csv"}) == "valid");
 }
 
+TEST_CASE("recipe: HSDP's dp_replicate x dp_shard") {
+  auto j = base();
+  j["parallel"] = {{"dp_replicate", 2}, {"dp_shard", 2}};
+  auto r = train::parse_recipe(j, "test.json", kSource + "/recipes", {}, 4);
+  CHECK(r.parallel.dp == 4);
+  CHECK(r.parallel.dp_shard() == 2);
+  CHECK(r.world_size() == 4);
+  j["parallel"] = {{"dp", 4}, {"dp_replicate", 3}};
+  expect(problems(j), "parallel.dp_replicate: must divide parallel.dp (4), got 3");
+  j["parallel"] = {{"dp", 4}, {"dp_replicate", 2}, {"dp_shard", 4}};  // dp_shard sets dp
+  CHECK(train::parse_recipe(j, "test.json", kSource + "/recipes", {}, 8).parallel.dp == 8);
+  j["parallel"] = {{"dp", 4}, {"dp_replicate", 2}};
+  j["checkpoint"] = {{"storage", "local"}};
+  expect(problems(j), "parallel.dp_replicate: HSDP writes one copy of each shard");
+}
+
 TEST_CASE("recipe: checkpoint storage is shared or local") {
   CHECK(problems(base(), {"checkpoint.storage=local"}) == "valid");
   expect(problems(base(), {"checkpoint.storage=nfs"}), "checkpoint.storage: must be one of");

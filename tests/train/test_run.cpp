@@ -175,6 +175,56 @@ TEST_CASE("run: dp, pp (1F1B) and dp x pp train to the same losses on the same d
   for (const auto& d : {dp, pp, twod}) fs::remove_all(d);
 }
 
+TEST_CASE("run: HSDP (dp_replicate 2 x dp_shard 2) trains as plain FSDP over 4 ranks, alone and under pp 2; one "
+          "copy of its checkpoint, which resumes at another layout") {
+  const std::string common = "train.steps=10 train.global_batch=8 logging.interval=1 eval.interval=0 optim.lr=3e-3 "
+                             "checkpoint.interval=5";
+  const auto fsdp4 = fresh_dir("fsdp4"), hsdp = fresh_dir("hsdp"), pp_fsdp = fresh_dir("pp-fsdp"),
+             pp_hsdp = fresh_dir("pp-hsdp"), relayout = fresh_dir("hsdp-relayout");
+  train_run(fsdp4, common + " parallel.dp=4");
+  train_run(hsdp, common + " parallel.dp_replicate=2 parallel.dp_shard=2");
+  const auto grad_norms = [](const std::string& dir) {
+    std::map<int64_t, double> out;
+    std::ifstream f(fs::path(dir) / "metrics" / "rank0.jsonl");
+    for (std::string line; std::getline(f, line);)
+      if (const auto j = json::parse(line); j.contains("grad_norm")) out[j["step"]] = j["grad_norm"];
+    return out;
+  };
+  const auto a = losses(fsdp4), b = losses(hsdp);
+  const auto na = grad_norms(fsdp4), nb = grad_norms(hsdp);
+  REQUIRE(a.size() == 10);
+  for (const auto& [step, loss] : a) {
+    CAPTURE(step);
+    CHECK(b.at(step) == doctest::Approx(loss).epsilon(2e-4));
+    CHECK(nb.at(step) == doctest::Approx(na.at(step)).epsilon(2e-4));  // replicas are not counted twice
+  }
+  // One copy: the first replica group's two ranks wrote the files; the parameters are plain FSDP's.
+  CHECK(fs::exists(checkpoint(hsdp, 10) + "/rank1.json"));
+  CHECK_FALSE(fs::exists(checkpoint(hsdp, 10) + "/rank2.json"));
+  CHECK(sh(kBin + " ckpt verify " + checkpoint(hsdp, 10)).rc == 0);
+  const auto pa = fsdp::read_full_parameters(checkpoint(fsdp4, 10)), pb = fsdp::read_full_parameters(checkpoint(hsdp, 10));
+  REQUIRE(pa.size() == pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    CAPTURE(pa[i].first);
+    CHECK(at::allclose(pa[i].second, pb[i].second, 1e-4, 1e-6));
+  }
+  // The HSDP checkpoint of step 5 resumes as plain FSDP over 2 ranks (grad_accum keeps the batch).
+  train_run(relayout, common + " parallel.dp_replicate=2 parallel.dp_shard=2 --stop-after 5");
+  train_run(relayout, common + " parallel.dp=2 train.grad_accum=2 --resume");
+  CHECK(losses(relayout).at(6) == doctest::Approx(b.at(6)).epsilon(2e-4));
+  // Under a 2-stage pipeline: each stage's 2 dp ranks as 2 replicas of 1 shard.
+  const std::string pp = " parallel.pp=2 parallel.microbatches=2";
+  train_run(pp_fsdp, common + pp + " parallel.dp=2");
+  train_run(pp_hsdp, common + pp + " parallel.dp=2 parallel.dp_replicate=2");
+  const auto c = losses(pp_fsdp), d = losses(pp_hsdp);
+  for (const auto& [step, loss] : c) {
+    CAPTURE(step);
+    CHECK(d.at(step) == doctest::Approx(loss).epsilon(2e-4));
+    CHECK(loss == doctest::Approx(a.at(step)).epsilon(2e-4));
+  }
+  for (const auto& dir : {fsdp4, hsdp, pp_fsdp, pp_hsdp, relayout}) fs::remove_all(dir);
+}
+
 TEST_CASE("run: activation checkpointing trains as without it, at dp 2 and at pp 2") {
   const std::string common = "train.steps=8 train.global_batch=8 logging.interval=1 eval.interval=0";
   for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=4"}) {

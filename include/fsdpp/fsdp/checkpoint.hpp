@@ -20,7 +20,8 @@ namespace fsdpp::fsdp {
 
 class AdamW;
 
-// Every rank calls it with the same directory (which it creates).
+// Every rank calls it with the same directory (which it creates). With HSDP
+// (FullyShardOptions::replicate) the first replica group writes the one copy.
 void save_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer = nullptr);
 
 // Throws naming the directory, file or parameter when something is missing or inconsistent.

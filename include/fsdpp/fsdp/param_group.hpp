@@ -49,8 +49,11 @@ class ParamGroup {
  public:
   // post_forward_group > 1: reshard_to_group() keeps 1/post_forward_group of the gathered
   // parameters, and the next unshard gathers within groups of that many consecutive ranks.
+  // `replicate` (HSDP): the replicas of this shard group; finish_reduce() averages the reduced
+  // shards across them.
   ParamGroup(comm::Comm comm, std::vector<ParamSpec> params, const MixedPrecisionPolicy& mp,
-             std::string label, int post_forward_group = 0, bool static_buffers = false);
+             std::string label, int post_forward_group = 0, bool static_buffers = false,
+             std::optional<comm::Comm> replicate = std::nullopt);
 
   const std::string& label() const { return label_; }
   const comm::Comm& comm() const { return comm_; }
@@ -74,7 +77,8 @@ class ParamGroup {
   // Packs the accumulated gradients (zeros for parameters that got none) and issues one
   // reduce-scatter that averages over the ranks.
   void reduce_grads_async();
-  // Waits for the reduce-scatter and adds the result to the sharded parameters' gradients.
+  // Waits for the reduce-scatter (and, with replicas, averages its result across them) and adds
+  // the result to the sharded parameters' gradients.
   void finish_reduce();
   bool reduce_pending() const { return reduce_work_.has_value(); }
   // True when some parameter holds a .grad that was not accumulated yet.
@@ -119,8 +123,9 @@ class ParamGroup {
   void make_views();
 
   comm::Comm comm_;
+  std::optional<comm::Comm> replicate_;  // HSDP: this shard group's replicas
   std::string label_;
-  std::string gather_label_, reduce_label_;  // flight-recorder labels of this unit's collectives
+  std::string gather_label_, reduce_label_, replicate_label_;  // flight-recorder labels of this unit's collectives
   std::vector<Param> params_;
   int64_t gather_slot_bytes_ = 0;
   int64_t reduce_slot_numel_ = 0;

@@ -47,6 +47,11 @@ struct FullyShardOptions {
   // reshard_after_forward defaults to false: one all-gather per unit per step instead of two
   // (dp=2 on CPU: 18% more tokens/s without the backward gathers, bench/results/fsdp.md).
   bool static_buffers = false;
+  // HSDP (hybrid sharding): the communicator over the replicas of this rank's shard group. The
+  // parameters are sharded over the `comm` given to fully_shard as usual; gradients are
+  // reduce-scattered within it, then averaged across the replicas by an all-reduce of the
+  // reduced shard, so that every replica takes the same optimizer step. Unset: plain FSDP.
+  std::optional<comm::Comm> replicate;
 };
 
 class Unit;
@@ -120,6 +125,7 @@ class Unit {
   // The units of this unit's tree (just this one before a root adopts it).
   std::vector<Unit*> tree_units() const;
   comm::Comm& comm() { return comm_; }
+  const FullyShardOptions& options() const { return options_; }
 
  private:
   static void finish_backward(const std::shared_ptr<detail::Tree>& tree);

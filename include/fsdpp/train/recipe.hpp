@@ -66,6 +66,11 @@ struct DataOptions {
 
 struct ParallelOptions {
   int dp = 1, pp = 1;
+  // HSDP: the dp ranks as dp_replicate groups of dp / dp_replicate; parameters are sharded within a
+  // group and replicated across groups (1: plain FSDP over all dp ranks). The recipe may give
+  // dp_shard instead of dp; when it does, dp = dp_replicate x dp_shard.
+  int dp_replicate = 1;
+  int dp_shard() const { return dp / dp_replicate; }
   std::string schedule = "1F1B";  // a registered name, or a .csv / .json action table
   int microbatches = 1;           // per pipeline step (pp > 1)
   int stages_per_rank = 1;
