@@ -39,6 +39,8 @@ std::string read_text_file(const std::string& p) {
   return {std::istreambuf_iterator<char>(f), {}};
 }
 
+bool looks_binary(std::string_view bytes) { return bytes.substr(0, 8192).find('\0') != std::string_view::npos; }
+
 std::vector<std::string> list_text_files(const std::string& root) {
   std::vector<std::string> out;
   if (fs::is_regular_file(root)) return {root};

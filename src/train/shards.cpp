@@ -36,6 +36,15 @@ bool is_shard_name(const std::string& name, const std::string& split) {
 }  // namespace
 
 ShardSet::ShardSet(const std::string& dir, const std::string& split, int64_t vocab_size) : vocab_size_(vocab_size) {
+  try {
+    open(dir, split);
+  } catch (...) {
+    close();  // the destructor does not run for a constructor that throws
+    throw;
+  }
+}
+
+void ShardSet::open(const std::string& dir, const std::string& split) {
   if (!fs::is_directory(dir)) throw std::runtime_error(fmt::format("data: {} is not a directory of token shards", dir));
   const fs::path index_path = fs::path(dir) / kShardIndexFile;
   std::vector<std::pair<std::string, int64_t>> listed;  // file, tokens the index records (-1: none)
@@ -56,22 +65,20 @@ ShardSet::ShardSet(const std::string& dir, const std::string& split, int64_t voc
     throw std::runtime_error(fmt::format("data: {} holds no {} shards ({}, llm.c's *{}*.bin files or nanoGPT's {}.bin)", dir,
                                          split, kShardIndexFile, split, split));
   for (const auto& [path, recorded] : listed) {
-    File f;
-    f.path = path;
-    f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (f.fd < 0) throw std::runtime_error(fmt::format("data: cannot open {}: {}", path, std::strerror(errno)));
+    // The mapping outlives the descriptor, which is closed at once: a corpus of thousands of
+    // shards holds no descriptors.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw std::runtime_error(fmt::format("data: cannot open {}: {}", path, std::strerror(errno)));
     struct stat st {};
-    ::fstat(f.fd, &st);
+    ::fstat(fd, &st);
     const auto size = static_cast<int64_t>(st.st_size);
-    files_.push_back(f);  // closed by the destructor from here on
-    auto& file = files_.back();
-    if (size > 0) {
-      file.map_bytes = static_cast<size_t>(size);
-      void* m = ::mmap(nullptr, file.map_bytes, PROT_READ, MAP_SHARED, file.fd, 0);
-      if (m == MAP_FAILED) throw std::runtime_error(fmt::format("data: cannot map {}: {}", path, std::strerror(errno)));
-      file.map = static_cast<const unsigned char*>(m);
-      ::madvise(m, file.map_bytes, MADV_RANDOM);
-    }
+    void* m = size > 0 ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0) : nullptr;
+    const int map_errno = errno;
+    ::close(fd);
+    if (m == MAP_FAILED) throw std::runtime_error(fmt::format("data: cannot map {}: {}", path, std::strerror(map_errno)));
+    files_.push_back({.path = path, .map = static_cast<const unsigned char*>(m), .map_bytes = m ? static_cast<size_t>(size) : 0});
+    auto& file = files_.back();  // unmapped by close() from here on
+    if (m) ::madvise(m, file.map_bytes, MADV_RANDOM);
     if (raw) {
       if (size % 2) throw std::runtime_error(fmt::format("data: {}: {} bytes is not a whole number of uint16 tokens (cut short at offset {})", path, size, size));
       file.tokens = size / 2;
@@ -103,11 +110,12 @@ ShardSet::ShardSet(const std::string& dir, const std::string& split, int64_t voc
   }
 }
 
-ShardSet::~ShardSet() {
-  for (auto& f : files_) {
+ShardSet::~ShardSet() { close(); }
+
+void ShardSet::close() {
+  for (auto& f : files_)
     if (f.map) ::munmap(const_cast<unsigned char*>(f.map), f.map_bytes);
-    if (f.fd >= 0) ::close(f.fd);
-  }
+  files_.clear();
 }
 
 int64_t ShardSet::tokens() const {
@@ -285,7 +293,7 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
     for (; next < files.size() && batch_bytes < kBatchBytes; ++next) {
       std::string text = read_text_file(files[next]);
       p.bytes_done += static_cast<int64_t>(text.size());
-      const bool binary = std::string_view(text).substr(0, 8192).find('\0') != std::string_view::npos;
+      const bool binary = looks_binary(text);
       if (text.empty() || binary) {
         r.skipped_files += binary;
         continue;
@@ -299,7 +307,7 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
       const auto& text = batch[d];
       // At least one validation document: the last one goes there when none has.
       const bool last = next == files.size() && d + 1 == batch.size();
-      const bool to_val = double(splitmix64(draw) >> 11) * 0x1.0p-53 < o.val_fraction ||
+      const bool to_val = uniform01(draw) < o.val_fraction ||
                           (r.val.documents == 0 && last && r.train.documents > 0);
       if (tok.eot() >= 0) tokens.insert(tokens.begin(), tok.eot());
       else if (text.back() != '\n') tokens.push_back('\n');

@@ -166,7 +166,7 @@ Documents read_documents(const std::vector<std::string>& inputs) {
     for (const auto& p : list_text_files(root)) {
       auto text = read_text_file(p);
       if (text.empty()) continue;
-      if (std::string_view(text).substr(0, 8192).find('\0') != std::string_view::npos) {
+      if (looks_binary(text)) {
         ++d.skipped;
         continue;
       }
@@ -282,7 +282,7 @@ TokenizerReport train_tokenizer(const TokenizerTrainOptions& o, const std::funct
   // Documents are held out by a seeded draw, at least one.
   std::vector<const std::string*> train, held;
   uint64_t s = o.seed ^ 0x70C3ull;
-  for (const auto& d : docs.texts) (double(splitmix64(s) >> 11) * 0x1.0p-53 < o.held_out ? held : train).push_back(&d);
+  for (const auto& d : docs.texts) (uniform01(s) < o.held_out ? held : train).push_back(&d);
   if (held.empty()) held.push_back(train.back()), train.pop_back();
   if (train.empty()) train.push_back(held.back()), held.pop_back();
 

@@ -238,7 +238,9 @@ void Trainer::build() {
     log(fmt::format("model: weights from {}", recipe_.init_from));
   }
   full->to(device_);
-  fsdp::FullyShardOptions options{.mp = recipe_.precision.policy, .static_buffers = recipe_.train.cuda_graph};
+  fsdp::FullyShardOptions options;
+  options.mp = recipe_.precision.policy;
+  options.static_buffers = recipe_.train.cuda_graph;
   if (recipe_.parallel.dp_replicate > 1) options.replicate = mesh_.comm("dp_replicate");
   auto& dp = mesh_.comm("dp_shard");
   const auto& par = recipe_.parallel;

@@ -233,6 +233,10 @@ TEST_CASE("shards: a cut-short, mislabelled or out-of-vocabulary shard is named 
     return (dir / "x_train_000001.bin").string();
   };
   const auto open = [&] { return train::ShardSet(dir.string(), "train", 1000); };
+  const auto open_files = [] {
+    return std::distance(fs::directory_iterator("/proc/self/fd"), fs::directory_iterator{});
+  };
+  const auto fds = open_files();
   auto file = make(20240520, 1, 10, std::vector<uint16_t>(7, 5));
   CHECK_THROWS_WITH_AS(open(), has(file + ": the header (offset 8) says 10 tokens, 1044 bytes in all, but the "
                                                  "file has 1038 bytes (cut short at offset 1038)"),
@@ -252,6 +256,7 @@ TEST_CASE("shards: a cut-short, mislabelled or out-of-vocabulary shard is named 
                        has(file + ": token 1234 at byte offset 1028 is outside the model's vocabulary of 1000"),
                        std::runtime_error);
   CHECK_THROWS_WITH_AS(train::ShardSet(dir.string(), "val", 1000), doctest::Contains("holds no val shards"), std::runtime_error);
+  CHECK(open_files() == fds);  // no descriptor stays open, for refused shards or mapped ones
   fs::remove_all(dir);
 }
 

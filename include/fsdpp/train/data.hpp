@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace fsdpp::train {
@@ -30,6 +31,8 @@ std::string fortunes_dir();
 std::vector<std::string> list_text_files(const std::string& root);
 // A file's bytes. Throws std::runtime_error naming the file when it cannot be read.
 std::string read_text_file(const std::string& path);
+// Text tools skip binary files: those with a NUL byte in their first 8 KiB.
+bool looks_binary(std::string_view bytes);
 
 struct Corpus {
   std::string train, val;  // documents joined, each ending in a newline
@@ -87,6 +90,8 @@ class TokenStream {
 
 // Deterministic shuffles that do not depend on the standard library's implementation.
 uint64_t splitmix64(uint64_t& state);
+// A draw in [0, 1) from the same generator (held-out and validation documents).
+inline double uniform01(uint64_t& state) { return double(splitmix64(state) >> 11) * 0x1.0p-53; }
 void seeded_shuffle(std::vector<int64_t>& v, uint64_t seed);
 // A keyed bijection of [0, n): the epoch order of TokenStream.
 int64_t permute_index(int64_t i, int64_t n, uint64_t key);

@@ -60,12 +60,14 @@ class ShardSet final : public TokenSource {
  private:
   struct File {
     std::string path;
-    int64_t tokens = 0, header = 0;
-    int bytes_per_token = 2;
-    int fd = -1;
     const unsigned char* map = nullptr;
     size_t map_bytes = 0;
+    int64_t tokens = 0, header = 0;
+    int bytes_per_token = 2;
   };
+  void open(const std::string& dir, const std::string& split);
+  void close();  // unmaps every file
+
   std::vector<File> files_;
   nlohmann::json index_;
   int64_t vocab_size_;

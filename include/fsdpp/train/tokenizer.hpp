@@ -35,8 +35,6 @@ class Tokenizer {
   virtual int32_t eot() const = 0;
   virtual std::vector<int32_t> encode(std::string_view text) const = 0;
   virtual std::string decode(std::span<const int32_t> ids) const = 0;
-  // A piece's text (decode of one id).
-  std::string piece(int32_t id) const { return decode(std::span<const int32_t>(&id, 1)); }
 
   // "bytes" or the model file's path, as given.
   const std::string& spec() const { return spec_; }
