@@ -11,6 +11,7 @@
 #include "fsdpp/base/files.hpp"
 #include "fsdpp/base/safetensors.hpp"
 #include "fsdpp/fsdp/checkpoint.hpp"
+#include "fsdpp/train/tokenizer.hpp"
 
 namespace fsdpp::train {
 
@@ -135,7 +136,7 @@ std::string consolidate_checkpoint(const std::vector<std::string>& paths, const 
   const auto tmp = output_file + ".tmp";
   write_safetensors(tmp, full,
                     {{"format", "pt"}, {"fsdpp.model_config", meta.at("model").dump()},
-                     {"fsdpp.tokenizer", meta.value("tokenizer", json{{"spec", "bytes"}, {"hash", "bytes"}}).dump()},
+                     {"fsdpp.tokenizer", meta.value("tokenizer", Tokenizer::load("bytes")->identity()).dump()},
                      {"fsdpp.step", std::to_string(meta.at("step").get<int64_t>())}});
   fs::rename(tmp, output_file);
   return fmt::format("{}", fmt::join(dirs, " + "));

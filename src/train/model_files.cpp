@@ -12,6 +12,7 @@
 #include "fsdpp/fsdp/checkpoint.hpp"
 #include "fsdpp/train/checkpoints.hpp"
 #include "fsdpp/train/recipe.hpp"
+#include "fsdpp/train/tokenizer.hpp"
 
 namespace fsdpp::train {
 
@@ -22,7 +23,7 @@ models::MoETransformer load_model(const std::string& path, json* tokenizer) {
   std::vector<std::pair<std::string, at::Tensor>> state;
   models::MoEConfig config;
   // Files that predate the tokenizer record were all trained on bytes.
-  const json bytes = {{"spec", "bytes"}, {"hash", "bytes"}, {"vocab_size", 256}};
+  const json bytes = Tokenizer::load("bytes")->identity();
   if (fs::is_regular_file(path)) {
     auto file = read_safetensors(path);
     if (tokenizer) {

@@ -209,12 +209,16 @@ void Trainer::load_data() {
     val_data_.emplace(std::move(val), d.seq_len, 0, /*shuffle=*/false);
     return;
   }
-  const Corpus corpus = load_corpus(d, seed);
+  Corpus corpus = load_corpus(d, seed);
   const auto t0 = Clock::now();
-  auto encoded = encode_all(*tok, std::vector<std::string>{corpus.train, corpus.val});
+  const size_t val_bytes = corpus.val.size();
+  std::vector<std::string> texts;
+  texts.push_back(std::move(corpus.train));
+  texts.push_back(std::move(corpus.val));
+  auto encoded = encode_all(*tok, texts);
   auto& train = encoded[0];
   auto& val = encoded[1];
-  val_bytes_per_token_ = double(corpus.val.size()) / double(std::max<size_t>(1, val.size()));
+  val_bytes_per_token_ = double(val_bytes) / double(std::max<size_t>(1, val.size()));
   log(fmt::format("data: {}{}", corpus.description,
                   d.tokenizer == "bytes" ? ""
                                          : fmt::format("; tokenized with {} in {:.1f} s: {:.2f} M tokens, {:.2f} bytes/token",

@@ -70,15 +70,18 @@ std::string train_run(const std::string& dir, const std::string& args) {
   return r.out;
 }
 
-std::map<int64_t, double> losses(const std::string& dir) {
+// One figure of rank 0's metrics, by step.
+std::map<int64_t, double> metric_by_step(const std::string& dir, const std::string& key) {
   std::map<int64_t, double> out;
   std::ifstream f(fs::path(dir) / "metrics" / "rank0.jsonl");
   for (std::string line; std::getline(f, line);) {
     const auto j = json::parse(line);
-    if (j.contains("loss")) out[j["step"]] = j["loss"];
+    if (j.contains(key)) out[j["step"]] = j[key];
   }
   return out;
 }
+
+std::map<int64_t, double> losses(const std::string& dir) { return metric_by_step(dir, "loss"); }
 
 std::string checkpoint(const std::string& dir, int64_t step) {
   char name[32];
@@ -183,15 +186,8 @@ TEST_CASE("run: HSDP (dp_replicate 2 x dp_shard 2) trains as plain FSDP over 4 r
              pp_hsdp = fresh_dir("pp-hsdp"), relayout = fresh_dir("hsdp-relayout");
   train_run(fsdp4, common + " parallel.dp=4");
   train_run(hsdp, common + " parallel.dp_replicate=2 parallel.dp_shard=2");
-  const auto grad_norms = [](const std::string& dir) {
-    std::map<int64_t, double> out;
-    std::ifstream f(fs::path(dir) / "metrics" / "rank0.jsonl");
-    for (std::string line; std::getline(f, line);)
-      if (const auto j = json::parse(line); j.contains("grad_norm")) out[j["step"]] = j["grad_norm"];
-    return out;
-  };
   const auto a = losses(fsdp4), b = losses(hsdp);
-  const auto na = grad_norms(fsdp4), nb = grad_norms(hsdp);
+  const auto na = metric_by_step(fsdp4, "grad_norm"), nb = metric_by_step(hsdp, "grad_norm");
   REQUIRE(a.size() == 10);
   for (const auto& [step, loss] : a) {
     CAPTURE(step);
