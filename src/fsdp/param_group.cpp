@@ -65,9 +65,10 @@ void zero_block(const at::Tensor& t) {
 
 ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const MixedPrecisionPolicy& mp,
                        std::string label, int post_forward_group, bool static_buffers,
-                       std::optional<comm::Comm> replicate)
+                       std::optional<comm::Comm> replicate, std::optional<comm::Comm> blocks)
     : comm_(std::move(comm)),
       replicate_(std::move(replicate)),
+      blocks_(std::move(blocks)),
       label_(std::move(label)),
       gather_label_("fsdp all_gather " + label_),
       reduce_label_("fsdp reduce_scatter " + label_),
@@ -356,6 +357,9 @@ void ParamGroup::finish_reduce() {
   if (!reduce_work_) return;
   reduce_work_->wait();
   reduce_work_.reset();
+  // Expert parallelism: each block's gradient summed the tokens of every rank holding a block, so
+  // the average over the shard group counts them block_count() times.
+  if (block_count() > 1) reduce_out_.div_(double(block_count()));
   if (replicate_ && replicate_->size() > 1) {
     // HSDP: the shard group's average, averaged again over the replicas (equal group sizes make
     // it the average over every data-parallel rank).
@@ -389,9 +393,12 @@ std::vector<at::Tensor> ParamGroup::sharded_parameters() const {
 
 std::vector<ShardInfo> ParamGroup::shard_infos() const {
   std::vector<ShardInfo> out;
-  for (const auto& q : params_)
-    out.push_back({q.names, q.shape, q.row_offset, q.local_rows, q.padded_rows, q.compute_dtype,
-                   q.grad_dtype});
+  for (const auto& q : params_) {
+    auto shape = q.shape;
+    shape[0] *= block_count();
+    out.push_back({q.names, shape, block_index() * q.rows + q.row_offset, q.local_rows, q.padded_rows,
+                   q.compute_dtype, q.grad_dtype});
+  }
   return out;
 }
 
@@ -403,7 +410,15 @@ std::vector<at::Tensor> ParamGroup::gather_full_params() {
     shape[0] = n * q.padded_rows;
     auto full = at::empty(shape, q.padded.options());
     comm_.all_gather(full.view(-1), q.padded.view(-1)).wait();
-    out.push_back(full.narrow(0, 0, q.rows).clone());
+    auto block = full.narrow(0, 0, q.rows).contiguous();
+    if (block_count() > 1) {
+      shape[0] = block_count() * q.rows;
+      auto whole = at::empty(shape, q.padded.options());
+      blocks_->all_gather(whole.view(-1), block.view(-1)).wait();
+      out.push_back(std::move(whole));
+    } else {
+      out.push_back(block.clone());
+    }
   }
   return out;
 }
@@ -415,12 +430,14 @@ void ParamGroup::load_full_params(const std::vector<at::Tensor>& full) {
   reshard();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& q = params_[i];
-    if (full[i].sizes().vec() != q.shape)
+    auto whole = q.shape;
+    whole[0] *= block_count();
+    if (full[i].sizes().vec() != whole)
       throw std::invalid_argument(fmt::format("load: parameter '{}' has shape [{}] in the state dict "
                                               "but [{}] in the model",
                                               q.names.front(), fmt::join(full[i].sizes(), ", "),
-                                              fmt::join(q.shape, ", ")));
-    q.padded.narrow(0, 0, q.local_rows).copy_(full[i].narrow(0, q.row_offset, q.local_rows));
+                                              fmt::join(whole, ", ")));
+    q.padded.narrow(0, 0, q.local_rows).copy_(full[i].narrow(0, block_index() * q.rows + q.row_offset, q.local_rows));
   }
 }
 

@@ -70,7 +70,8 @@ void Unit::shard(comm::Comm comm, std::vector<ParamSpec> params, FullyShardOptio
       if (*n > 1 && *n < comm_.size()) group_size = *n;
     }
   group_ = std::make_unique<ParamGroup>(std::move(comm), std::move(params), options_.mp, label_,
-                                        group_size, options_.static_buffers, options_.replicate);
+                                        group_size, options_.static_buffers, options_.replicate,
+                                        options_.expert_parallel);
   {
     std::lock_guard<std::mutex> lock(g_registry_mu);
     for (const void* k : keys) g_registry[k] = label_;

@@ -6,6 +6,8 @@
 
 #include <cmath>
 
+#include "fsdpp/comm/flight_recorder.hpp"
+
 namespace fsdpp::models {
 
 namespace {
@@ -28,6 +30,54 @@ struct AttachAuxLoss : torch::autograd::Function<AttachAuxLoss> {
     return {grads[0], at::full({}, scale, grads[0].options().dtype(dtype)), at::Tensor()};
   }
 };
+
+// Flight-recorder and trace labels of expert parallelism's exchanges.
+const std::string kCountsLabel = "moe all_to_all counts";
+const std::string kExchangeLabels[2][2] = {{"moe all_to_all dispatch", "moe all_to_all dispatch (backward)"},
+                                           {"moe all_to_all combine", "moe all_to_all combine (backward)"}};
+enum Exchange : int64_t { kDispatch = 0, kCombine = 1 };
+
+// Rows [N, dim] to the ranks of `comm`: in_rows[j] of them to rank j, out_rows[j] arriving from
+// rank j, in rank order. Its backward is the inverse exchange of the gradient.
+struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const comm::Comm* comm,
+                            Exchange which, std::vector<int64_t> in_rows, std::vector<int64_t> out_rows) {
+    ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
+    ctx->saved_data["which"] = static_cast<int64_t>(which);
+    ctx->saved_data["in"] = in_rows;
+    ctx->saved_data["out"] = out_rows;
+    return exchange(*comm, x, in_rows, out_rows, kExchangeLabels[which][0]);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* comm = reinterpret_cast<const comm::Comm*>(ctx->saved_data["comm"].toInt());
+    const auto which = ctx->saved_data["which"].toInt();
+    const auto in_rows = ctx->saved_data["in"].toIntVector(), out_rows = ctx->saved_data["out"].toIntVector();
+    return {exchange(*comm, grads[0], out_rows, in_rows, kExchangeLabels[which][1]), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+  static at::Tensor exchange(const comm::Comm& comm, const at::Tensor& x, const std::vector<int64_t>& in_rows,
+                             const std::vector<int64_t>& out_rows, const std::string& label) {
+    const int64_t width = x.size(1);
+    int64_t total = 0;
+    for (auto r : out_rows) total += r;
+    auto out = at::empty({total, width}, x.options());
+    auto elements = [width](std::vector<int64_t> rows) {
+      for (auto& r : rows) r *= width;
+      return rows;
+    };
+    comm::OpLabel op_label(&label);
+    const_cast<comm::Comm&>(comm).all_to_all(out, x.contiguous(), {elements(in_rows), elements(out_rows)}).wait();
+    return out;
+  }
+};
+
+// Sums of `n` consecutive values each: per-rank totals of per-expert counts.
+std::vector<int64_t> sums_of(const int64_t* v, int64_t count, int64_t n) {
+  std::vector<int64_t> out(count / n, 0);
+  for (int64_t i = 0; i < count; ++i) out[i / n] += v[i];
+  return out;
+}
 
 at::Tensor rotate_half(const at::Tensor& x) {
   const auto half = x.size(-1) / 2;
@@ -141,6 +191,20 @@ at::Tensor ExpertsImpl::forward_batched(const at::Tensor& x) {
   return at::bmm(h, w2.transpose(1, 2));
 }
 
+at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& offsets) {
+  if (!offsets.defined()) return forward_batched(x);
+  if (x.is_cpu()) {
+    const auto h = at::silu(at::_grouped_mm(x, w1.transpose(1, 2), offsets)) * at::_grouped_mm(x, w3.transpose(1, 2), offsets);
+    return at::_grouped_mm(h, w2.transpose(1, 2), offsets);
+  }
+  const auto ends = offsets.to(at::kCPU).to(at::kLong);
+  const auto* end = ends.data_ptr<int64_t>();
+  std::vector<at::Tensor> pieces;
+  for (int64_t e = 0, begin = 0; e < count(); begin = end[e], ++e)
+    if (end[e] > begin) pieces.push_back(forward_one(e, x.narrow(0, begin, end[e] - begin)));
+  return pieces.empty() ? at::zeros_like(x) : at::cat(pieces);
+}
+
 RouterImpl::RouterImpl(int64_t dim, int64_t experts) {
   gate = register_module("gate", torch::nn::Linear(torch::nn::LinearOptions(dim, experts).bias(false)));
 }
@@ -191,7 +255,7 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   const int64_t T = flat.size(0), k = config.top_k, E = config.experts;
   const Routing r = route(flat);
   const auto weights = r.weights.to(x.scalar_type());
-  auto out = at::zeros_like(flat);
+  at::Tensor out;
   at::Tensor dropped = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(x.device()));
   if (config.routing == "capacity") {
     // Static shapes: assignments in priority order (every token's first choice, then the second
@@ -207,44 +271,21 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     const auto keep = pos < C;
     const auto slots = at::where(keep, e_flat * C + pos, at::full_like(pos, E * C));
     auto buffer = at::zeros({E * C + 1, flat.size(1)}, flat.options()).index_copy(0, slots, flat.repeat({k, 1}));
-    auto y = experts->forward_batched(buffer.narrow(0, 0, E * C).view({E, C, -1})).reshape({E * C, -1});
+    auto y = run_experts(buffer.narrow(0, 0, E * C).view({E, C, -1}), at::Tensor()).reshape({E * C, -1});
     y = at::cat({y, at::zeros({1, y.size(1)}, y.options())});
     const auto w_kept = w_flat * keep.to(w_flat.scalar_type());
     out = (y.index_select(0, slots) * w_kept.unsqueeze(1)).view({k, T, -1}).sum(0);
     dropped = double(T * k) - keep.sum().to(at::kDouble);
-  } else if (x.is_cpu()) {
-    // Dropless, on the CPU: the assignments sorted by expert, every expert on exactly its rows in
-    // one grouped matmul per weight (the group boundaries stay a tensor: no host read).
+  } else {
+    // Dropless: the assignments sorted by expert, every expert on exactly its rows (the counts stay
+    // a tensor: a scatter, not bincount, which reads the largest index on the host).
     const auto e_flat = r.experts.reshape(-1);  // [T*k], token-major
     const auto order = std::get<1>(at::sort(e_flat, /*stable=*/true, 0, false));
     const auto counts = at::zeros({E}, e_flat.options()).scatter_add_(0, e_flat, at::ones_like(e_flat));
-    const auto offsets = counts.cumsum(0).to(at::kInt);
     const auto tok = at::floor_divide(order, k);  // assignment i belongs to token i / k
-    const auto xs = flat.index_select(0, tok);
-    const auto& ex = *experts;
-    const auto h = at::silu(at::_grouped_mm(xs, ex.w1.transpose(1, 2), offsets)) *
-                   at::_grouped_mm(xs, ex.w3.transpose(1, 2), offsets);
-    const auto y = at::_grouped_mm(h, ex.w2.transpose(1, 2), offsets) *
+    const auto y = run_experts(flat.index_select(0, tok), counts) *
                    weights.reshape(-1).index_select(0, order).unsqueeze(1);
-    out = out.index_add(0, tok, y);
-  } else {
-    // Dropless elsewhere: each expert on exactly its rows, one after the other (the counts are
-    // read on the host).
-    const auto e_flat = r.experts.reshape(-1);  // [T*k], token-major
-    const auto tok = at::arange(T, r.experts.options()).repeat_interleave(k);
-    const auto w_flat = weights.reshape(-1);
-    const auto order = std::get<1>(at::sort(e_flat, /*stable=*/true, 0, false));
-    const auto counts = at::bincount(e_flat, {}, E).to(at::kCPU);
-    const auto* n = counts.data_ptr<int64_t>();
-    int64_t offset = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      if (n[e] == 0) continue;
-      const auto rows = order.narrow(0, offset, n[e]);
-      offset += n[e];
-      const auto t = tok.index_select(0, rows);
-      const auto y = experts->forward_one(e, flat.index_select(0, t)) * w_flat.index_select(0, rows).unsqueeze(1);
-      out = out.index_add(0, t, y);
-    }
+    out = at::zeros_like(flat).index_add(0, tok, y);
   }
   if (shared) out = out + shared(flat);
 
@@ -254,6 +295,61 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   if (at::GradMode::is_enabled() && aux.requires_grad())
     out = AttachAuxLoss::apply(out, aux, stats->aux_grad_scale);
   return out;
+}
+
+at::Tensor MoEImpl::call_experts(const at::Tensor& x, const at::Tensor& offsets) {
+  if (experts_call_.is_empty()) return experts->forward(x, offsets);
+  return experts_call_.forward(x, offsets);
+}
+
+at::Tensor MoEImpl::run_experts(const at::Tensor& rows, const at::Tensor& counts) {
+  const bool slots = !counts.defined();
+  if (!ep_ || ep_.size() == 1)
+    return call_experts(rows, slots ? at::Tensor() : counts.cumsum(0).to(at::kInt));
+  const int64_t ranks = ep_.size(), local = experts->count(), dim = rows.size(-1);
+  if (slots) {
+    // [E, C, dim] -> rank j gets experts [j*local, (j+1)*local) of every sender: [ranks, local, C, dim].
+    const int64_t C = rows.size(1);
+    const std::vector<int64_t> even(size_t(ranks), local * C);
+    const auto got = AllToAllRows::apply(rows.reshape({-1, dim}), &ep_, kDispatch, even, even);
+    const auto mine = got.view({ranks, local, C, dim}).transpose(0, 1).reshape({local, ranks * C, dim});
+    const auto y = call_experts(mine, at::Tensor()).view({local, ranks, C, dim}).transpose(0, 1).reshape({-1, dim});
+    return AllToAllRows::apply(y, &ep_, kCombine, even, even).view({-1, C, dim});
+  }
+  // Dropless: how many rows each sender has for each of this rank's experts, then the rows.
+  auto received = at::empty_like(counts);
+  {
+    comm::OpLabel op_label(&kCountsLabel);
+    ep_.all_to_all(received, counts).wait();
+  }
+  const auto host = at::cat({counts, received}).to(at::kCPU);
+  const int64_t E = counts.numel();
+  const auto send = sums_of(host.data_ptr<int64_t>(), E, local), recv = sums_of(host.data_ptr<int64_t>() + E, E, local);
+  const auto got = AllToAllRows::apply(rows, &ep_, kDispatch, send, recv);  // sender-major, then expert
+  // Regroup by expert (stable: senders in rank order within an expert), compute, put back.
+  const int64_t n = got.size(0);
+  const auto expert_of = at::repeat_interleave(at::arange(E, counts.options()).remainder(local), received, 0, n);
+  const auto order = std::get<1>(at::sort(expert_of, /*stable=*/true, 0, false));
+  const auto offsets = received.view({ranks, local}).sum(0).cumsum(0).to(at::kInt);
+  const auto y = call_experts(got.index_select(0, order), offsets);
+  const auto back = at::empty_like(order).index_copy_(0, order, at::arange(n, order.options()));
+  return AllToAllRows::apply(y.index_select(0, back), &ep_, kCombine, recv, send);
+}
+
+void MoEImpl::set_expert_parallel(const comm::Comm& ep) {
+  TORCH_CHECK(experts_call_.is_empty(), "MoE: set_expert_parallel before wrapping the experts");
+  TORCH_CHECK(ep && config.experts % ep.size() == 0, "MoE: expert parallelism over ", ep ? ep.size() : 0,
+              " ranks needs a rank count dividing the ", config.experts, " experts");
+  TORCH_CHECK(experts->count() == config.experts, "MoE: expert parallelism is already set");
+  ep_ = ep;
+  const int64_t local = config.experts / ep.size(), first = ep.rank() * local;
+  at::NoGradGuard g;
+  for (auto* w : {&experts->w1, &experts->w3, &experts->w2}) w->set_data(w->narrow(0, first, local).clone());
+}
+
+void MoEImpl::wrap_experts(torch::nn::AnyModule wrapper) {
+  replace_module("experts", wrapper.ptr());
+  experts_call_ = std::move(wrapper);
 }
 
 BlockImpl::BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterStats> stats) {
@@ -321,6 +417,12 @@ at::Tensor MoETransformerImpl::forward(const at::Tensor& input) {
   for (auto& b : calls_) h = b.forward(h);
   if (!has_head()) return h;
   return head(norm(h)).to(at::kFloat);
+}
+
+void MoETransformerImpl::set_expert_parallel(const comm::Comm& ep) {
+  TORCH_CHECK(!wrapped_, "MoETransformer: set_expert_parallel before wrapping the blocks");
+  for (auto& b : blocks_)
+    if (b->moe) b->moe->set_expert_parallel(ep);
 }
 
 void MoETransformerImpl::wrap_blocks(const std::function<torch::nn::AnyModule(const Block&, int64_t)>& wrap) {

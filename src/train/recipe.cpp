@@ -430,6 +430,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       p.integer("max_outstanding_sends", rc.parallel.max_outstanding_sends, 0, 1 << 16);
       p.boolean("keep_stages_unsharded", rc.parallel.keep_stages_unsharded);
       int dp_shard = 0;
+      p.integer("ep", rc.parallel.ep, 1, 4096);
       p.integer("dp_replicate", rc.parallel.dp_replicate, 1, 4096);
       p.integer("dp_shard", dp_shard, 1, 4096);
       // dp_shard, when given, sets dp (so that an override of it needs no matching override of dp).
@@ -584,6 +585,25 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
           }
     } else if (par.max_outstanding_sends != 0) {
       top.fail("parallel.max_outstanding_sends", "only used with pp > 1");
+    }
+    if (par.ep > 1) {
+      if (rc.model.experts == 0)
+        top.fail("parallel.ep", fmt::format("expert parallelism needs MoE layers; model.experts is 0"));
+      else if (rc.model.experts % par.ep != 0)
+        top.fail("parallel.ep", fmt::format("must divide model.experts ({}), got {}", rc.model.experts, par.ep));
+      if (par.dp_shard() % par.ep != 0)
+        top.fail("parallel.ep", fmt::format("must divide the shard group (parallel.dp / parallel.dp_replicate = {}), "
+                                            "got {}: expert-parallel ranks are data-parallel ranks",
+                                            par.dp_shard(), par.ep));
+      if (rc.plan)
+        for (const auto& rank : rc.plan->compute)
+          if (std::any_of(rank.begin(), rank.end(),
+                          [](const pipeline::Action& a) { return a.type == pipeline::ActionType::kBackwardInput; })) {
+            top.fail("parallel.ep", fmt::format("schedule {} splits backward into input and weight halves (I, W); "
+                                                "expert parallelism exchanges tokens inside one whole backward: "
+                                                "use a schedule without I/W", par.schedule));
+            break;
+          }
     }
     if (par.pp == 1 && !par.keep_stages_unsharded) top.fail("parallel.keep_stages_unsharded", "only used with pp > 1");
     if (par.dp_replicate > 1 && rc.checkpoint.storage == "local")

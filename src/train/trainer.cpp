@@ -242,14 +242,22 @@ void Trainer::build() {
     log(fmt::format("model: weights from {}", recipe_.init_from));
   }
   full->to(device_);
+  const auto& par = recipe_.parallel;
+  auto& dp = mesh_.comm("dp_shard");
+  std::optional<ExpertSharding> experts;
+  if (par.ep > 1) {
+    // Groups of ep consecutive ranks of the shard group exchange tokens; the ranks at the same
+    // place in each group hold the same experts and shard them.
+    const int d = mesh_.coord("dp_shard");
+    experts = ExpertSharding{.ep = dp.split(d / par.ep, d), .shard = dp.split(d % par.ep, d)};
+    full->set_expert_parallel(experts->ep);
+  }
   fsdp::FullyShardOptions options;
   options.mp = recipe_.precision.policy;
   options.static_buffers = recipe_.train.cuda_graph;
   if (recipe_.parallel.dp_replicate > 1) options.replicate = mesh_.comm("dp_replicate");
-  auto& dp = mesh_.comm("dp_shard");
-  const auto& par = recipe_.parallel;
   if (!recipe_.plan) {
-    roots_.push_back(shard_model(full, dp, options, recipe_.train.activation_checkpointing));
+    roots_.push_back(shard_model(full, dp, options, recipe_.train.activation_checkpointing, experts));
     stage_ids_.push_back(0);
   } else {
     const auto& plan = *recipe_.plan;
@@ -260,7 +268,7 @@ void Trainer::build() {
       if (plan.owner[st] != mesh_.coord("pp")) continue;
       const int64_t first = c.layers * st / stages, last = c.layers * (st + 1) / stages;
       roots_.push_back(shard_model(models::MoETransformer(std::make_shared<models::MoETransformerImpl>(*full, first, last)),
-                                   dp, options, recipe_.train.activation_checkpointing));
+                                   dp, options, recipe_.train.activation_checkpointing, experts));
       stage_ids_.push_back(st);
       auto* root = roots_.back().ptr().get();
       mine.push_back({.index = st,
@@ -297,8 +305,9 @@ void Trainer::build() {
   opts.eps = recipe_.optim.eps;
   opts.weight_decay = recipe_.optim.weight_decay;
   optimizer_ = std::make_unique<fsdp::AdamW>(std::move(decay), opts, std::move(no_decay));
-  log(fmt::format("model: {:.2f}M parameters ({} layers, dim {}, {} experts top-{}, {} routing); dp {} x pp {}{}",
+  log(fmt::format("model: {:.2f}M parameters ({} layers, dim {}, {} experts top-{}, {} routing); dp {} x pp {}{}{}",
                   double(c.parameter_count()) / 1e6, c.layers, c.dim, c.experts, c.top_k, c.routing, par.dp, par.pp,
+                  par.ep > 1 ? fmt::format(", experts over ep {} ({} per rank)", par.ep, c.experts / par.ep) : "",
                   par.pp > 1 ? fmt::format(", schedule {} with {} microbatches", par.schedule, par.microbatches) : ""));
   if (const int64_t every = recipe_.train.activation_checkpointing; every > 0)
     log(every == 1 ? std::string("activation checkpointing: every block recomputes its forward in backward")
@@ -510,7 +519,8 @@ void Trainer::save_checkpoint(int64_t step) {
     }
     json meta = {{"format", kRunCheckpointFormat}, {"step", step},           {"world_size", world().size()},
                  {"dp", recipe_.parallel.dp},            {"pp", recipe_.parallel.pp},
-                 {"dp_replicate", recipe_.parallel.dp_replicate}, {"model", to_json(recipe_.model)},
+                 {"dp_replicate", recipe_.parallel.dp_replicate}, {"ep", recipe_.parallel.ep},
+                 {"model", to_json(recipe_.model)},
                  {"recipe", recipe_.resolved},
                  // The data order is a function of the seed; the position, of the step.
                  {"data", {{"seed", recipe_.train.seed}, {"samples_consumed", step * recipe_.train.global_batch}}},

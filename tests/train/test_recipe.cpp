@@ -145,6 +145,21 @@ TEST_CASE("recipe: HSDP's dp_replicate x dp_shard") {
   expect(problems(j), "parallel.dp_replicate: HSDP writes one copy of each shard");
 }
 
+TEST_CASE("recipe: expert parallelism's ep divides the experts and the shard group") {
+  CHECK(problems(base(), {"parallel.ep=2"}) == "valid");
+  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {"parallel.dp=8", "parallel.ep=4", "parallel.dp_replicate=2"}, 8)
+            .parallel.expert_shard() == 1);
+  expect(problems(base(), {"parallel.ep=3", "parallel.dp=3"}), "parallel.ep: must divide model.experts (4), got 3");
+  expect(problems(base(), {"parallel.ep=4"}), "parallel.ep: must divide the shard group (parallel.dp / parallel.dp_replicate = 2), got 4");
+  expect(problems(base(), {"parallel.ep=2", "parallel.dp=4", "parallel.dp_replicate=4"}), "parallel.dp_replicate = 1), got 2");
+  expect(problems(base(), {"parallel.ep=2", "model.experts=0"}), "parallel.ep: expert parallelism needs MoE layers");
+  expect(problems(base(), {"parallel.ep=0"}), "parallel.ep");
+  expect(problems(base(), {"parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2",
+                           "parallel.schedule=InterleavedZeroBubble"}),
+         "parallel.ep: schedule InterleavedZeroBubble splits backward into input and weight halves");
+  CHECK(problems(base(), {"parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2"}) == "valid");
+}
+
 TEST_CASE("recipe: checkpoint storage is shared or local") {
   CHECK(problems(base(), {"checkpoint.storage=local"}) == "valid");
   expect(problems(base(), {"checkpoint.storage=nfs"}), "checkpoint.storage: must be one of");

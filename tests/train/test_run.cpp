@@ -221,6 +221,70 @@ TEST_CASE("run: HSDP (dp_replicate 2 x dp_shard 2) trains as plain FSDP over 4 r
   for (const auto& dir : {fsdp4, hsdp, pp_fsdp, pp_hsdp, relayout}) fs::remove_all(dir);
 }
 
+TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as ep 1, also with HSDP and under pp; "
+          "its checkpoints resume bitwise and at ep 1") {
+  const std::string common = "train.steps=10 train.global_batch=8 logging.interval=1 eval.interval=0 optim.lr=3e-3 "
+                             "checkpoint.interval=5 model.experts=8 parallel.dp=4";
+  auto same_run = [](const std::string& a_dir, const std::string& b_dir, double tolerance) {
+    const auto a = losses(a_dir), b = losses(b_dir);
+    const auto na = metric_by_step(a_dir, "grad_norm"), nb = metric_by_step(b_dir, "grad_norm");
+    REQUIRE(a.size() == 10);
+    REQUIRE(b.size() == 10);
+    for (const auto& [step, loss] : a) {
+      CAPTURE(step);
+      CHECK(b.at(step) == doctest::Approx(loss).epsilon(tolerance));
+      CHECK(nb.at(step) == doctest::Approx(na.at(step)).epsilon(tolerance));
+    }
+  };
+  std::string ep2_dropless;
+  std::vector<std::string> dirs;
+  for (const std::string routing : {"dropless", "capacity"}) {
+    CAPTURE(routing);
+    const std::string recipe = common + " model.routing=" + routing;
+    const auto ref = fresh_dir("ep1-" + routing), ep2 = fresh_dir("ep2-" + routing), ep4 = fresh_dir("ep4-" + routing);
+    dirs.insert(dirs.end(), {ref, ep2, ep4});
+    train_run(ref, recipe);
+    const auto out = train_run(ep2, recipe + " parallel.ep=2");
+    CHECK(out.find("experts over ep 2 (4 per rank)") != std::string::npos);
+    train_run(ep4, recipe + " parallel.ep=4");
+    same_run(ref, ep2, 2e-4);
+    same_run(ref, ep4, 2e-4);
+    // The checkpoints hold whole expert tensors, [8, ...], whatever ep wrote them.
+    const auto want = fsdp::read_full_parameters(checkpoint(ref, 10));
+    for (const auto& dir : {ep2, ep4}) {
+      const auto got = fsdp::read_full_parameters(checkpoint(dir, 10));
+      const std::map<std::string, at::Tensor> by_name(got.begin(), got.end());
+      REQUIRE(got.size() == want.size());
+      for (const auto& [name, t] : want) {
+        CAPTURE(name);
+        REQUIRE(by_name.count(name));
+        CHECK(at::allclose(by_name.at(name), t, 1e-4, 1e-6));
+      }
+    }
+    if (routing == "dropless") ep2_dropless = ep2;
+  }
+  // With HSDP (2 replicas of 2-rank shard groups, ep 2 inside each) and under a 2-stage pipeline.
+  const auto hsdp = fresh_dir("ep-hsdp"), pp = fresh_dir("ep-pp");
+  dirs.insert(dirs.end(), {hsdp, pp});
+  train_run(hsdp, common + " parallel.dp_replicate=2 parallel.dp_shard=2 parallel.ep=2");
+  same_run(ep2_dropless, hsdp, 2e-4);
+  train_run(pp, common + " parallel.dp=2 parallel.pp=2 parallel.microbatches=2 parallel.ep=2");
+  same_run(ep2_dropless, pp, 2e-4);
+  // Stopped at step 5 and resumed: at ep 2 bitwise, at ep 1 within float tolerance.
+  const auto again = fresh_dir("ep-resume"), relayout = fresh_dir("ep-relayout");
+  dirs.insert(dirs.end(), {again, relayout});
+  for (const auto& dir : {again, relayout}) train_run(dir, common + " parallel.ep=2 --stop-after 5");
+  train_run(again, common + " parallel.ep=2 --resume");
+  train_run(relayout, common + " --resume");
+  const auto full = losses(ep2_dropless), resumed = losses(again);
+  for (int64_t step = 6; step <= 10; ++step) {
+    CAPTURE(step);
+    CHECK(resumed.at(step) == full.at(step));
+    CHECK(losses(relayout).at(step) == doctest::Approx(full.at(step)).epsilon(2e-4));
+  }
+  for (const auto& dir : dirs) fs::remove_all(dir);
+}
+
 TEST_CASE("run: activation checkpointing trains as without it, at dp 2 and at pp 2") {
   const std::string common = "train.steps=8 train.global_batch=8 logging.interval=1 eval.interval=0";
   for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=4"}) {
@@ -466,7 +530,7 @@ int processes_mentioning(const std::string& needle) {
 }  // namespace
 
 TEST_CASE("run: every traced step issues the same collectives in the same order and makes its tensors on its device (capture-ready), dp and pp") {
-  for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=2"}) {
+  for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=2", "parallel.dp=2 parallel.ep=2"}) {
     CAPTURE(layout);
     const auto dir = fresh_dir("same-steps");
     // The first step also runs under DefaultDeviceCheck: every tensor it makes is on its device.
@@ -502,6 +566,25 @@ TEST_CASE("run: every traced step issues the same collectives in the same order 
       }
       CHECK(!per_step[0].empty());
       for (size_t s = 1; s < per_step.size(); ++s) CHECK(per_step[s] == per_step[0]);
+      // Expert parallelism's exchanges are traced: both ways in forward and in backward.
+      const auto exchanges = std::count_if(per_step[0].begin(), per_step[0].end(), [](const std::string& what) {
+        return what.find("moe all_to_all") != std::string::npos;
+      });
+      CHECK((exchanges > 0) == (layout.find("parallel.ep") != std::string::npos));
+      if (exchanges > 0) {  // as many of each: forward and backward, dispatch and combine
+        auto count = [&](const std::string& label) {
+          return std::count_if(per_step[0].begin(), per_step[0].end(), [&](const std::string& what) {
+            const auto at = what.find(label);
+            return at != std::string::npos && at + label.size() == what.size();
+          });
+        };
+        const auto dispatch = count("moe all_to_all dispatch");
+        CHECK(dispatch > 0);
+        for (const char* label : {"moe all_to_all combine", "moe all_to_all dispatch (backward)", "moe all_to_all combine (backward)"}) {
+          CAPTURE(label);
+          CHECK(count(label) == dispatch);
+        }
+      }
     }
   }
 }

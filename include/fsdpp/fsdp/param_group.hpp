@@ -50,10 +50,12 @@ class ParamGroup {
   // post_forward_group > 1: reshard_to_group() keeps 1/post_forward_group of the gathered
   // parameters, and the next unshard gathers within groups of that many consecutive ranks.
   // `replicate` (HSDP): the replicas of this shard group; finish_reduce() averages the reduced
-  // shards across them.
+  // shards across them. `blocks` (expert parallelism): the parameters are block `blocks.rank()`
+  // of `blocks.size()` along dim 0 of the whole tensors (FullyShardOptions::expert_parallel).
   ParamGroup(comm::Comm comm, std::vector<ParamSpec> params, const MixedPrecisionPolicy& mp,
              std::string label, int post_forward_group = 0, bool static_buffers = false,
-             std::optional<comm::Comm> replicate = std::nullopt);
+             std::optional<comm::Comm> replicate = std::nullopt,
+             std::optional<comm::Comm> blocks = std::nullopt);
 
   const std::string& label() const { return label_; }
   const comm::Comm& comm() const { return comm_; }
@@ -85,10 +87,12 @@ class ParamGroup {
   bool has_stray_grads() const;
 
   std::vector<at::Tensor> sharded_parameters() const;
+  // Rows and shapes of the whole tensors (with expert parallelism, not just this rank's block).
   std::vector<ShardInfo> shard_infos() const;
-  // Full parameters in their original dtype, in the order of shard_infos(); collective.
+  // Full parameters in their original dtype, in the order of shard_infos(); collective (over the
+  // blocks' communicator too).
   std::vector<at::Tensor> gather_full_params();
-  // Sets this rank's rows from full parameters (same order); not collective.
+  // Sets this rank's rows from full parameters (same order, whole tensors); not collective.
   void load_full_params(const std::vector<at::Tensor>& full);
 
  private:
@@ -124,6 +128,9 @@ class ParamGroup {
 
   comm::Comm comm_;
   std::optional<comm::Comm> replicate_;  // HSDP: this shard group's replicas
+  std::optional<comm::Comm> blocks_;     // expert parallelism: the ranks holding the other blocks
+  int64_t block_count() const { return blocks_ ? blocks_->size() : 1; }
+  int64_t block_index() const { return blocks_ ? blocks_->rank() : 0; }
   std::string label_;
   std::string gather_label_, reduce_label_, replicate_label_;  // flight-recorder labels of this unit's collectives
   std::vector<Param> params_;

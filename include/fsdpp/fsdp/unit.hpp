@@ -52,6 +52,13 @@ struct FullyShardOptions {
   // reduce-scattered within it, then averaged across the replicas by an all-reduce of the
   // reduced shard, so that every replica takes the same optimizer step. Unset: plain FSDP.
   std::optional<comm::Comm> replicate;
+  // Expert parallelism: the unit's parameters are this rank's block of equal blocks along dim 0
+  // (rank r of this communicator holds block r), for example E / ep experts of every [E, ...]
+  // expert tensor. Within `comm` they are sharded as usual. A block's gradient gathers every
+  // rank's tokens routed to it, so the reduce-scatter divides by comm size x blocks, which makes
+  // it the average over all data-parallel ranks. Shard infos (hence checkpoints) and full state
+  // dicts speak of the whole tensors.
+  std::optional<comm::Comm> expert_parallel;
 };
 
 class Unit;

@@ -19,6 +19,20 @@
 //             in token order; the rest are dropped (the token keeps its residual). Shapes are static,
 //             which CUDA graphs need.
 //
+// Expert parallelism (set_expert_parallel): each rank of an `ep` communicator keeps E / ep of every
+// MoE layer's experts (rank r: experts [r E/ep, (r+1) E/ep)). Routing stays local; the routed rows
+// travel to their expert's rank by all-to-all and come back by the inverse all-to-all, in the same
+// order, with gradients flowing back through both:
+//   dropless  per-expert counts are exchanged first (one small all-to-all, read on the host), then
+//             the rows in variable-sized pieces; a rank computes each of its experts on the rows
+//             of every sender at once (rows regrouped by expert, then put back).
+//   capacity  each rank's [E, C, dim] slot buffer is exchanged in equal pieces, so shapes stay
+//             static: a rank computes [E/ep, ep x C, dim]. Every rank of `ep` must then route as
+//             many tokens per forward (the trainer's microbatches are equal).
+// Tokens and drops are decided per rank exactly as without expert parallelism, so the results
+// are the same. Every rank of `ep` must run the same layers in the same order (they do: the ranks
+// of one data-parallel step run the same program).
+//
 // Auxiliary losses (load balancing, Switch/GShard form: E * sum_e f_e * P_e, and the router z-loss:
 // mean logsumexp(logits)^2) are applied where they arise: each MoE layer attaches them to its output
 // with an identity whose backward also feeds the losses their gradient, coefficient times
@@ -37,6 +51,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdpp/comm/comm.hpp"
 #include "fsdpp/models/config.hpp"
 
 namespace fsdpp::models {
@@ -83,14 +98,19 @@ struct SwiGLUImpl : torch::nn::Module {
 };
 TORCH_MODULE(SwiGLU);
 
-// E SwiGLU experts as stacked tensors: w1, w3 are [E, hidden, dim], w2 is [E, dim, hidden].
+// E SwiGLU experts as stacked tensors: w1, w3 are [E, hidden, dim], w2 is [E, dim, hidden]. Under
+// expert parallelism E is this rank's share of the layer's experts.
 struct ExpertsImpl : torch::nn::Module {
   ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden);
   // One expert on the rows routed to it.
   at::Tensor forward_one(int64_t e, const at::Tensor& x);
   // Every expert on its [capacity, dim] slot block: x is [E, C, dim].
   at::Tensor forward_batched(const at::Tensor& x);
-  at::Tensor forward(const at::Tensor& x) { return forward_batched(x); }
+  // With `offsets` (int32 [E], cumulative row counts): x is [rows, dim] sorted by expert, expert e
+  // taking rows [offsets[e-1], offsets[e]); on the CPU one grouped matmul per weight, elsewhere one
+  // expert after another (the offsets read on the host). Without: forward_batched(x).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& offsets);
+  int64_t count() const { return w1.size(0); }
   at::Tensor w1, w3, w2;
 };
 TORCH_MODULE(Experts);
@@ -116,11 +136,26 @@ struct MoEImpl : torch::nn::Module {
   MoEImpl(const MoEConfig& c, std::shared_ptr<RouterStats> stats);
   at::Tensor forward(const at::Tensor& x);
   Routing route(const at::Tensor& flat) const;
+  // Keeps this rank's E / ep experts and exchanges rows over `ep` (the top of this file).
+  void set_expert_parallel(const comm::Comm& ep);
+  const comm::Comm& expert_parallel() const { return ep_; }
+  // Calls the experts through `wrapper` (a module around them whose forward takes and returns what
+  // ExpertsImpl::forward does, such as an fsdp::FullyShard unit), also under the name "experts".
+  void wrap_experts(torch::nn::AnyModule wrapper);
+
   MoEConfig config;
   std::shared_ptr<RouterStats> stats;
   Router router{nullptr};
   Experts experts{nullptr};
   SwiGLU shared{nullptr};
+
+ private:
+  // The experts on rows sorted by expert (`counts`: int64 [E] on the device), or on the [E, C, dim]
+  // slot buffer (counts undefined); across the ep ranks when there are several.
+  at::Tensor run_experts(const at::Tensor& rows, const at::Tensor& counts);
+  at::Tensor call_experts(const at::Tensor& x, const at::Tensor& offsets);
+  torch::nn::AnyModule experts_call_;  // empty: experts itself
+  comm::Comm ep_;
 };
 TORCH_MODULE(MoE);
 
@@ -164,6 +199,9 @@ class MoETransformerImpl : public torch::nn::Module {
   // parameters under their own names, as fsdp::FullyShard does. Stages are cut from an unwrapped
   // model.
   void wrap_blocks(const std::function<torch::nn::AnyModule(const Block&, int64_t layer)>& wrap);
+  // Expert parallelism for every MoE layer (MoEImpl::set_expert_parallel); call on a full model
+  // before cutting stages or wrapping. Throws when ep does not divide the experts.
+  void set_expert_parallel(const comm::Comm& ep);
 
   torch::nn::Embedding embed{nullptr};
   std::shared_ptr<torch::nn::Module> layers;  // children named by global layer index

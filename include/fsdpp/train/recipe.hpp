@@ -71,6 +71,13 @@ struct ParallelOptions {
   // dp_shard instead of dp; when it does, dp = dp_replicate x dp_shard.
   int dp_replicate = 1;
   int dp_shard() const { return dp / dp_replicate; }
+  // Expert parallelism: each MoE layer's experts spread over groups of ep consecutive ranks of a
+  // shard group (ep divides dp_shard and the experts); the expert weights are then sharded over the
+  // dp_shard / ep ranks holding the same experts. Data parallelism is unchanged: every dp rank
+  // still reads its own part of the batch.
+  int ep = 1;
+  // The data-parallel ranks of a shard group that hold the same experts.
+  int expert_shard() const { return dp_shard() / ep; }
   std::string schedule = "1F1B";  // a registered name, or a .csv / .json action table
   int microbatches = 1;           // per pipeline step (pp > 1)
   int stages_per_rank = 1;

@@ -1,6 +1,8 @@
 #pragma once
 // How the trainer shards its model: each block an FSDP unit, the embedding, final norm and head
-// in the root unit.
+// in the root unit; with expert parallelism each MoE layer's experts a unit of their own.
+
+#include <optional>
 
 #include "fsdpp/comm/comm.hpp"
 #include "fsdpp/fsdp/fully_shard.hpp"
@@ -11,12 +13,32 @@ namespace fsdpp::train {
 
 using ShardedModel = fsdp::FullyShard<models::MoETransformerImpl>;
 
+// Expert parallelism as torchtitan lays it out: the experts of an MoE layer are spread over `ep`
+// (models::MoETransformerImpl::set_expert_parallel) and sharded over `shard`, the data-parallel
+// ranks that hold the same experts; everything else is sharded over all data-parallel ranks.
+struct ExpertSharding {
+  comm::Comm ep, shard;
+};
+
 // Wraps each block of `model` (the whole model or a pipeline stage) in an fsdp::FullyShard unit and
 // shards the model over `comm`; collective. Parameter names stay those of the unwrapped model.
 // `checkpoint_every` > 0: blocks whose layer index is a multiple of it are also recomputed in
-// backward (activation_checkpoint.hpp), inside their unit.
+// backward (activation_checkpoint.hpp), inside their unit. `experts`: the model's MoE layers are
+// already spread over experts->ep; their experts become units sharded over experts->shard, one
+// all-gather and one reduce-scatter per layer there besides the block's own.
 inline ShardedModel shard_model(models::MoETransformer model, const comm::Comm& comm,
-                                const fsdp::FullyShardOptions& options = {}, int64_t checkpoint_every = 0) {
+                                const fsdp::FullyShardOptions& options = {}, int64_t checkpoint_every = 0,
+                                const std::optional<ExpertSharding>& experts = std::nullopt) {
+  if (experts) {
+    auto expert_options = options;
+    expert_options.expert_parallel = experts->ep;
+    for (models::Block block : model->blocks()) {  // holders: copies share the modules
+      if (!block->moe) continue;
+      auto unit = fsdp::wrap(block->moe->experts);
+      fsdp::fully_shard(unit, experts->shard, expert_options);
+      block->moe->wrap_experts(torch::nn::AnyModule(unit));
+    }
+  }
   model->wrap_blocks([checkpoint_every](const models::Block& block, int64_t layer) {
     if (checkpoints_layer(checkpoint_every, layer))
       return torch::nn::AnyModule(fsdp::wrap(Checkpoint(torch::nn::AnyModule(block))));
