@@ -1,6 +1,7 @@
 // The fsdpp command line.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -388,8 +389,16 @@ int main(int argc, char** argv) {
     if (cmd_validate->parsed()) {
       const auto r = train::load_recipe(validate_recipe, validate_overrides,
                                         validate_world > 0 ? std::optional<int>(validate_world) : std::nullopt);
-      std::cout << fmt::format("{}: valid ({:.2f}M-parameter model, dp {} x pp {} = {} ranks, {} steps of {} sequences)\n",
-                               validate_recipe, r.model.parameter_count() / 1e6, r.parallel.dp, r.parallel.pp,
+      const auto& par = r.parallel;
+      std::vector<std::string> dp_parts;
+      if (par.dp_replicate > 1) dp_parts.push_back(fmt::format("{} replicas x {} shards", par.dp_replicate, par.dp_shard()));
+      if (par.ep > 1)
+        dp_parts.push_back(fmt::format("ep {}: {} of {} experts per rank, sharded over {} rank{}", par.ep,
+                                       r.model.experts / par.ep, r.model.experts, par.expert_shard(),
+                                       par.expert_shard() > 1 ? "s" : ""));
+      std::cout << fmt::format("{}: valid ({:.2f}M-parameter model, dp {}{} x pp {} = {} ranks, {} steps of {} sequences)\n",
+                               validate_recipe, r.model.parameter_count() / 1e6, par.dp,
+                               dp_parts.empty() ? "" : fmt::format(" ({})", fmt::join(dp_parts, "; ")), par.pp,
                                r.world_size(), r.train.steps, r.train.global_batch);
       return 0;
     }

@@ -69,10 +69,8 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     : comm_(std::move(comm)),
       replicate_(std::move(replicate)),
       blocks_(std::move(blocks)),
-      label_(std::move(label)),
-      gather_label_("fsdp all_gather " + label_),
-      reduce_label_("fsdp reduce_scatter " + label_),
-      replicate_label_("fsdp all_reduce (replicas) " + label_) {
+      label_(std::move(label)) {
+  set_label(label_);
   static_buffers_ = static_buffers;
   const int64_t n = comm_.size(), rank = comm_.rank();
   std::optional<at::ScalarType> widest_grad;
@@ -389,6 +387,19 @@ std::vector<at::Tensor> ParamGroup::sharded_parameters() const {
   std::vector<at::Tensor> out;
   for (const auto& q : params_) out.push_back(q.sharded);
   return out;
+}
+
+void ParamGroup::set_label(const std::string& label) {
+  label_ = label;
+  gather_label_ = "fsdp all_gather " + label_;
+  reduce_label_ = "fsdp reduce_scatter " + label_;
+  replicate_label_ = "fsdp all_reduce (replicas) " + label_;
+}
+
+int64_t ParamGroup::unsharded_bytes() const {
+  int64_t n = 0;
+  for (const auto& q : params_) n += q.numel() * int64_t(at::elementSize(q.compute_dtype));
+  return n;
 }
 
 std::vector<ShardInfo> ParamGroup::shard_infos() const {

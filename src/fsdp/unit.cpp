@@ -37,6 +37,11 @@ struct PostBackwardMarker : public torch::autograd::Function<PostBackwardMarker>
 
 }  // namespace
 
+void Unit::set_label(std::string label) {
+  label_ = std::move(label);
+  if (group_) group_->set_label(label_);
+}
+
 Unit::~Unit() {
   std::lock_guard<std::mutex> lock(g_registry_mu);
   for (const void* k : owned_) g_registry.erase(k);

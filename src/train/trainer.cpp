@@ -130,6 +130,25 @@ class Trainer {
       for (auto& s : fsdp::shards(*root.ptr())) out.push_back(std::move(s));
     return out;
   }
+  // This rank's parameter memory in MiB: its shards, and the most one block holds while gathered
+  // (the block's unit with its experts' unit), over all blocks and over the MoE blocks.
+  json parameter_memory() {
+    double sharded = 0;
+    std::map<int64_t, double> gathered;  // layer -> bytes
+    for (auto& root : roots_)
+      for (fsdp::Unit* u : root->fsdp_unit().tree_units()) {
+        for (const auto& p : u->group().sharded_parameters()) sharded += double(p.numel() * p.element_size());
+        if (u->prefix().rfind("layers.", 0) == 0)
+          gathered[std::stoll(u->prefix().substr(7))] += double(u->group().unsharded_bytes());
+      }
+    double block = 0, moe_block = 0;
+    for (const auto& [layer, bytes] : gathered) {
+      block = std::max(block, bytes);
+      if (recipe_.model.is_moe_layer(layer)) moe_block = std::max(moe_block, bytes);
+    }
+    const double mib = 1 << 20;
+    return {{"sharded", sharded / mib}, {"largest_block_gathered", block / mib}, {"moe_block_gathered", moe_block / mib}};
+  }
   // Sums per-rank figures over the world, in one all-reduce.
   std::vector<double> sum_over_world(std::vector<double> v) {
     auto t = at::tensor(v, at::kDouble).to(device_);
@@ -739,6 +758,9 @@ RunResult Trainer::run() {
                           {"tokenizer", recipe_.data.tokenizer},
                           {"dp", recipe_.parallel.dp},
                           {"pp", recipe_.parallel.pp},
+                          {"dp_replicate", recipe_.parallel.dp_replicate},
+                          {"ep", recipe_.parallel.ep},
+                          {"parameter_mib", parameter_memory()},
                           {"restarts", options_.restart},
                           {"peak_rss_mib", peak_rss_mib()}};
     write_file_atomically((out_ / "summary.json").string(), summary.dump(1) + "\n");

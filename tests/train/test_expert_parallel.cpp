@@ -10,6 +10,7 @@
 
 #include "comm/ranks.hpp"
 #include "fsdpp/models/moe.hpp"
+#include "fsdpp/train/sharding.hpp"
 
 using namespace fsdpp;
 using models::MoEConfig;
@@ -136,5 +137,52 @@ TEST_CASE("expert parallelism: a rank count that does not divide the experts is 
     CHECK(msg.find("3 ranks") != std::string::npos);
     CHECK(msg.find("8 experts") != std::string::npos);
     CHECK(moe->experts->w1.size(0) == 8);  // untouched
+  });
+}
+
+TEST_CASE("expert parallelism under fully_shard: shard infos, full state dicts and loading speak of whole expert tensors") {
+  // World 4 as 2 groups of ep 2; the experts of a layer are a unit sharded over the 2 ranks holding them.
+  MoEConfig c = ep_config("dropless", 8);
+  c.layers = 2;
+  c.heads = 2;
+  c.vocab_size = 64;
+  c.ffn_hidden = 24;
+  auto build = [&] {
+    std::lock_guard<std::mutex> lock(g_rng);
+    at::manual_seed(3);
+    return models::MoETransformer(c);
+  };
+  std::map<std::string, at::Tensor> reference;
+  for (auto& p : build()->named_parameters()) reference[p.key()] = p.value().detach().clone();
+  test::run_ranks(4, [&](comm::Comm& world) {
+    const int r = world.rank();
+    train::ExpertSharding experts{.ep = world.split(r / 2, r), .shard = world.split(r % 2, r)};
+    auto model = build();
+    model->set_expert_parallel(experts.ep);
+    auto root = train::shard_model(model, world, {}, 0, experts);
+    int expert_params = 0;
+    for (const auto& s : fsdp::shards(*root.ptr())) {
+      CAPTURE(s.name);
+      CHECK(s.info.global_shape == reference.at(s.name).sizes().vec());
+      if (s.name.find(".moe.experts.") == std::string::npos) continue;
+      ++expert_params;
+      // Experts [4 (r % 2), +4) on this rank, rows [2 (r / 2), +2) of them in its shard.
+      CHECK(s.info.row_offset == 4 * (r % 2) + 2 * (r / 2));
+      CHECK(s.info.local_rows == 2);
+      CHECK(s.param.equal(reference.at(s.name).narrow(0, s.info.row_offset, 2)));
+    }
+    CHECK(expert_params == 3 * c.layers);
+    auto full = fsdp::full_state_dict(*root.ptr());
+    CHECK(full.size() == reference.size());
+    for (auto& [name, t] : full) {
+      CAPTURE(name);
+      CHECK(t.equal(reference.at(name)));
+      t = t * 2 + 1;
+    }
+    fsdp::load_full_state_dict(*root.ptr(), full);
+    for (const auto& [name, t] : fsdp::full_state_dict(*root.ptr())) {
+      CAPTURE(name);
+      CHECK(t.equal(reference.at(name) * 2 + 1));
+    }
   });
 }

@@ -114,6 +114,15 @@ TEST_CASE("run: an invalid recipe fails before any rank starts, naming the probl
   CHECK(v.rc == 2);
   CHECK(v.out.find("but the world has 3") != std::string::npos);
   CHECK(sh(kBin + " validate " + kRecipe).rc == 0);
+  // The layout, with HSDP and expert parallelism spelled out.
+  const auto ep = sh(kBin + " validate " + std::string(FSDPP_SOURCE_DIR) +
+                     "/recipes/moe-small-ep.json parallel.dp=8 parallel.dp_replicate=2");
+  INFO(ep.out);
+  CHECK(ep.out.find("dp 8 (2 replicas x 4 shards; ep 2: 4 of 8 experts per rank, sharded over 2 ranks) x pp 1 = 8 ranks") !=
+        std::string::npos);
+  const auto bad = sh(kBin + " validate " + std::string(FSDPP_SOURCE_DIR) + "/recipes/moe-small-ep.json parallel.ep=3");
+  CHECK(bad.rc == 2);
+  CHECK(bad.out.find("parallel.ep: must divide model.experts (8), got 3") != std::string::npos);
 }
 
 TEST_CASE("run: resume continues bitwise identically to an uninterrupted run") {
@@ -221,8 +230,8 @@ TEST_CASE("run: HSDP (dp_replicate 2 x dp_shard 2) trains as plain FSDP over 4 r
   for (const auto& dir : {fsdp4, hsdp, pp_fsdp, pp_hsdp, relayout}) fs::remove_all(dir);
 }
 
-TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as ep 1, also with HSDP and under pp; "
-          "its checkpoints resume bitwise and at ep 1") {
+TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as ep 1, also with HSDP, under pp and "
+          "with activation checkpointing; its checkpoints resume bitwise and at ep 1") {
   const std::string common = "train.steps=10 train.global_batch=8 logging.interval=1 eval.interval=0 optim.lr=3e-3 "
                              "checkpoint.interval=5 model.experts=8 parallel.dp=4";
   auto same_run = [](const std::string& a_dir, const std::string& b_dir, double tolerance) {
@@ -261,11 +270,23 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
         CHECK(at::allclose(by_name.at(name), t, 1e-4, 1e-6));
       }
     }
+    // Parameter memory per rank: the shards are the same 1/4; a gathered MoE block holds 8, 4, 2 experts.
+    auto memory = [](const std::string& dir) {
+      return json::parse(std::ifstream(dir + "/summary.json"))["parameter_mib"];
+    };
+    const auto m1 = memory(ref), m2 = memory(ep2), m4 = memory(ep4);
+    CHECK(m2["sharded"].get<double>() == doctest::Approx(m1["sharded"].get<double>()));
+    CHECK(m4["sharded"].get<double>() == doctest::Approx(m1["sharded"].get<double>()));
+    CHECK(m2["moe_block_gathered"].get<double>() < m1["moe_block_gathered"].get<double>());
+    CHECK(m4["moe_block_gathered"].get<double>() < m2["moe_block_gathered"].get<double>());
     if (routing == "dropless") ep2_dropless = ep2;
   }
-  // With HSDP (2 replicas of 2-rank shard groups, ep 2 inside each) and under a 2-stage pipeline.
-  const auto hsdp = fresh_dir("ep-hsdp"), pp = fresh_dir("ep-pp");
-  dirs.insert(dirs.end(), {hsdp, pp});
+  // With HSDP (2 replicas of 2-rank shard groups, ep 2 inside each), under a 2-stage pipeline, and
+  // with every block recomputed in backward (the recompute exchanges again).
+  const auto hsdp = fresh_dir("ep-hsdp"), pp = fresh_dir("ep-pp"), ac = fresh_dir("ep-ac");
+  dirs.insert(dirs.end(), {hsdp, pp, ac});
+  train_run(ac, common + " parallel.ep=2 train.activation_checkpointing=full");
+  same_run(ep2_dropless, ac, 1e-5);
   train_run(hsdp, common + " parallel.dp_replicate=2 parallel.dp_shard=2 parallel.ep=2");
   same_run(ep2_dropless, hsdp, 2e-4);
   train_run(pp, common + " parallel.dp=2 parallel.pp=2 parallel.microbatches=2 parallel.ep=2");

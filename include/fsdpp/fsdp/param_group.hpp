@@ -58,6 +58,7 @@ class ParamGroup {
              std::optional<comm::Comm> blocks = std::nullopt);
 
   const std::string& label() const { return label_; }
+  void set_label(const std::string& label);
   const comm::Comm& comm() const { return comm_; }
   bool empty() const { return params_.empty(); }
   bool is_unsharded() const { return unsharded_; }
@@ -87,6 +88,9 @@ class ParamGroup {
   bool has_stray_grads() const;
 
   std::vector<at::Tensor> sharded_parameters() const;
+  // Bytes of this rank's parameters while gathered (compute dtype; with expert parallelism, this
+  // rank's block).
+  int64_t unsharded_bytes() const;
   // Rows and shapes of the whole tensors (with expert parallelism, not just this rank's block).
   std::vector<ShardInfo> shard_infos() const;
   // Full parameters in their original dtype, in the order of shard_infos(); collective (over the

@@ -86,7 +86,8 @@ class Unit {
   Unit& operator=(const Unit&) = delete;
 
   const std::string& label() const { return label_; }
-  void set_label(std::string label) { label_ = std::move(label); }
+  // Also renames the unit's collectives in flight records and traces.
+  void set_label(std::string label);
   bool is_sharded() const { return group_ != nullptr; }
   // Where this unit sits in its tree ("layers.0"; empty for the tree's root): the prefix of its
   // parameters' names in the unwrapped model.
