@@ -3,8 +3,12 @@
 #include <torch/nn/modules/linear.h>
 
 #include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <torch/optim/adamw.h>
 
+#include "fsdpp/comm/flight_recorder.hpp"
 #include "fsdpp/comm/mesh.hpp"
 #include "comm/ranks.hpp"
 #include "fsdp/event_log.hpp"
@@ -287,6 +291,60 @@ TEST_CASE("a forward output's storage is given up once its send is issued, and i
       else
         CHECK(y.storage().nbytes() == size_t(kMicro * kDim) * sizeof(float));  // the loss's input
     }
+  });
+}
+
+TEST_CASE("each directed edge's traffic goes over its own two-rank communicator, one way, and nothing over the pipeline's") {
+  // Interleaved1F1B at pp 4, 2 stages per rank: rank 3 sends forward to rank 0 (stage 3 -> 4) as
+  // well as to its neighbours, so 8 directed edges. The flight records of the step say which
+  // communicator carried each send and receive.
+  const ScheduleSpec spec{4, 2, 8};
+  const auto plan = make_plan(*make_schedule("Interleaved1F1B"), spec);
+  std::map<std::pair<int, int>, int> want;  // (from rank, to rank) -> sends in the plan
+  for (int r = 0; r < spec.pp; ++r)
+    for (const auto& a : plan.lowered[size_t(r)]) {
+      if (a.type == ActionType::kSendF) ++want[{r, plan.owner[size_t(a.stage + 1)]}];
+      if (a.type == ActionType::kSendB) ++want[{r, plan.owner[size_t(a.stage - 1)]}];
+    }
+  REQUIRE(want.size() == 8);
+  test::run_ranks(spec.pp, [&](comm::Comm& comm) {
+    Model model(spec.num_stages());
+    std::vector<PipelineStage> mine;
+    for (int s = 0; s < spec.num_stages(); ++s)
+      if (plan.owner[size_t(s)] == comm.rank())
+        mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); }, model.layers[s]->parameters()});
+    PipelineExecutor exec(plan, comm, mine, [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+                          {{kMicro, kDim}});
+    const auto b = make_batch(spec.microbatches);
+    exec.step(b.x, b.y);
+    comm.barrier().wait();
+    if (comm.rank() == 0) {
+      // Every rank's communicators live in this process: group their records by communicator.
+      std::map<std::string, std::map<int, std::vector<std::string>>> ops;  // comm -> its rank -> ops
+      std::map<std::string, int> sizes;
+      for (const auto& rec : nlohmann::json::parse(comm::flight_records_json())) {
+        sizes[rec["comm"]] = rec["size"];
+        auto& mine_ops = ops[rec["comm"]][rec["rank"].get<int>()];
+        for (const auto& e : rec["entries"]) mine_ops.push_back(e["op"]);
+      }
+      std::multiset<int> got_sends, want_sends;
+      for (const auto& [edge, n] : want) want_sends.insert(n);
+      for (const auto& [name, by_rank] : ops) {
+        CAPTURE(name);
+        int sends = 0, recvs = 0;
+        for (const auto& [rank, list] : by_rank)
+          for (const auto& op : list) {
+            if (op != "send" && op != "recv") continue;
+            CHECK(sizes[name] == 2);                   // p2p only on two-rank communicators
+            CHECK(op == (rank == 0 ? "send" : "recv"));  // and one way: the sender is rank 0
+            (op == "send" ? sends : recvs) += 1;
+          }
+        CHECK(sends == recvs);
+        if (sends > 0) got_sends.insert(sends);
+      }
+      CHECK(got_sends == want_sends);  // one communicator per edge, carrying that edge's sends
+    }
+    comm.barrier().wait();
   });
 }
 
