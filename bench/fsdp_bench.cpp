@@ -27,6 +27,7 @@ namespace {
 struct Args {
   std::string mode;
   bool sharded = false, overlap = true, reshard = true;
+  std::string only;  // unit-cost: "plain" or "sharded" runs just that side, for a profiler
   int threads = 1, steps = 20;
   int64_t batch = 16;
 };
@@ -41,6 +42,7 @@ Args parse(int argc, char** argv) {
     else if (s == "--unsharded") a.sharded = false;
     else if (s == "--no-overlap") a.overlap = false;
     else if (s == "--no-reshard") a.reshard = false;
+    else if (s == "--only" && i + 1 < argc) a.only = argv[++i];
     else if (s == "--threads") a.threads = static_cast<int>(next());
     else if (s == "--steps") a.steps = static_cast<int>(next());
     else if (s == "--batch") a.batch = next();
@@ -177,6 +179,11 @@ int unit_cost(const Args& a) {
     return std::chrono::duration<double>(Clock::now() - t0).count() / a.steps;
   };
   for (int i = 0; i < 3; ++i) plain_step(), sharded_step();
+  if (!a.only.empty()) {  // one side alone, for perf: `perf record ... unit-cost --only sharded`
+    const double t = a.only == "plain" ? round(plain_step) : round(sharded_step);
+    if (comm.rank() == 0) std::cout << fmt::format("RESULT unit-cost-{} step_us={:.0f}\n", a.only, t * 1e6);
+    return 0;
+  }
   // Alternate the two over 7 rounds and take each one's median round, so that a busy machine
   // slows both alike.
   std::vector<double> tp, ts;

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Where fully_shard's per-unit cost goes: the unit-cost model (200 units of Linear(8, 8), one
+# rank) stepped alone unsharded and alone sharded under `perf record`, and the sharded run's extra
+# samples grouped by what they do. Needs perf (Debian's linux-perf). Writes
+# bench/results/unit_cost_profile.md.
+#   bash bench/run_unit_cost_profile.sh [build-dir] [steps]
+# Runs with the machine's OPENBLAS_* settings as they are.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+steps=${2:-200}
+command -v perf > /dev/null || { echo "needs perf (apt-get install linux-perf)"; exit 1; }
+python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
+out=bench/results/unit_cost_profile.md
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+for side in plain sharded; do
+  perf record -q -F 5000 -o "$work/$side.data" -- "$build/fsdpp" launch --no-prefix --nproc 1 -- \
+    "$build/bench/fsdpp_fsdp_bench" unit-cost --steps "$steps" --only "$side" > "$work/$side.log" 2>&1
+  perf report -i "$work/$side.data" --no-children --sort dso,sym -F sample,dso,sym 2> /dev/null \
+    | grep -v '^#' | grep -v '^$' > "$work/$side.txt"
+done
+"$python" - "$work" "$build" "$steps" > "$out.tmp" <<'PY'
+import collections, datetime, re, sys
+work, build, steps = sys.argv[1:]
+
+def step_us(side):
+    return float(re.search(r"step_us=(\d+)", open(f"{work}/{side}.log").read()).group(1))
+
+def samples(side):
+    d = collections.Counter()
+    for line in open(f"{work}/{side}.txt"):
+        m = re.match(r"\s*(\d+)\s+(\S+)\s+\[.\]\s+(.*)", line)
+        if m:
+            d[(m.group(2), m.group(3).strip())] += int(m.group(1))
+    return d
+
+# First matching rule wins.
+RULES = [
+    ("allocator (malloc/free)", lambda dso, s: dso.startswith("libc.so") and re.search(r"malloc|free|unlink_chunk|consolidate|tcache", s)),
+    ("memcpy and copy_block", lambda dso, s: re.search(r"memmove|memcpy|memset|copy_block", s)),
+    ("storage resize (unshard/reshard)", lambda dso, s: "resize_storage" in s or "StorageImpl" in s),
+    ("flight recorder, Work and labels", lambda dso, s: re.search(r"FlightRecorder|FlightEntry|WorkState|OpLabel|fmt::|Comm::|Gloo|gloo|strlen", s)),
+    ("locks", lambda dso, s: "pthread" in s or "futex" in s),
+    ("autograd (marker, hooks, views, engine)", lambda dso, s: "autograd" in s or "PostBackwardMarker" in s or "_fw_grad" in s or "AutogradMeta" in s or "as_view" in s),
+    ("fsdpp bookkeeping", lambda dso, s: dso.startswith("libfsdpp")),
+    ("ATen dispatch and TensorIterator", lambda dso, s: dso.startswith("libtorch") or dso.startswith("libc10")),
+    ("kernel", lambda dso, s: "kernel" in dso),
+]
+
+plain, sharded = samples("plain"), samples("sharded")
+extra = collections.Counter()
+for key in set(plain) | set(sharded):
+    d = sharded[key] - plain[key]
+    group = next((name for name, rule in RULES if rule(*key)), "other")
+    extra[group] += d
+total = sum(extra.values())
+per_unit = (step_us("sharded") - step_us("plain")) / 200
+print("# fully_shard's per-unit cost: where it goes")
+print()
+print(f"Command: `bash bench/run_unit_cost_profile.sh {build} {steps}` ({datetime.date.today()}), 2 cores, OPENBLAS_* as set")
+print("by the machine. The unit-cost model of `bench/fsdp_bench.cpp` (200 FSDP units of Linear(8, 8),")
+print(f"one rank, flight recorder on) stepped {steps} times unsharded, then {steps} times sharded, each under")
+print("`perf record -F 5000`; the table is the sharded run's extra samples, grouped by symbol.")
+print()
+print(f"Step: {step_us('plain'):.0f} us unsharded, {step_us('sharded'):.0f} us sharded: {per_unit:.1f} us per unit per step.")
+print()
+print("| where | share of the extra samples |")
+print("|---|---:|")
+for name, n in extra.most_common():
+    if n > 0:
+        print(f"| {name} | {100 * n / total:.0f}% |")
+print()
+print("Largest single symbols among the extra samples:")
+print()
+top = sorted(((sharded[k] - plain[k], k) for k in set(plain) | set(sharded)), reverse=True)[:12]
+for d, (dso, sym) in top:
+    print(f"- {100 * d / total:.1f}% `{sym[:90]}` ({dso})")
+PY
+mv "$out.tmp" "$out"
+cat "$out"
