@@ -100,7 +100,7 @@ int demo_worker(int64_t max_bytes) {
 
 struct ShowOptions {
   std::string schedule, csv, out = "schedule";
-  int pp = 2, stages_per_rank = 1, microbatches = 4, max_outstanding_sends = 0;
+  int pp = 2, stages_per_rank = 1, microbatches = 4, max_outstanding_sends = 0, unshard_window = 3;
   bool fsdp = false;
   std::vector<double> costs{1, 2, 1, 1};
 };
@@ -115,7 +115,8 @@ int schedule_show(const ShowOptions& o) {
     schedule = make_schedule(o.schedule);
   }
   const ScheduleSpec spec{.pp = o.pp, .stages_per_rank = o.stages_per_rank, .microbatches = o.microbatches};
-  const auto plan = make_plan(*schedule, spec, {.fsdp_stages = o.fsdp, .max_outstanding_sends = o.max_outstanding_sends});
+  const auto plan = make_plan(*schedule, spec, {.fsdp_stages = o.fsdp, .max_outstanding_sends = o.max_outstanding_sends,
+                                                .unshard_window = o.unshard_window});
   const Costs costs{o.costs[0], o.costs[1], o.costs[2], o.costs[3], 0};
   const auto sim = simulate(plan.lowered, plan.owner, costs, o.max_outstanding_sends);
   const std::string title = fmt::format("{} pp={} stages/rank={} microbatches={}", schedule->name(),
@@ -312,6 +313,9 @@ int main(int argc, char** argv) {
   cmd_show->add_option("--max-outstanding-sends", show.max_outstanding_sends,
                        "sends in flight per rank, at most (0: unlimited)")->check(CLI::NonNegativeNumber);
   cmd_show->add_flag("--fsdp", show.fsdp, "stages are sharded: add UNSHARD, RESHARD and REDUCE_GRAD");
+  cmd_show->add_option("--unshard-window", show.unshard_window,
+                       "with --fsdp: stages of a rank unsharded at once, the current one first (default 3)")
+      ->check(CLI::Range(1, 64));
 
   std::string fr_dir;
   auto* cmd_fr = app.add_subcommand("fr", "flight records");

@@ -429,6 +429,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       p.integer("stages_per_rank", rc.parallel.stages_per_rank, 1, 64);
       p.integer("max_outstanding_sends", rc.parallel.max_outstanding_sends, 0, 1 << 16);
       p.boolean("keep_stages_unsharded", rc.parallel.keep_stages_unsharded);
+      p.integer("unshard_window", rc.parallel.unshard_window, 1, 64);
       int dp_shard = 0;
       p.integer("ep", rc.parallel.ep, 1, 4096);
       p.integer("dp_replicate", rc.parallel.dp_replicate, 1, 4096);
@@ -569,7 +570,8 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
         rc.plan = std::make_shared<const pipeline::Plan>(
             pipeline::make_plan(*pipeline::schedule_from(rc.parallel.schedule),
                                 {.pp = par.pp, .stages_per_rank = par.stages_per_rank, .microbatches = par.microbatches},
-                                {.fsdp_stages = true, .max_outstanding_sends = par.max_outstanding_sends}));
+                                {.fsdp_stages = true, .max_outstanding_sends = par.max_outstanding_sends,
+                                 .unshard_window = par.unshard_window}));
       } catch (const std::exception& e) {
         top.fail("parallel.schedule", e.what());
       }
@@ -606,6 +608,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
           }
     }
     if (par.pp == 1 && !par.keep_stages_unsharded) top.fail("parallel.keep_stages_unsharded", "only used with pp > 1");
+    if (par.pp == 1 && par.unshard_window != ParallelOptions{}.unshard_window) top.fail("parallel.unshard_window", "only used with pp > 1");
     if (par.dp_replicate > 1 && rc.checkpoint.storage == "local")
       top.fail("parallel.dp_replicate", "HSDP writes one copy of each shard, from the first replica group; with "
                                         "checkpoint.storage \"local\" the other nodes could not resume: use \"shared\"");

@@ -3,6 +3,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include <fstream>
+#include <tuple>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -534,10 +535,13 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
   auto g = at::detail::createCPUGenerator(9);
   std::vector<at::Tensor> xs, ys;
   for (int i = 0; i < m; ++i) xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
-  for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{
-           {"GPipe", 1}, {"1F1B", 1}, {"Interleaved1F1B", 2}, {"LoopedBFS", 2}, {"InterleavedZeroBubble", 1},
-           {"ZBVZeroBubble", 2}, {"DualPipeV", 2}}) {
-    const auto plan = make_plan(*make_schedule(name), {pp, v, m}, {.fsdp_stages = true, .max_outstanding_sends = 2});
+  // (schedule, stages per rank, unshard window): window 1 gathers a rank's two stages in turn.
+  for (const auto& [name, v, window] : std::vector<std::tuple<std::string, int, int>>{
+           {"GPipe", 1, 3}, {"1F1B", 1, 3}, {"Interleaved1F1B", 2, 3}, {"Interleaved1F1B", 2, 1}, {"LoopedBFS", 2, 3},
+           {"InterleavedZeroBubble", 1, 3}, {"ZBVZeroBubble", 2, 3}, {"ZBVZeroBubble", 2, 1}, {"DualPipeV", 2, 3}}) {
+    CAPTURE(window);
+    const auto plan = make_plan(*make_schedule(name), {pp, v, m},
+                                {.fsdp_stages = true, .max_outstanding_sends = 2, .unshard_window = window});
     const int stages = pp * v;
     // Reference: 3 AdamW steps on the whole batch, one process, no sharding.
     Model ref(stages);

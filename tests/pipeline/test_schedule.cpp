@@ -1,6 +1,8 @@
 // Schedules as data: text form, built-ins, lowering, validation and simulation.
 #include <doctest/doctest.h>
 
+#include <set>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -143,6 +145,44 @@ TEST_CASE("UNSHARD/RESHARD keep a window of stages gathered, as PyTorch's loweri
         "0UNSHARD 1UNSHARD 0F0 0F1 1F0 1F1 1B0 1B1 1RESHARD 0B0 0B1 0RESHARD");
   CHECK(joined(add_unshard_reshard(compute, 1)[0]) ==
         "0UNSHARD 0F0 0F1 0RESHARD 1UNSHARD 1F0 1F1 1B0 1B1 1RESHARD 0UNSHARD 0B0 0B1 0RESHARD");
+}
+
+TEST_CASE("the unshard window is a plan option: at most that many stages of a rank are gathered at once") {
+  // Interleaved1F1B with 4 stages per rank: a window of w keeps min(w, 4) stages gathered at the
+  // peak, and smaller windows gather again more often. The plan checks the option.
+  const ScheduleSpec spec{2, 4, 8};
+  const auto schedule = make_schedule("Interleaved1F1B");
+  int previous_unshards = 0;
+  for (int w : {4, 3, 2, 1}) {
+    CAPTURE(w);
+    const auto plan = make_plan(*schedule, spec, {.fsdp_stages = true, .unshard_window = w});
+    int unshards = 0;
+    for (const auto& rank : plan.lowered) {
+      std::set<int> gathered;
+      size_t peak = 0;
+      for (const auto& a : rank) {
+        if (a.type == ActionType::kUnshard) gathered.insert(a.stage), ++unshards;
+        if (a.type == ActionType::kReshard) gathered.erase(a.stage);
+        if (a.type == ActionType::kForward || a.type == ActionType::kBackward) CHECK(gathered.count(a.stage) == 1);
+        peak = std::max(peak, gathered.size());
+      }
+      CHECK(peak == size_t(std::min(w, spec.stages_per_rank)));
+    }
+    CHECK(unshards >= previous_unshards);
+    if (w < 4) CHECK(unshards > spec.num_stages());  // some stage is gathered more than once
+    previous_unshards = unshards;
+  }
+  CHECK(make_plan(*schedule, spec, {.fsdp_stages = true, .unshard_window = 4}).lowered !=
+        make_plan(*schedule, spec, {.fsdp_stages = true, .unshard_window = 1}).lowered);
+  const auto why = [&] {
+    try {
+      make_plan(*schedule, spec, {.fsdp_stages = true, .unshard_window = 0});
+    } catch (const ScheduleError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  }();
+  CHECK(why == "unshard window must be at least 1 (the stage being computed), got 0");
 }
 
 TEST_CASE("simulated bubbles: (p-1)/(m+p-1) for GPipe and 1F1B, less for zero-bubble schedules") {

@@ -160,6 +160,26 @@ TEST_CASE("recipe: expert parallelism's ep divides the experts and the shard gro
   CHECK(problems(base(), {"parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2"}) == "valid");
 }
 
+TEST_CASE("recipe: parallel.unshard_window goes into the plan, with pp > 1 only") {
+  const auto r = train::parse_recipe(base(), "test.json", kSource + "/recipes",
+                                     {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.unshard_window=1"});
+  REQUIRE(r.plan);
+  for (const auto& rank : r.plan->lowered) {  // one stage per rank: the window changes nothing here
+    CHECK(std::count_if(rank.begin(), rank.end(), [](const pipeline::Action& a) { return a.type == pipeline::ActionType::kUnshard; }) == 1);
+  }
+  const auto v2 = [&](int window) {
+    return train::parse_recipe(base(), "test.json", kSource + "/recipes",
+                               {"model.layers=4", "parallel.pp=2", "parallel.dp=1", "parallel.microbatches=4", "parallel.stages_per_rank=2",
+                                "parallel.schedule=Interleaved1F1B", "parallel.unshard_window=" + std::to_string(window)})
+        .plan->lowered;
+  };
+  const bool window_changes_plan = v2(1) != v2(2);
+  CHECK(window_changes_plan);
+  expect(problems(base(), {"parallel.unshard_window=2"}), "parallel.unshard_window: only used with pp > 1");
+  expect(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.unshard_window=0"}),
+         "parallel.unshard_window: must be in [1, 64], got 0");
+}
+
 TEST_CASE("recipe: checkpoint storage is shared or local") {
   CHECK(problems(base(), {"checkpoint.storage=local"}) == "valid");
   expect(problems(base(), {"checkpoint.storage=nfs"}), "checkpoint.storage: must be one of");

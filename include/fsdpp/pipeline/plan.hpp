@@ -26,6 +26,11 @@ struct PlanOptions {
   // A rank never has more sends in flight (0: unlimited); the simulation proves the budget cannot
   // deadlock the schedule, hoisting receives where it must, or the plan is refused saying so.
   int max_outstanding_sends = 0;
+  // With fsdp_stages: how many of a rank's stages are unsharded at once, counted in the distinct
+  // stages of its next compute actions (the current one first). 1 gathers only the stage being
+  // computed (least memory, a gather at every change of stage); larger windows gather ahead of use
+  // and keep stages gathered across interleaved microbatches.
+  int unshard_window = 3;
 };
 
 // Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.
@@ -34,6 +39,9 @@ struct PlanOptions {
 inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const PlanOptions& options = {}) {
   const bool fsdp_stages = options.fsdp_stages;
   const int max_outstanding_sends = options.max_outstanding_sends;
+  if (options.unshard_window < 1)
+    throw ScheduleError("unshard window must be at least 1 (the stage being computed), got " +
+                        std::to_string(options.unshard_window));
   schedule.check(spec);
   Plan p;
   p.spec = spec;
@@ -50,9 +58,9 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const 
   if (auto own = schedule.lowered_actions(spec)) {
     validate_send_recv(*own, p.owner);
     check_point_to_point_order(*own, p.owner);
-    p.lowered = fsdp_stages ? add_unshard_reshard(*own) : std::move(*own);
+    p.lowered = fsdp_stages ? add_unshard_reshard(*own, options.unshard_window) : std::move(*own);
   } else {
-    p.lowered = add_send_recv(fsdp_stages ? add_unshard_reshard(p.compute) : p.compute, p.owner);
+    p.lowered = add_send_recv(fsdp_stages ? add_unshard_reshard(p.compute, options.unshard_window) : p.compute, p.owner);
     order_receives(p.lowered, p.owner);
   }
   if (fsdp_stages) p.lowered = add_reduce_grad(p.lowered, spec.microbatches);

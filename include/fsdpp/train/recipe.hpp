@@ -7,7 +7,8 @@
 //     "model": "../configs/moe-small.json"   (a path, relative to the recipe, or an inline object),
 //     "data": {"source": "fortunes", "seq_len": 128, "val_fraction": 0.05},
 //     "parallel": {"dp": 2, "pp": 1, "schedule": "1F1B", "microbatches": 1, "stages_per_rank": 1,
-//                  "max_outstanding_sends": 0, "keep_stages_unsharded": true},
+//                  "max_outstanding_sends": 0, "keep_stages_unsharded": true,
+//                  "unshard_window": 3},
 //     "precision": {"param_dtype": "float32", "reduce_dtype": "float32",
 //                   "overrides": [{"match": "*.router.gate.weight", "param_dtype": "float32"}]},
 //     "optim": {"lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 50, "weight_decay": 0.1,
@@ -85,6 +86,8 @@ struct ParallelOptions {
   // pp > 1: each stage's blocks stay gathered from the plan's UNSHARD to its RESHARD (one
   // all-gather per block per step); false gathers them again for every microbatch (less memory).
   bool keep_stages_unsharded = true;
+  // pp > 1: how many of a rank's stages are gathered at once (pipeline::PlanOptions::unshard_window).
+  int unshard_window = 3;
 };
 
 struct DtypeOverride {
