@@ -402,14 +402,17 @@ int64_t ParamGroup::unsharded_bytes() const {
   return n;
 }
 
+std::vector<int64_t> ParamGroup::whole_shape(const Param& q) const {
+  auto shape = q.shape;
+  shape[0] *= block_count();
+  return shape;
+}
+
 std::vector<ShardInfo> ParamGroup::shard_infos() const {
   std::vector<ShardInfo> out;
-  for (const auto& q : params_) {
-    auto shape = q.shape;
-    shape[0] *= block_count();
-    out.push_back({q.names, shape, block_index() * q.rows + q.row_offset, q.local_rows, q.padded_rows,
-                   q.compute_dtype, q.grad_dtype});
-  }
+  for (const auto& q : params_)
+    out.push_back({q.names, whole_shape(q), whole_row_offset(q), q.local_rows, q.padded_rows, q.compute_dtype,
+                   q.grad_dtype});
   return out;
 }
 
@@ -423,8 +426,7 @@ std::vector<at::Tensor> ParamGroup::gather_full_params() {
     comm_.all_gather(full.view(-1), q.padded.view(-1)).wait();
     auto block = full.narrow(0, 0, q.rows).contiguous();
     if (block_count() > 1) {
-      shape[0] = block_count() * q.rows;
-      auto whole = at::empty(shape, q.padded.options());
+      auto whole = at::empty(whole_shape(q), q.padded.options());
       blocks_->all_gather(whole.view(-1), block.view(-1)).wait();
       out.push_back(std::move(whole));
     } else {
@@ -441,14 +443,13 @@ void ParamGroup::load_full_params(const std::vector<at::Tensor>& full) {
   reshard();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& q = params_[i];
-    auto whole = q.shape;
-    whole[0] *= block_count();
+    const auto whole = whole_shape(q);
     if (full[i].sizes().vec() != whole)
       throw std::invalid_argument(fmt::format("load: parameter '{}' has shape [{}] in the state dict "
                                               "but [{}] in the model",
                                               q.names.front(), fmt::join(full[i].sizes(), ", "),
                                               fmt::join(whole, ", ")));
-    q.padded.narrow(0, 0, q.local_rows).copy_(full[i].narrow(0, block_index() * q.rows + q.row_offset, q.local_rows));
+    q.padded.narrow(0, 0, q.local_rows).copy_(full[i].narrow(0, whole_row_offset(q), q.local_rows));
   }
 }
 

@@ -40,7 +40,7 @@ enum Exchange : int64_t { kDispatch = 0, kCombine = 1 };
 // Rows [N, dim] to the ranks of `comm`: in_rows[j] of them to rank j, out_rows[j] arriving from
 // rank j, in rank order. Its backward is the inverse exchange of the gradient.
 struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const comm::Comm* comm,
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, comm::Comm* comm,
                             Exchange which, std::vector<int64_t> in_rows, std::vector<int64_t> out_rows) {
     ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
     ctx->saved_data["which"] = static_cast<int64_t>(which);
@@ -50,13 +50,13 @@ struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto* comm = reinterpret_cast<const comm::Comm*>(ctx->saved_data["comm"].toInt());
+    auto* comm = reinterpret_cast<comm::Comm*>(ctx->saved_data["comm"].toInt());
     const auto which = ctx->saved_data["which"].toInt();
     const auto in_rows = ctx->saved_data["in"].toIntVector(), out_rows = ctx->saved_data["out"].toIntVector();
     return {exchange(*comm, grads[0], out_rows, in_rows, kExchangeLabels[which][1]), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor()};
   }
-  static at::Tensor exchange(const comm::Comm& comm, const at::Tensor& x, const std::vector<int64_t>& in_rows,
+  static at::Tensor exchange(comm::Comm& comm, const at::Tensor& x, const std::vector<int64_t>& in_rows,
                              const std::vector<int64_t>& out_rows, const std::string& label) {
     const int64_t width = x.size(1);
     int64_t total = 0;
@@ -67,7 +67,7 @@ struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
       return rows;
     };
     comm::OpLabel op_label(&label);
-    const_cast<comm::Comm&>(comm).all_to_all(out, x.contiguous(), {elements(in_rows), elements(out_rows)}).wait();
+    comm.all_to_all(out, x.contiguous(), {elements(in_rows), elements(out_rows)}).wait();
     return out;
   }
 };

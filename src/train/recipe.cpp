@@ -274,6 +274,15 @@ void apply_override(json& j, const std::string& text, std::vector<std::string>& 
   }
 }
 
+// Whether the plan splits some backward into input and weight halves (I, W), as the zero-bubble
+// schedules do.
+bool splits_backward(const pipeline::Plan& plan) {
+  for (const auto& rank : plan.compute)
+    for (const auto& a : rank)
+      if (a.type == pipeline::ActionType::kBackwardInput) return true;
+  return false;
+}
+
 }  // namespace
 
 RecipeError::RecipeError(std::string source, std::vector<std::string> problems)
@@ -575,37 +584,27 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       } catch (const std::exception& e) {
         top.fail("parallel.schedule", e.what());
       }
-      if (rc.plan && rc.train.activation_checkpointing > 0)
-        for (const auto& rank : rc.plan->compute)
-          if (std::any_of(rank.begin(), rank.end(),
-                          [](const pipeline::Action& a) { return a.type == pipeline::ActionType::kBackwardInput; })) {
-            top.fail("train.activation_checkpointing",
-                     fmt::format("schedule {} splits backward into input and weight halves (I, W), which would "
-                                 "recompute each checkpointed block twice and count its weight gradients twice; "
-                                 "use a schedule without I/W or \"none\"", par.schedule));
-            break;
-          }
+      if (rc.plan && rc.train.activation_checkpointing > 0 && splits_backward(*rc.plan))
+        top.fail("train.activation_checkpointing",
+                 fmt::format("schedule {} splits backward into input and weight halves (I, W), which would "
+                             "recompute each checkpointed block twice and count its weight gradients twice; "
+                             "use a schedule without I/W or \"none\"", par.schedule));
     } else if (par.max_outstanding_sends != 0) {
       top.fail("parallel.max_outstanding_sends", "only used with pp > 1");
     }
     if (par.ep > 1) {
       if (rc.model.experts == 0)
-        top.fail("parallel.ep", fmt::format("expert parallelism needs MoE layers; model.experts is 0"));
+        top.fail("parallel.ep", "expert parallelism needs MoE layers; model.experts is 0");
       else if (rc.model.experts % par.ep != 0)
         top.fail("parallel.ep", fmt::format("must divide model.experts ({}), got {}", rc.model.experts, par.ep));
       if (par.dp_shard() % par.ep != 0)
         top.fail("parallel.ep", fmt::format("must divide the shard group (parallel.dp / parallel.dp_replicate = {}), "
                                             "got {}: expert-parallel ranks are data-parallel ranks",
                                             par.dp_shard(), par.ep));
-      if (rc.plan)
-        for (const auto& rank : rc.plan->compute)
-          if (std::any_of(rank.begin(), rank.end(),
-                          [](const pipeline::Action& a) { return a.type == pipeline::ActionType::kBackwardInput; })) {
-            top.fail("parallel.ep", fmt::format("schedule {} splits backward into input and weight halves (I, W); "
-                                                "expert parallelism exchanges tokens inside one whole backward: "
-                                                "use a schedule without I/W", par.schedule));
-            break;
-          }
+      if (rc.plan && splits_backward(*rc.plan))
+        top.fail("parallel.ep", fmt::format("schedule {} splits backward into input and weight halves (I, W); "
+                                            "expert parallelism exchanges tokens inside one whole backward: "
+                                            "use a schedule without I/W", par.schedule));
     }
     if (par.pp == 1 && !par.keep_stages_unsharded) top.fail("parallel.keep_stages_unsharded", "only used with pp > 1");
     if (par.pp == 1 && par.unshard_window != ParallelOptions{}.unshard_window) top.fail("parallel.unshard_window", "only used with pp > 1");

@@ -83,6 +83,20 @@ std::map<int64_t, double> metric_by_step(const std::string& dir, const std::stri
 
 std::map<int64_t, double> losses(const std::string& dir) { return metric_by_step(dir, "loss"); }
 
+// Two runs of 10 steps at different layouts that must train alike: losses and gradient norms
+// within `tolerance` at every step.
+void check_trains_alike(const std::string& a_dir, const std::string& b_dir, double tolerance) {
+  const auto a = losses(a_dir), b = losses(b_dir);
+  const auto na = metric_by_step(a_dir, "grad_norm"), nb = metric_by_step(b_dir, "grad_norm");
+  REQUIRE(a.size() == 10);
+  REQUIRE(b.size() == 10);
+  for (const auto& [step, loss] : a) {
+    CAPTURE(step);
+    CHECK(b.at(step) == doctest::Approx(loss).epsilon(tolerance));
+    CHECK(nb.at(step) == doctest::Approx(na.at(step)).epsilon(tolerance));
+  }
+}
+
 std::string checkpoint(const std::string& dir, int64_t step) {
   char name[32];
   std::snprintf(name, sizeof(name), "step-%08lld", static_cast<long long>(step));
@@ -97,6 +111,19 @@ void check_same_parameters(const std::string& a, const std::string& b) {
     CAPTURE(pa[i].first);
     CHECK(pa[i].first == pb[i].first);
     CHECK(pa[i].second.equal(pb[i].second));
+  }
+}
+
+// The two checkpoints hold the same parameters within float tolerance (allclose 1e-4), name for
+// name, in whatever order their files list them.
+void check_close_parameters(const std::string& a, const std::string& b) {
+  const auto want = fsdp::read_full_parameters(a), got = fsdp::read_full_parameters(b);
+  const std::map<std::string, at::Tensor> by_name(got.begin(), got.end());
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, t] : want) {
+    CAPTURE(name);
+    REQUIRE(by_name.count(name));
+    CHECK(at::allclose(by_name.at(name), t, 1e-4, 1e-6));
   }
 }
 
@@ -195,24 +222,13 @@ TEST_CASE("run: HSDP (dp_replicate 2 x dp_shard 2) trains as plain FSDP over 4 r
              pp_hsdp = fresh_dir("pp-hsdp"), relayout = fresh_dir("hsdp-relayout");
   train_run(fsdp4, common + " parallel.dp=4");
   train_run(hsdp, common + " parallel.dp_replicate=2 parallel.dp_shard=2");
+  check_trains_alike(fsdp4, hsdp, 2e-4);  // the gradient norms too: replicas are not counted twice
   const auto a = losses(fsdp4), b = losses(hsdp);
-  const auto na = metric_by_step(fsdp4, "grad_norm"), nb = metric_by_step(hsdp, "grad_norm");
-  REQUIRE(a.size() == 10);
-  for (const auto& [step, loss] : a) {
-    CAPTURE(step);
-    CHECK(b.at(step) == doctest::Approx(loss).epsilon(2e-4));
-    CHECK(nb.at(step) == doctest::Approx(na.at(step)).epsilon(2e-4));  // replicas are not counted twice
-  }
   // One copy: the first replica group's two ranks wrote the files; the parameters are plain FSDP's.
   CHECK(fs::exists(checkpoint(hsdp, 10) + "/rank1.json"));
   CHECK_FALSE(fs::exists(checkpoint(hsdp, 10) + "/rank2.json"));
   CHECK(sh(kBin + " ckpt verify " + checkpoint(hsdp, 10)).rc == 0);
-  const auto pa = fsdp::read_full_parameters(checkpoint(fsdp4, 10)), pb = fsdp::read_full_parameters(checkpoint(hsdp, 10));
-  REQUIRE(pa.size() == pb.size());
-  for (size_t i = 0; i < pa.size(); ++i) {
-    CAPTURE(pa[i].first);
-    CHECK(at::allclose(pa[i].second, pb[i].second, 1e-4, 1e-6));
-  }
+  check_close_parameters(checkpoint(fsdp4, 10), checkpoint(hsdp, 10));
   // The HSDP checkpoint of step 5 resumes as plain FSDP over 2 ranks (grad_accum keeps the batch).
   train_run(relayout, common + " parallel.dp_replicate=2 parallel.dp_shard=2 --stop-after 5");
   train_run(relayout, common + " parallel.dp=2 train.grad_accum=2 --resume");
@@ -234,17 +250,6 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
           "with activation checkpointing; its checkpoints resume bitwise and at ep 1") {
   const std::string common = "train.steps=10 train.global_batch=8 logging.interval=1 eval.interval=0 optim.lr=3e-3 "
                              "checkpoint.interval=5 model.experts=8 parallel.dp=4";
-  auto same_run = [](const std::string& a_dir, const std::string& b_dir, double tolerance) {
-    const auto a = losses(a_dir), b = losses(b_dir);
-    const auto na = metric_by_step(a_dir, "grad_norm"), nb = metric_by_step(b_dir, "grad_norm");
-    REQUIRE(a.size() == 10);
-    REQUIRE(b.size() == 10);
-    for (const auto& [step, loss] : a) {
-      CAPTURE(step);
-      CHECK(b.at(step) == doctest::Approx(loss).epsilon(tolerance));
-      CHECK(nb.at(step) == doctest::Approx(na.at(step)).epsilon(tolerance));
-    }
-  };
   std::string ep2_dropless;
   std::vector<std::string> dirs;
   for (const std::string routing : {"dropless", "capacity"}) {
@@ -256,20 +261,11 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
     const auto out = train_run(ep2, recipe + " parallel.ep=2");
     CHECK(out.find("experts over ep 2 (4 per rank)") != std::string::npos);
     train_run(ep4, recipe + " parallel.ep=4");
-    same_run(ref, ep2, 2e-4);
-    same_run(ref, ep4, 2e-4);
+    check_trains_alike(ref, ep2, 2e-4);
+    check_trains_alike(ref, ep4, 2e-4);
     // The checkpoints hold whole expert tensors, [8, ...], whatever ep wrote them.
-    const auto want = fsdp::read_full_parameters(checkpoint(ref, 10));
-    for (const auto& dir : {ep2, ep4}) {
-      const auto got = fsdp::read_full_parameters(checkpoint(dir, 10));
-      const std::map<std::string, at::Tensor> by_name(got.begin(), got.end());
-      REQUIRE(got.size() == want.size());
-      for (const auto& [name, t] : want) {
-        CAPTURE(name);
-        REQUIRE(by_name.count(name));
-        CHECK(at::allclose(by_name.at(name), t, 1e-4, 1e-6));
-      }
-    }
+    check_close_parameters(checkpoint(ref, 10), checkpoint(ep2, 10));
+    check_close_parameters(checkpoint(ref, 10), checkpoint(ep4, 10));
     // Parameter memory per rank: the shards are the same 1/4; a gathered MoE block holds 8, 4, 2 experts.
     auto memory = [](const std::string& dir) {
       return json::parse(std::ifstream(dir + "/summary.json"))["parameter_mib"];
@@ -286,11 +282,11 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
   const auto hsdp = fresh_dir("ep-hsdp"), pp = fresh_dir("ep-pp"), ac = fresh_dir("ep-ac");
   dirs.insert(dirs.end(), {hsdp, pp, ac});
   train_run(ac, common + " parallel.ep=2 train.activation_checkpointing=full");
-  same_run(ep2_dropless, ac, 1e-5);
+  check_trains_alike(ep2_dropless, ac, 1e-5);
   train_run(hsdp, common + " parallel.dp_replicate=2 parallel.dp_shard=2 parallel.ep=2");
-  same_run(ep2_dropless, hsdp, 2e-4);
+  check_trains_alike(ep2_dropless, hsdp, 2e-4);
   train_run(pp, common + " parallel.dp=2 parallel.pp=2 parallel.microbatches=2 parallel.ep=2");
-  same_run(ep2_dropless, pp, 2e-4);
+  check_trains_alike(ep2_dropless, pp, 2e-4);
   // Stopped at step 5 and resumed: at ep 2 bitwise, at ep 1 within float tolerance.
   const auto again = fresh_dir("ep-resume"), relayout = fresh_dir("ep-relayout");
   dirs.insert(dirs.end(), {again, relayout});

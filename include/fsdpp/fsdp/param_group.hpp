@@ -135,6 +135,10 @@ class ParamGroup {
   std::optional<comm::Comm> blocks_;     // expert parallelism: the ranks holding the other blocks
   int64_t block_count() const { return blocks_ ? blocks_->size() : 1; }
   int64_t block_index() const { return blocks_ ? blocks_->rank() : 0; }
+  // The whole tensor's shape, and where this rank's rows start in it (expert parallelism: past the
+  // blocks of lower ranks).
+  std::vector<int64_t> whole_shape(const Param& q) const;
+  int64_t whole_row_offset(const Param& q) const { return block_index() * q.rows + q.row_offset; }
   std::string label_;
   std::string gather_label_, reduce_label_, replicate_label_;  // flight-recorder labels of this unit's collectives
   std::vector<Param> params_;
