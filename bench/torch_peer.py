@@ -78,8 +78,8 @@ def train(args):
     if args.mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
         for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, reshard_after_forward=args.reshard_after_forward)
+        fully_shard(model, reshard_after_forward=args.reshard_after_forward)
         step_model = model
     elif args.mode == "ddp":
         step_model = torch.nn.parallel.DistributedDataParallel(model)
@@ -101,6 +101,8 @@ def train(args):
             last = j + 1 == len(micro)
             if args.mode == "fsdp":
                 model.set_requires_gradient_sync(last)
+                if not args.reshard_after_forward:  # keep the gathered blocks through the no-sync microbatches
+                    model.set_reshard_after_backward(last)
             context = step_model.no_sync() if args.mode == "ddp" and not last else contextlib.nullcontext()
             with context:
                 loss = torch_moe.lm_loss(step_model(b[:, :-1]), b[:, 1:])
@@ -238,6 +240,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reshard-after-forward", type=lambda v: v == "true", default=True,
+                    help="fsdp mode: true (FSDP2's default) or false (gather each block once per step)")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     {"train": train, "pp": pipelined, "unit-cost": unit_cost}[args.what](args)

@@ -137,6 +137,9 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
     stats_.peak_sends_in_flight = std::max(stats_.peak_sends_in_flight, static_cast<int>(sends.size()));
   };
   auto loss_sum = at::zeros({}, at::TensorOptions(options_.device).dtype(at::kDouble));
+  auto computed = [&](const Action& a, std::chrono::system_clock::time_point begin) {
+    if (options_.on_compute) options_.on_compute(a, begin, std::chrono::system_clock::now());
+  };
   slots_.clear();
   auto new_buffer = [&] {
     ++stats_.recv_buffers_allocated;
@@ -180,6 +183,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
         } else {
           x = slot(s - 1, mb).output.detach();  // the previous stage runs on this rank
         }
+        const auto begin = std::chrono::system_clock::now();
         sl.input = s == 0 ? x : x.detach().requires_grad_(true);
         at::Tensor out = stages_.at(s).forward(sl.input);
         if (s == last) {
@@ -187,6 +191,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
           loss_sum.add_(out.detach().to(at::kDouble));
         }
         sl.output = out;
+        computed(a, begin);
         break;
       }
       case T::kSendF:
@@ -207,6 +212,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
             sl.grad_output = slot(s + 1, mb).grad_input;  // the next stage runs on this rank
           }
         }
+        const auto begin = std::chrono::system_clock::now();
         const std::vector<at::Tensor> outs{sl.output};
         const std::vector<at::Tensor> grads{sl.grad_output};
         if (a.type == T::kBackward) {
@@ -217,13 +223,16 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
         } else if (s > 0) {
           sl.grad_input = torch::autograd::grad(outs, {sl.input}, grads, /*retain_graph=*/true)[0];
         }
+        computed(a, begin);
         break;
       }
       case T::kBackwardWeight: {
         auto& sl = slot(s, mb);
+        const auto begin = std::chrono::system_clock::now();
         torch::autograd::backward({sl.output}, {sl.grad_output}, /*retain_graph=*/false,
                                   /*create_graph=*/false, stages_.at(s).parameters);
         sl.output = sl.grad_output = at::Tensor();
+        computed(a, begin);
         break;
       }
       case T::kSendB:

@@ -439,6 +439,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       p.integer("max_outstanding_sends", rc.parallel.max_outstanding_sends, 0, 1 << 16);
       p.boolean("keep_stages_unsharded", rc.parallel.keep_stages_unsharded);
       p.integer("unshard_window", rc.parallel.unshard_window, 1, 64);
+      p.boolean("reshard_after_forward", rc.parallel.reshard_after_forward);
       int dp_shard = 0;
       p.integer("ep", rc.parallel.ep, 1, 4096);
       p.integer("dp_replicate", rc.parallel.dp_replicate, 1, 4096);
@@ -541,6 +542,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       Reader d = top.section("dist");
       d.number("watchdog_timeout_s", rc.dist.watchdog_timeout_s, 0, 1e7);
       d.boolean("check_collectives", rc.dist.check_collectives);
+      d.string("cpu_binding", rc.dist.cpu_binding, {"none", "rank", "compute"});
     }
 
     // Layout: the rules that tie sections together.
@@ -608,6 +610,9 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
     }
     if (par.pp == 1 && !par.keep_stages_unsharded) top.fail("parallel.keep_stages_unsharded", "only used with pp > 1");
     if (par.pp == 1 && par.unshard_window != ParallelOptions{}.unshard_window) top.fail("parallel.unshard_window", "only used with pp > 1");
+    if (par.pp > 1 && !par.reshard_after_forward && !par.keep_stages_unsharded)
+      top.fail("parallel.reshard_after_forward", "false keeps blocks gathered through the step, which contradicts "
+                                                 "parallel.keep_stages_unsharded: false");
     if (par.dp_replicate > 1 && rc.checkpoint.storage == "local")
       top.fail("parallel.dp_replicate", "HSDP writes one copy of each shard, from the first replica group; with "
                                         "checkpoint.storage \"local\" the other nodes could not resume: use \"shared\"");

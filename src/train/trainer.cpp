@@ -23,6 +23,7 @@
 #include "fsdpp/comm/mesh.hpp"
 #include "fsdpp/fsdp/adamw.hpp"
 #include "fsdpp/fsdp/checkpoint.hpp"
+#include "fsdpp/base/cpu_binding.hpp"
 #include "fsdpp/base/cuda_graph.hpp"
 #include "fsdpp/base/device_check.hpp"
 #include "fsdpp/base/files.hpp"
@@ -274,6 +275,7 @@ void Trainer::build() {
   fsdp::FullyShardOptions options;
   options.mp = recipe_.precision.policy;
   options.static_buffers = recipe_.train.cuda_graph;
+  if (!recipe_.parallel.reshard_after_forward) options.reshard_after_forward = false;
   if (recipe_.parallel.dp_replicate > 1) options.replicate = mesh_.comm("dp_replicate");
   if (!recipe_.plan) {
     roots_.push_back(shard_model(full, dp, options, recipe_.train.activation_checkpointing, experts));
@@ -302,6 +304,12 @@ void Trainer::build() {
                           .device = device_,
                           .keep_stages_unsharded = par.keep_stages_unsharded,
                           .loss_scale = 1.0 / double(recipe_.train.grad_accum * par.microbatches),
+                          // Each stage's computations in the trace, in PyTorch's notation (0F3).
+                          .on_compute =
+                              [this](const pipeline::Action& a, std::chrono::system_clock::time_point begin,
+                                     std::chrono::system_clock::time_point end) {
+                                if (tracer_.active()) tracer_.span(pipeline::to_string(a), "compute", begin, end);
+                              },
                       });
   }
   full = nullptr;  // parts of other stages
@@ -370,6 +378,8 @@ at::Tensor Trainer::step_body() {
     root->inner().router_stats().aux_grad_scale = 1.0 / double(accum);
     for (int64_t j = 0; j < accum; ++j) {
       root->set_requires_gradient_sync(j + 1 == accum);
+      // Blocks kept gathered through forward stay so through the no-sync microbatches too.
+      if (!recipe_.parallel.reshard_after_forward) root->set_reshard_after_backward(j + 1 == accum);
       auto b0 = std::chrono::system_clock::now();
       const auto loss = models::lm_loss(root->forward(inputs_[j]), targets_[j]);
       span("forward", "compute", b0);
@@ -624,6 +634,13 @@ int64_t Trainer::restore() {
 }
 
 RunResult Trainer::run() {
+  // Before the model exists, so that threads started for it inherit the binding; the communicators
+  // and their threads exist already.
+  if (const auto bound = bind_cpus(parse_cpu_binding(recipe_.dist.cpu_binding), local_rank_,
+                                   env_int("LOCAL_WORLD_SIZE", mesh_.world().size()));
+      !bound.empty())
+    log(fmt::format("cpu binding ({}): {}{}", recipe_.dist.cpu_binding, bound.rfind("not bound", 0) == 0 ? "" : "rank 0's ",
+                    bound));
   prepare_output();
   build();
   if (options_.restart > 0)

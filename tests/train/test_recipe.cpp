@@ -180,6 +180,19 @@ TEST_CASE("recipe: parallel.unshard_window goes into the plan, with pp > 1 only"
          "parallel.unshard_window: must be in [1, 64], got 0");
 }
 
+TEST_CASE("recipe: parallel.reshard_after_forward and dist.cpu_binding") {
+  const auto r = train::parse_recipe(base(), "test.json", kSource + "/recipes",
+                                     {"parallel.reshard_after_forward=false", "dist.cpu_binding=compute"});
+  CHECK(!r.parallel.reshard_after_forward);
+  CHECK(r.dist.cpu_binding == "compute");
+  CHECK(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.reshard_after_forward=false"}) ==
+        "valid");  // what a pipeline's plan does anyway
+  expect(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.reshard_after_forward=false",
+                           "parallel.keep_stages_unsharded=false"}),
+         "parallel.reshard_after_forward: false keeps blocks gathered through the step, which contradicts");
+  expect(problems(base(), {"dist.cpu_binding=cores"}), "dist.cpu_binding: must be one of none | rank | compute, got \"cores\"");
+}
+
 TEST_CASE("recipe: checkpoint storage is shared or local") {
   CHECK(problems(base(), {"checkpoint.storage=local"}) == "valid");
   expect(problems(base(), {"checkpoint.storage=nfs"}), "checkpoint.storage: must be one of");

@@ -16,6 +16,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <map>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -302,6 +303,42 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
   for (const auto& dir : dirs) fs::remove_all(dir);
 }
 
+TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per step, not 4 times, and trains "
+          "bitwise alike; dist.cpu_binding binds") {
+  // Per rank-0 step: how many all-gathers of each unit, from the trace.
+  const auto gathers_per_step = [](const std::string& dir) {
+    const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
+    std::map<std::string, int> count;
+    int steps = 0;
+    for (const auto& e : trace["traceEvents"]) {
+      if (e["ph"] != "X" || e["pid"] != 0) continue;
+      const std::string name = e["name"];
+      if (name.rfind("step ", 0) == 0) ++steps;
+      const std::string gather = "all_gather fsdp all_gather ";  // the operation, then its label
+      if (name.rfind(gather, 0) == 0) ++count[name.substr(gather.size())];
+    }
+    REQUIRE(steps > 0);
+    for (auto& [unit, n] : count) {
+      CHECK(n % steps == 0);
+      n /= steps;
+    }
+    return count;
+  };
+  const std::string common = "train.steps=10 logging.interval=1 eval.interval=0 parallel.dp=2 train.grad_accum=2 --trace";
+  const auto freed = fresh_dir("reshard-true"), kept = fresh_dir("reshard-false");
+  train_run(freed, common);
+  const auto out = train_run(kept, common + " parallel.reshard_after_forward=false dist.cpu_binding=compute");
+  const auto a = gathers_per_step(freed), b = gathers_per_step(kept);
+  CHECK(a == std::map<std::string, int>{{"layers.0", 4}, {"layers.1", 4}, {"root", 2}});
+  CHECK(b == std::map<std::string, int>{{"layers.0", 1}, {"layers.1", 1}, {"root", 1}});
+  CHECK(losses(kept) == losses(freed));
+  check_same_parameters(checkpoint(freed, 10), checkpoint(kept, 10));
+  const bool bound = out.find("cpu binding (compute): rank 0's compute thread on CPU") != std::string::npos ||
+                     out.find("cpu binding (compute): not bound: 2 local ranks for 1 CPU") != std::string::npos;
+  CHECK(bound);
+  for (const auto& d : {freed, kept}) fs::remove_all(d);
+}
+
 TEST_CASE("run: activation checkpointing trains as without it, at dp 2 and at pp 2") {
   const std::string common = "train.steps=8 train.global_batch=8 logging.interval=1 eval.interval=0";
   for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=4"}) {
@@ -562,6 +599,7 @@ TEST_CASE("run: every traced step issues the same collectives in the same order 
       if (e["ph"] == "M" && e["name"] == "thread_name") track[{e["pid"], e["tid"]}] = e["args"]["name"];
     std::map<int, std::vector<std::pair<double, double>>> steps;                       // pid -> step spans
     std::map<int, std::vector<std::tuple<double, std::string>>> comms;                // pid -> (start, what)
+    std::map<int, std::set<std::string>> computed;                                    // pid -> compute span names
     for (const auto& e : trace["traceEvents"]) {
       if (e["ph"] != "X") continue;
       const int pid = e["pid"];
@@ -569,8 +607,14 @@ TEST_CASE("run: every traced step issues the same collectives in the same order 
       const double ts = e["ts"].get<double>(), dur = e["dur"].get<double>();
       if (t == "steps") steps[pid].emplace_back(ts, ts + dur);
       if (t.rfind("comm", 0) == 0) comms[pid].emplace_back(ts, t + ": " + name);
+      if (t == "compute") computed[pid].insert(name);
     }
     REQUIRE(steps.size() == 2);
+    // Pipelined, each stage's computations are on its rank's compute track (PyTorch's notation).
+    if (layout.find("parallel.pp=2") != std::string::npos) {
+      CHECK(computed[0] == std::set<std::string>{"pipeline step", "clip", "optimizer", "0F0", "0F1", "0B0", "0B1"});
+      CHECK(computed[1] == std::set<std::string>{"pipeline step", "clip", "optimizer", "1F0", "1F1", "1B0", "1B1"});
+    }
     for (auto& [pid, spans] : steps) {
       CAPTURE(pid);
       REQUIRE(spans.size() >= 3);

@@ -36,6 +36,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -57,6 +58,12 @@ struct ExecutorOptions {
   bool keep_stages_unsharded = true;
   // Multiplies each microbatch's loss in step() (0: 1 / microbatches, the mean over the step).
   double loss_scale = 0;
+  // Called after each computation (F, B, I, W) with when it began, after any receive it waited
+  // for, and when it ended: what a trace shows as the stage computing, and what a bubble is
+  // measured against (bench/run_pipeline_real_bubble.sh).
+  std::function<void(const Action&, std::chrono::system_clock::time_point begin,
+                     std::chrono::system_clock::time_point end)>
+      on_compute;
 };
 
 struct ExecutorStats {

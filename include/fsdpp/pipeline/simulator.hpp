@@ -23,7 +23,11 @@ struct Costs {
   // The first stage has no input to differentiate: with this set, its B costs B - I and its I
   // nothing, as in the executor.
   bool first_stage_skips_input_grad = false;
+  // Costs by (stage, type), used where present: stages that differ (the last one computes the
+  // loss), as measured from a trace.
+  std::map<std::pair<int, ActionType>, double> per_stage;
   double of(ActionType t, int stage = 1) const {
+    if (auto it = per_stage.find({stage, t}); it != per_stage.end()) return it->second;
     const bool skip = first_stage_skips_input_grad && stage == 0;
     switch (t) {
       case ActionType::kForward: return forward;

@@ -8,7 +8,7 @@
 //     "data": {"source": "fortunes", "seq_len": 128, "val_fraction": 0.05},
 //     "parallel": {"dp": 2, "pp": 1, "schedule": "1F1B", "microbatches": 1, "stages_per_rank": 1,
 //                  "max_outstanding_sends": 0, "keep_stages_unsharded": true,
-//                  "unshard_window": 3},
+//                  "unshard_window": 3, "reshard_after_forward": true},
 //     "precision": {"param_dtype": "float32", "reduce_dtype": "float32",
 //                   "overrides": [{"match": "*.router.gate.weight", "param_dtype": "float32"}]},
 //     "optim": {"lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 50, "weight_decay": 0.1,
@@ -18,7 +18,7 @@
 //     "eval": {"interval": 100, "batches": 8},
 //     "checkpoint": {"interval": 0, "keep": 2, "storage": "shared"},
 //     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"},
-//     "dist": {"watchdog_timeout_s": 300, "check_collectives": false}
+//     "dist": {"watchdog_timeout_s": 300, "check_collectives": false, "cpu_binding": "none"}
 //   }
 //
 // Every key has a default (the values above, from the option structs below). Validation reports
@@ -88,6 +88,12 @@ struct ParallelOptions {
   bool keep_stages_unsharded = true;
   // pp > 1: how many of a rank's stages are gathered at once (pipeline::PlanOptions::unshard_window).
   int unshard_window = 3;
+  // pp = 1: true frees each block's gathered parameters after its forward and gathers them again
+  // for backward (least memory; 2 all-gathers per block and microbatch). false gathers each block
+  // once per step and keeps it until the step's last backward (the whole model's parameters held,
+  // as under DDP; one all-gather and one reduce-scatter per block and step). With pp > 1 the plan
+  // decides (keep_stages_unsharded, which false contradicts when that is false).
+  bool reshard_after_forward = true;
 };
 
 struct DtypeOverride {
@@ -145,6 +151,10 @@ struct LoggingOptions {
 struct DistOptions {
   double watchdog_timeout_s = 300;  // an operation in flight longer: dump flight records, end the run; 0: off
   bool check_collectives = false;   // compare every collective across ranks before issuing it
+  // Where each local rank's threads run (fsdpp/base/cpu_binding.hpp): "none" (the system places
+  // them), "rank" (all of a rank's threads on its share of the CPUs) or "compute" (only the
+  // computing thread there; communication threads run wherever a CPU is idle).
+  std::string cpu_binding = "none";
 };
 
 struct Recipe {

@@ -1,0 +1,87 @@
+#include "fsdpp/base/cpu_binding.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+
+namespace fsdpp {
+
+namespace {
+
+std::vector<int> cpus_of(const cpu_set_t& set) {
+  std::vector<int> out;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) out.push_back(c);
+  return out;
+}
+
+void set_thread_cpus(pid_t tid, const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  // ESRCH: the thread ended meanwhile.
+  if (sched_setaffinity(tid, sizeof(set), &set) != 0 && errno != ESRCH)
+    throw std::runtime_error(fmt::format("cpu binding: sched_setaffinity of thread {} to CPUs {} failed: {}", tid,
+                                         fmt::join(cpus, ","), std::strerror(errno)));
+}
+
+// "CPU 1", "CPUs 2-3", "CPUs 0,2"
+std::string describe(const std::vector<int>& cpus) {
+  if (cpus.size() == 1) return fmt::format("CPU {}", cpus.front());
+  if (cpus.back() - cpus.front() + 1 == static_cast<int>(cpus.size()))
+    return fmt::format("CPUs {}-{}", cpus.front(), cpus.back());
+  return fmt::format("CPUs {}", fmt::join(cpus, ","));
+}
+
+}  // namespace
+
+CpuBinding parse_cpu_binding(const std::string& name) {
+  if (name == "none") return CpuBinding::kNone;
+  if (name == "rank") return CpuBinding::kRank;
+  if (name == "compute") return CpuBinding::kCompute;
+  throw std::invalid_argument(fmt::format("cpu binding '{}': expected none, rank or compute", name));
+}
+
+std::vector<int> thread_cpus(int tid) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(tid, sizeof(set), &set) != 0)
+    throw std::runtime_error(fmt::format("cpu binding: sched_getaffinity of thread {} failed: {}", tid, std::strerror(errno)));
+  return cpus_of(set);
+}
+
+std::vector<int> allowed_cpus() { return thread_cpus(getpid()); }
+
+std::vector<int> cpu_share(const std::vector<int>& cpus, int local_rank, int local_world) {
+  if (local_world < 1 || local_rank < 0 || local_rank >= local_world)
+    throw std::invalid_argument(fmt::format("cpu_share: local rank {} of {}", local_rank, local_world));
+  const size_t per = cpus.size() / static_cast<size_t>(local_world);
+  if (per == 0) return {};
+  return {cpus.begin() + static_cast<std::ptrdiff_t>(per * local_rank),
+          cpus.begin() + static_cast<std::ptrdiff_t>(per * (local_rank + 1))};
+}
+
+std::string bind_cpus(CpuBinding binding, int local_rank, int local_world) {
+  if (binding == CpuBinding::kNone) return "";
+  const auto cpus = allowed_cpus();
+  const auto share = cpu_share(cpus, local_rank, local_world);
+  if (share.empty())
+    return fmt::format("not bound: {} local ranks for {} CPU{}", local_world, cpus.size(), cpus.size() == 1 ? "" : "s");
+  if (binding == CpuBinding::kRank) {
+    // Every thread there is now; the threads they start later inherit the mask.
+    for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task"))
+      set_thread_cpus(std::stoi(entry.path().filename().string()), share);
+    return fmt::format("every thread on {}", describe(share));
+  }
+  set_thread_cpus(static_cast<pid_t>(syscall(SYS_gettid)), share);
+  return fmt::format("compute thread on {}", describe(share));
+}
+
+}  // namespace fsdpp

@@ -1,0 +1,100 @@
+// Binding a rank's threads to its share of the CPUs: the shares, and the masks the kernel reports
+// for the calling thread and for threads that existed before.
+#include <doctest/doctest.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <filesystem>
+#include <future>
+#include <map>
+#include <thread>
+
+#include "fsdpp/base/cpu_binding.hpp"
+
+using namespace fsdpp;
+
+namespace {
+
+int gettid_() { return static_cast<int>(syscall(SYS_gettid)); }
+
+void set_mask(int tid, const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  REQUIRE((sched_setaffinity(tid, sizeof(set), &set) == 0 || errno == ESRCH));  // ESRCH: it ended meanwhile
+}
+
+// A thread that waits until told to end, reporting its Linux thread id.
+struct Idle {
+  std::promise<int> tid;
+  std::atomic<bool> stop{false};
+  std::thread thread{[this] {
+    tid.set_value(gettid_());
+    while (!stop) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }};
+  ~Idle() {
+    stop = true;
+    thread.join();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("cpu binding: shares are equal blocks of consecutive allowed CPUs") {
+  CHECK(cpu_share({0, 1}, 0, 2) == std::vector<int>{0});
+  CHECK(cpu_share({0, 1}, 1, 2) == std::vector<int>{1});
+  CHECK(cpu_share({0, 1, 2, 3}, 1, 2) == std::vector<int>{2, 3});
+  CHECK(cpu_share({4, 6, 9}, 1, 2) == std::vector<int>{6});  // the remainder (9) unused
+  CHECK(cpu_share({0, 1, 2}, 0, 1) == std::vector<int>{0, 1, 2});
+  CHECK(cpu_share({0}, 1, 2).empty());
+  CHECK_THROWS_AS(cpu_share({0, 1}, 2, 2), std::invalid_argument);
+  CHECK(parse_cpu_binding("compute") == CpuBinding::kCompute);
+  CHECK_THROWS_WITH_AS(parse_cpu_binding("cores"), "cpu binding 'cores': expected none, rank or compute",
+                       std::invalid_argument);
+}
+
+TEST_CASE("cpu binding: compute binds the calling thread only; rank binds every thread") {
+  const auto all = allowed_cpus();
+  REQUIRE(!all.empty());
+  const int n = static_cast<int>(all.size());
+  const int last = n - 1;  // the last CPU's share when each local rank gets one CPU
+  Idle before;             // a thread that exists before the binding, like a communicator's worker
+  const int before_tid = before.tid.get_future().get();
+  const auto before_mask = thread_cpus(before_tid);
+
+  std::string said;
+  std::vector<int> own, others;
+  std::thread([&] {
+    said = bind_cpus(CpuBinding::kCompute, last, n);
+    own = thread_cpus();
+    others = thread_cpus(before_tid);
+  }).join();
+  CHECK(said == "compute thread on CPU " + std::to_string(all.back()));
+  CHECK(own == std::vector<int>{all.back()});
+  CHECK(others == before_mask);
+
+  // More ranks than CPUs: nothing is bound, and the log says why.
+  std::thread([&] {
+    said = bind_cpus(CpuBinding::kCompute, 0, n + 1);
+    own = thread_cpus();
+  }).join();
+  CHECK(said.find("not bound: " + std::to_string(n + 1) + " local ranks for") == 0);
+  CHECK(own == thread_cpus(getpid()));
+  CHECK(bind_cpus(CpuBinding::kNone, 0, 1).empty());
+
+  // rank: every thread of the process, the one made before included; then every mask back.
+  std::map<int, std::vector<int>> masks;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    const int tid = std::stoi(e.path().filename().string());
+    masks[tid] = thread_cpus(tid);
+  }
+  said = bind_cpus(CpuBinding::kRank, last, n);
+  CHECK(said == "every thread on CPU " + std::to_string(all.back()));
+  CHECK(thread_cpus() == std::vector<int>{all.back()});
+  CHECK(thread_cpus(before_tid) == std::vector<int>{all.back()});
+  for (const auto& [tid, mask] : masks) set_mask(tid, mask);
+  CHECK(thread_cpus(before_tid) == before_mask);
+}
