@@ -60,9 +60,11 @@ for round in $(seq "$rounds"); do
 import json, sys
 print("pytorch-unit-cost", json.loads(sys.stdin.read())["us_per_unit_per_step"])' >> "$results"
 done
+# Where eager PyTorch's step goes, once, after the rounds.
+$peer profile --threads 2 --accum 2 --warmup 3 --steps 5 2>/dev/null | grep '^{' > "$work/profile.json"
 
-"$python" - "$results" "$build" "$rounds" > "$out.tmp" <<'PY'
-import datetime, statistics, sys
+"$python" - "$results" "$build" "$rounds" "$work/profile.json" > "$out.tmp" <<'PY'
+import datetime, json, statistics, sys
 from collections import defaultdict
 import torch
 runs = defaultdict(list)
@@ -82,8 +84,10 @@ print("Same work on both sides: moe-small's model (4 layers, dim 128, 4 experts 
 print("parameters), global batch 32 x 128 tokens, AdamW (lr 3e-3, betas 0.9/0.95, weight decay 0.1 on")
 print("matrices), clipping at 1.0, windows of the fortunes corpus. fsdpp: `fsdpp run` on the bundled")
 print("recipes (metrics and progress included). PyTorch: `bench/torch_peer.py` on fsdpp's model written")
-print("in PyTorch (`tests/fsdp/torch_moe.py`, the same operations; bitwise the same training under FSDP2,")
-print("`tests/fsdp/test_torch_fsdp.py`), torch.optim.AdamW with its default CPU implementation,")
+print("in PyTorch (`tests/fsdp/torch_moe.py`, the same operations, attention by scaled_dot_product_attention")
+print("on both sides; fsdpp rotates q and k in one fused pass whose results are bitwise those of the")
+print("operations PyTorch runs; bitwise the same training under FSDP2, `tests/fsdp/test_torch_fsdp.py`),")
+print("torch.optim.AdamW with its default CPU implementation,")
 print("torch.nn.utils.clip_grad_norm_. Threads: 1 per rank at world 2 (the launcher's OMP_NUM_THREADS=1),")
 print("2 in one process. Throughput: tokens of the global batch per second over 20 steps after 5 warm-up")
 print("steps (10 for torch.compile), the host synchronised each step by reading the loss, as fsdpp's")
@@ -113,6 +117,15 @@ print(f"- fsdpp dp=2 / PyTorch DDP dp=2: **{ratio('fsdpp-dp2', 'pytorch-ddp-dp2'
 print(f"- fsdpp dp=1 / PyTorch eager: **{ratio('fsdpp-dp1', 'pytorch-eager-dp1'):.2f}x** (2x)")
 print(f"- fsdpp dp=1 / torch.compile: **{ratio('fsdpp-dp1', 'pytorch-compile-dp1'):.2f}x** (ahead)")
 print(f"- fsdpp pp=2 / PyTorch Schedule1F1B: **{ratio('fsdpp-pp2', 'pytorch-pp2'):.2f}x** (ahead)")
+print()
+prof = json.load(open(sys.argv[4]))
+print("Where PyTorch eager's step goes (`torch_peer.py profile`: torch.profiler over 5 steps of the eager")
+print(f"run above, 2 threads; self time per operation): a step of {prof['step_ms']:.0f} ms under the profiler, "
+      f"**{100 * prof['matmul_share']:.0f}%** in")
+print(f"matrix multiplies (mm, bmm, addmm) and {100 * prof['attention_share']:.0f}% in the fused attention kernel. Any implementation")
+print("running the same matrix-multiply kernels is at most 1 / that share faster than eager however well it")
+print(f"fuses the rest: **{prof['ceiling']:.2f}x**. Largest: " +
+      ", ".join(f"{k.replace('aten::', '')} {100 * v:.0f}%" for k, v in prof["top"][:8]) + ".")
 print()
 print("## Per-unit framework cost (200 units of Linear(8, 8), each its own unit, one rank)")
 print()

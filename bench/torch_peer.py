@@ -6,6 +6,7 @@ trainer's batch, optimizer and clipping, printing one JSON line of throughput.
     torch_peer.py train --mode eager|compile --config C  (one process, --threads 2)
     torch_peer.py pp --config C --microbatches 4         (under `fsdpp launch --nproc 2`: Schedule1F1B)
     torch_peer.py unit-cost                              (200 tiny fully_shard units, one rank)
+    torch_peer.py profile --config C                     (one process: where eager's step time goes)
 
 What PyTorch is given: torch.optim.AdamW (its default implementation for CPU tensors), lr 3e-3,
 betas (0.9, 0.95), weight decay 0.1 on matrices, torch.nn.utils.clip_grad_norm_(1.0); threads:
@@ -119,6 +120,48 @@ def train(args):
         dist.destroy_process_group()
 
 
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def profile(args):
+    """Self time of each operation over eager training steps (the `train --mode eager` step, under
+    torch.profiler): the share that matrix multiplies take bounds what any implementation running
+    the same matrix-multiply kernels can gain, 1 / share, however well it fuses the rest."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = torch_moe.MoETransformer(json.load(open(args.config)))
+    torch_moe.attach_aux(model, 1.0 / args.accum)
+    opt = optimizer(model)
+    rows = args.global_batch // args.accum
+    data = batches(corpus(), (args.warmup + args.steps) * args.accum, rows, args.seq, args.seed + 1)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        for _ in range(args.accum):
+            b = next(data)
+            (torch_moe.lm_loss(model(b[:, :-1]), b[:, 1:]) / args.accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            step()
+    self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(self_us.values())
+    matmul = sum(v for k, v in self_us.items() if k in MATMUL_OPS)
+    attention = sum(v for k, v in self_us.items() if k in ATTENTION_OPS)
+    top = sorted(self_us.items(), key=lambda kv: -kv[1])[:12]
+    print(json.dumps({"impl": "pytorch-eager-profile", "threads": args.threads, "steps": args.steps,
+                      "step_ms": total / args.steps / 1e3, "matmul_share": matmul / total,
+                      "attention_share": attention / total, "ceiling": total / matmul,
+                      "top": [[k, v / total] for k, v in top]}))
+
+
 class FirstStage(torch.nn.Module):
     def __init__(self, model, last):
         super().__init__()
@@ -230,7 +273,7 @@ def main():
     # modifies it in place, which is what this warning is about.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["train", "pp", "unit-cost"])
+    ap.add_argument("what", choices=["train", "pp", "unit-cost", "profile"])
     ap.add_argument("--mode", choices=["fsdp", "ddp", "eager", "compile"], default="eager")
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "moe-small.json"))
     ap.add_argument("--global-batch", type=int, default=32)
@@ -244,7 +287,7 @@ def main():
                     help="fsdp mode: true (FSDP2's default) or false (gather each block once per step)")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
-    {"train": train, "pp": pipelined, "unit-cost": unit_cost}[args.what](args)
+    {"train": train, "pp": pipelined, "unit-cost": unit_cost, "profile": profile}[args.what](args)
     torch_moe.exit_rank()
 
 

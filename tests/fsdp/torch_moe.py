@@ -53,21 +53,28 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(c["dim"], 3 * c["dim"], bias=False)
         self.out = nn.Linear(c["dim"], c["dim"], bias=False)
 
+    def rope_tables(self, T, hd, like):
+        """cos and sin of the rotary angles of T positions, kept between calls as fsdpp's model does."""
+        key = (T, hd, like.dtype, like.device)
+        if getattr(self, "_rope_key", None) != key:
+            with torch.no_grad():
+                f = dict(dtype=torch.float32, device=like.device)
+                inv_freq = torch.pow(self.theta, -torch.arange(0, hd, 2, **f) / hd)
+                angles = torch.outer(torch.arange(T, **f), inv_freq)
+                cos = torch.cat((angles.cos(), angles.cos()), -1).to(like.dtype)
+                sin = torch.cat((angles.sin(), angles.sin()), -1).to(like.dtype)
+            self._rope_key, self._rope = key, (cos, sin)
+        return self._rope
+
     def forward(self, x):
         B, T, D = x.shape
         hd = D // self.heads
         q, k, v = self.qkv(x).view(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
-        f = dict(dtype=torch.float32, device=x.device)
-        inv_freq = torch.pow(self.theta, -torch.arange(0, hd, 2, **f) / hd)
-        angles = torch.outer(torch.arange(T, **f), inv_freq)
-        cos = torch.cat((angles.cos(), angles.cos()), -1).to(x.dtype)
-        sin = torch.cat((angles.sin(), angles.sin()), -1).to(x.dtype)
+        cos, sin = self.rope_tables(T, hd, x)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-        att = torch.softmax(att.masked_fill(mask, float("-inf")).float(), -1).to(x.dtype)
-        return self.out(torch.matmul(att, v).transpose(1, 2).reshape(B, T, D))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
 
 
 class SwiGLU(nn.Module):

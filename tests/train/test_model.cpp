@@ -4,6 +4,8 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <limits>
+#include <tuple>
 
 #include "fsdpp/base/adopt.hpp"
 #include "fsdpp/models/moe.hpp"
@@ -246,4 +248,69 @@ TEST_CASE("lm_loss: uniform logits give ln(vocab)") {
   const auto logits = at::zeros({2, 5, 256});
   const auto targets = at::randint(256, {2, 5});
   CHECK(models::lm_loss(logits, targets).item<double>() == doctest::Approx(std::log(256.0)));
+}
+
+TEST_CASE("rotary_qkv: the fused CPU kernel gives the ATen composition's bits, values and gradients") {
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kDouble}) {
+    CAPTURE(dtype);
+    at::manual_seed(7);
+    const int64_t B = 3, T = 5, H = 2, D = 8;
+    const auto base = at::randn({B, T, 3, H, D}).to(dtype).requires_grad_();  // the qkv projection
+    const auto angles = at::randn({T, D});
+    const auto cos = angles.cos().to(dtype), sin = angles.sin().to(dtype);
+    const auto weight = at::randn({3, B, H, T, D}).to(dtype);  // a gradient that differs per element
+
+    auto run = [&](bool fused) {
+      base.mutable_grad() = at::Tensor();
+      at::Tensor q, k, v;
+      if (fused) {
+        std::tie(q, k, v) = models::rotary_qkv(base, cos, sin);
+      } else {
+        const auto parts = base.permute({2, 0, 3, 1, 4});
+        q = models::rotary_reference(parts[0], cos, sin);
+        k = models::rotary_reference(parts[1], cos, sin);
+        v = parts[2];
+      }
+      ((q * weight[0]).sum() + (k * weight[1]).sum() + (v * weight[2]).sum()).backward();
+      return std::vector<at::Tensor>{q.detach(), k.detach(), v.detach(), base.grad().clone()};
+    };
+    const auto fused = run(true), reference = run(false);
+    for (size_t i = 0; i < fused.size(); ++i) {
+      CAPTURE(i);
+      CHECK(at::equal(fused[i], reference[i]));
+    }
+    // The rotation moves values between the halves: not the identity, nor a product with cos alone.
+    CHECK_FALSE(at::allclose(fused[0], base.detach().permute({2, 0, 3, 1, 4})[0] * cos));
+  }
+  CHECK_THROWS_WITH_AS(models::rotary_qkv(at::zeros({2, 4, 3, 2, 8}), at::zeros({5, 8}), at::zeros({5, 8})),
+                       doctest::Contains("cos and sin must be [4, 8]"), c10::Error);
+}
+
+TEST_CASE("attention: the fused causal kernel equals softmax(q k^T / sqrt(d) + causal mask) v") {
+  auto c = small_config();
+  at::manual_seed(11);
+  models::Attention attn(c);
+  const int64_t B = 2, T = 7, D = c.dim, H = c.heads, hd = D / H;
+  const auto x = at::randn({B, T, D}).requires_grad_();
+  const auto y = attn->forward(x);
+
+  // The same attention with the score matrix written out.
+  const auto x2 = x.detach().clone().requires_grad_();
+  const auto qkv = attn->qkv(x2).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
+  const auto f = at::TensorOptions().dtype(at::kFloat);
+  const auto inv_freq = at::pow(c.rope_theta, -at::arange(0, hd, 2, f) / double(hd));
+  const auto angles = at::outer(at::arange(T, f), inv_freq);
+  const auto cos = at::cat({angles.cos(), angles.cos()}, -1), sin = at::cat({angles.sin(), angles.sin()}, -1);
+  const auto q = models::rotary_reference(qkv[0], cos, sin), k = models::rotary_reference(qkv[1], cos, sin);
+  auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(hd));
+  scores = scores.masked_fill(at::ones({T, T}, at::kBool).triu(1), -std::numeric_limits<double>::infinity());
+  const auto expected = attn->out(at::matmul(at::softmax(scores, -1), qkv[2]).transpose(1, 2).reshape({B, T, D}));
+  CHECK(at::allclose(y, expected, 1e-5, 1e-6));
+
+  y.pow(2).sum().backward();
+  expected.pow(2).sum().backward();
+  CHECK(at::allclose(x.grad(), x2.grad(), 1e-4, 1e-6));
+  // A second call of another length takes its own rotary tables.
+  const auto shorter = attn->forward(x.detach().narrow(1, 0, 4));
+  CHECK(at::allclose(shorter, y.detach().narrow(1, 0, 4), 1e-5, 1e-6));
 }

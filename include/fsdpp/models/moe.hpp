@@ -49,6 +49,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "fsdpp/comm/comm.hpp"
@@ -88,6 +90,12 @@ struct AttentionImpl : torch::nn::Module {
   int64_t heads;
   double rope_theta;
   torch::nn::Linear qkv{nullptr}, out{nullptr};
+
+ private:
+  // cos and sin of the rotary angles of T positions ([T, head_dim] each) in `like`'s dtype and on its
+  // device: computed on the first call of each shape and kept, since they depend on nothing else.
+  const std::pair<at::Tensor, at::Tensor>& rope_tables(int64_t T, int64_t head_dim, const at::Tensor& like);
+  std::pair<at::Tensor, at::Tensor> rope_;
 };
 TORCH_MODULE(Attention);
 
@@ -220,5 +228,20 @@ TORCH_MODULE(MoETransformer);
 
 // Mean next-token cross entropy (nats per token): logits [B, T, V], targets [B, T].
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+// Rotary position embedding of one tensor: x * cos + rotate_half(x) * sin, written as ATen
+// operations (x: [..., T, head_dim]; cos, sin: [T, head_dim]; rotate_half(x) = cat(-x2, x1)).
+at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// The attention's projection split and rotated: qkv [B, T, 3, H, head_dim] -> q', k', v, each
+// [B, H, T, head_dim], q' and k' rotated by rotary_reference. On the CPU (contiguous qkv) one pass
+// forward and one backward, writing the projection's gradient directly, where the composition of
+// ATen operations takes about five passes for the rotation (slice, neg, cat, two multiplies and an
+// add), as many again for its gradient, and three zero-filled tensors summed for the projection's.
+// Each element is the same rounded float operations as there, so values and gradients are those of
+// the composition bit for bit (a zero's sign aside: the composition adds zero-filled tensors);
+// elsewhere it is the composition.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                          const at::Tensor& sin);
 
 }  // namespace fsdpp::models

@@ -1,0 +1,113 @@
+// The attention core of the MoE model at moe-small's shape, forward and backward, three ways side
+// by side (interleaved rounds, medians), one thread unless --threads says otherwise:
+//   composed  rotary by ATen operations, scores written out: softmax(q k^T / sqrt(hd) + mask) v
+//   sdpa      rotary by ATen operations, at::scaled_dot_product_attention(is_causal)
+//   fused     models::rotary_qkv (one pass over q, k and v) and scaled_dot_product_attention: the
+//             model's path
+//   rotary-aten, rotary-fused   the rotation alone, each way
+//   fsdpp_attention_bench [--threads N] [--rounds R] [--batch B] [--seq T]
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "fsdpp/models/moe.hpp"
+
+using namespace fsdpp;
+using Clock = std::chrono::steady_clock;
+
+int main(int argc, char** argv) {
+  int threads = 1, rounds = 7;
+  int64_t B = 16, T = 128;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    const long v = std::atol(argv[i + 1]);
+    if (a == "--threads") threads = int(v);
+    else if (a == "--rounds") rounds = int(v);
+    else if (a == "--batch") B = v;
+    else if (a == "--seq") T = v;
+    else {
+      fmt::print(stderr, "attention_bench: unknown option {}\n", a);
+      return 2;
+    }
+  }
+  at::set_num_threads(threads);
+  const int64_t D = 128, H = 4, hd = D / H;  // moe-small
+  at::manual_seed(0);
+  const auto qkv = at::randn({B, T, 3, H, hd}).requires_grad_();
+  const auto f = at::TensorOptions().dtype(at::kFloat);
+  const auto angles = at::outer(at::arange(T, f), at::pow(10000.0, -at::arange(0, hd, 2, f) / double(hd)));
+  const auto cos = at::cat({angles.cos(), angles.cos()}, -1), sin = at::cat({angles.sin(), angles.sin()}, -1);
+  const auto grad = at::randn({B, H, T, hd});
+  const auto mask = at::ones({T, T}, at::kBool).triu(1);
+
+  auto aten_qkv = [&] {
+    const auto p = qkv.permute({2, 0, 3, 1, 4});
+    return std::tuple{models::rotary_reference(p[0], cos, sin), models::rotary_reference(p[1], cos, sin), p[2]};
+  };
+  std::map<std::string, std::function<at::Tensor()>> ways = {
+      {"composed",
+       [&] {
+         const auto [q, k, v] = aten_qkv();
+         auto s = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));
+         s = at::softmax(s.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+         return at::matmul(s, v);
+       }},
+      {"sdpa",
+       [&] {
+         const auto [q, k, v] = aten_qkv();
+         return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+       }},
+      {"rotary-aten",  // the rotation alone (q + k carries both gradients)
+       [&] {
+         const auto [q, k, v] = aten_qkv();
+         return q + k;
+       }},
+      {"rotary-fused",
+       [&] {
+         const auto [q, k, v] = models::rotary_qkv(qkv, cos, sin);
+         return q + k;
+       }},
+      {"fused",
+       [&] {
+         const auto [q, k, v] = models::rotary_qkv(qkv, cos, sin);
+         return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+       }},
+  };
+  const std::vector<std::string> order = {"composed", "sdpa", "fused", "rotary-aten", "rotary-fused"};
+  auto step = [&](const std::string& way) {
+    qkv.mutable_grad() = at::Tensor();
+    ways[way]().backward(grad);
+  };
+  for (const auto& w : order) step(w), step(w);
+  const int per_round = 10;
+  std::map<std::string, std::vector<double>> ms;
+  for (int r = 0; r < rounds; ++r)
+    for (const auto& w : order) {
+      const auto t0 = Clock::now();
+      for (int i = 0; i < per_round; ++i) step(w);
+      ms[w].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / per_round);
+    }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto ratio = [&](const std::string& a, const std::string& b) {
+    std::vector<double> x;
+    for (int r = 0; r < rounds; ++r) x.push_back(ms[a][size_t(r)] / ms[b][size_t(r)]);
+    return median(x);
+  };
+  for (const auto& w : order)
+    fmt::print("RESULT attention way={} batch={} seq={} dim={} heads={} threads={} fwd_bwd_ms={:.2f} "
+               "speedup_over_composed={:.2f}\n",
+               w, B, T, D, H, threads, median(ms[w]), ratio("composed", w));
+  return 0;
+}
