@@ -249,7 +249,8 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
   const auto& [cos, sin] = rope_tables(T, hd, x);
   const auto [q, k, v] = rotary_qkv(qkv(x).view({B, T, 3, heads, hd}), cos, sin);  // [B, H, T, hd] each
-  // Causal softmax(q k^T / sqrt(hd)) v in one fused kernel (flash attention on CPU and CUDA): no
+  // Causal softmax(q k^T / sqrt(hd)) v in one fused kernel (flash attention on the CPU; on CUDA the
+  // backend scaled_dot_product_attention picks): no
   // [B, H, T, T] score tensor is materialised, forward or backward.
   const auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
   return out(y.transpose(1, 2).reshape({B, T, D}));
