@@ -43,9 +43,7 @@ int main(int argc, char** argv) {
   const int64_t D = 128, H = 4, hd = D / H;  // moe-small
   at::manual_seed(0);
   const auto qkv = at::randn({B, T, 3, H, hd}).requires_grad_();
-  const auto f = at::TensorOptions().dtype(at::kFloat);
-  const auto angles = at::outer(at::arange(T, f), at::pow(10000.0, -at::arange(0, hd, 2, f) / double(hd)));
-  const auto cos = at::cat({angles.cos(), angles.cos()}, -1), sin = at::cat({angles.sin(), angles.sin()}, -1);
+  const auto [cos, sin] = models::rotary_tables(T, hd, 10000.0, at::TensorOptions().dtype(at::kFloat));
   const auto grad = at::randn({B, H, T, hd});
   const auto mask = at::ones({T, T}, at::kBool).triu(1);
 

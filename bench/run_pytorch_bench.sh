@@ -61,7 +61,7 @@ import json, sys
 print("pytorch-unit-cost", json.loads(sys.stdin.read())["us_per_unit_per_step"])' >> "$results"
 done
 # Where eager PyTorch's step goes, once, after the rounds.
-$peer profile --threads 2 --accum 2 --warmup 3 --steps 5 2>/dev/null | grep '^{' > "$work/profile.json"
+$peer profile --mode eager --threads 2 --accum 2 --warmup 3 --steps 5 2>/dev/null | grep '^{' > "$work/profile.json"
 
 "$python" - "$results" "$build" "$rounds" "$work/profile.json" > "$out.tmp" <<'PY'
 import datetime, json, statistics, sys

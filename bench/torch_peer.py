@@ -6,7 +6,7 @@ trainer's batch, optimizer and clipping, printing one JSON line of throughput.
     torch_peer.py train --mode eager|compile --config C  (one process, --threads 2)
     torch_peer.py pp --config C --microbatches 4         (under `fsdpp launch --nproc 2`: Schedule1F1B)
     torch_peer.py unit-cost                              (200 tiny fully_shard units, one rank)
-    torch_peer.py profile --config C                     (one process: where eager's step time goes)
+    torch_peer.py profile --mode eager --config C        (train's steps after --warmup under torch.profiler)
 
 What PyTorch is given: torch.optim.AdamW (its default implementation for CPU tensors), lr 3e-3,
 betas (0.9, 0.95), weight decay 0.1 on matrices, torch.nn.utils.clip_grad_norm_(1.0); threads:
@@ -93,7 +93,11 @@ def train(args):
     text = corpus()
     times, loss_value = [], 0.0
     data = batches(text, (args.warmup + args.steps) * args.accum * world, rows, args.seq, args.seed + 1)
+    measured = contextlib.ExitStack()
     for step in range(args.warmup + args.steps):
+        if step == args.warmup and args.what == "profile":  # the measured steps under torch.profiler
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            prof = measured.enter_context(torch_profile(activities=[ProfilerActivity.CPU]))
         micro = [next(data) for _ in range(args.accum * world)][rank::world]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
@@ -113,7 +117,10 @@ def train(args):
         opt.step()
         loss_value = (total / args.accum).item()
         times.append(time.perf_counter() - t0)
-    if rank == 0:
+    measured.close()
+    if rank == 0 and args.what == "profile":
+        profile_report(args, prof)
+    elif rank == 0:
         report(args, args.mode, times, args.global_batch * args.seq, loss_value, world)
     if distributed:
         dist.barrier()
@@ -125,38 +132,16 @@ ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
-def profile(args):
-    """Self time of each operation over eager training steps (the `train --mode eager` step, under
-    torch.profiler): the share that matrix multiplies take bounds what any implementation running
-    the same matrix-multiply kernels can gain, 1 / share, however well it fuses the rest."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    model = torch_moe.MoETransformer(json.load(open(args.config)))
-    torch_moe.attach_aux(model, 1.0 / args.accum)
-    opt = optimizer(model)
-    rows = args.global_batch // args.accum
-    data = batches(corpus(), (args.warmup + args.steps) * args.accum, rows, args.seq, args.seed + 1)
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        for _ in range(args.accum):
-            b = next(data)
-            (torch_moe.lm_loss(model(b[:, :-1]), b[:, 1:]) / args.accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-
-    for _ in range(args.warmup):
-        step()
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
-            step()
+def profile_report(args, prof):
+    """Self time of each operation over the measured steps: the share that matrix multiplies take
+    bounds what any implementation running the same matrix-multiply kernels can gain, 1 / share,
+    however well it fuses the rest."""
     self_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
     total = sum(self_us.values())
     matmul = sum(v for k, v in self_us.items() if k in MATMUL_OPS)
     attention = sum(v for k, v in self_us.items() if k in ATTENTION_OPS)
     top = sorted(self_us.items(), key=lambda kv: -kv[1])[:12]
-    print(json.dumps({"impl": "pytorch-eager-profile", "threads": args.threads, "steps": args.steps,
+    print(json.dumps({"impl": f"pytorch-{args.mode}-profile", "threads": args.threads, "steps": args.steps,
                       "step_ms": total / args.steps / 1e3, "matmul_share": matmul / total,
                       "attention_share": attention / total, "ceiling": total / matmul,
                       "top": [[k, v / total] for k, v in top]}))
@@ -287,7 +272,7 @@ def main():
                     help="fsdp mode: true (FSDP2's default) or false (gather each block once per step)")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
-    {"train": train, "pp": pipelined, "unit-cost": unit_cost, "profile": profile}[args.what](args)
+    {"train": train, "pp": pipelined, "unit-cost": unit_cost, "profile": train}[args.what](args)
     torch_moe.exit_rank()
 
 

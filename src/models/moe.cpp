@@ -232,16 +232,11 @@ AttentionImpl::AttentionImpl(const MoEConfig& c) : heads(c.heads), rope_theta(c.
 }
 
 const std::pair<at::Tensor, at::Tensor>& AttentionImpl::rope_tables(int64_t T, int64_t hd, const at::Tensor& like) {
-  auto& [cos, sin] = rope_;
+  const auto& cos = rope_.first;
   if (cos.defined() && cos.size(0) == T && cos.size(1) == hd && cos.scalar_type() == like.scalar_type() &&
       cos.device() == like.device())
     return rope_;
-  at::NoGradGuard no_grad;
-  const auto f = at::TensorOptions().dtype(at::kFloat).device(like.device());
-  const auto inv_freq = at::pow(rope_theta, -at::arange(0, hd, 2, f) / double(hd));
-  const auto angles = at::outer(at::arange(T, f), inv_freq);  // [T, hd/2]
-  cos = at::cat({angles.cos(), angles.cos()}, -1).to(like.scalar_type());
-  sin = at::cat({angles.sin(), angles.sin()}, -1).to(like.scalar_type());
+  rope_ = rotary_tables(T, hd, rope_theta, like.options());
   return rope_;
 }
 
@@ -522,6 +517,15 @@ void MoETransformerImpl::wrap_blocks(const std::function<torch::nn::AnyModule(co
     layers->replace_module(std::to_string(layer), calls_[i].ptr());
   }
   wrapped_ = true;
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t hd, double theta, at::TensorOptions options) {
+  at::NoGradGuard no_grad;
+  const auto f = options.dtype(at::kFloat);
+  const auto inv_freq = at::pow(theta, -at::arange(0, hd, 2, f) / double(hd));
+  const auto angles = at::outer(at::arange(T, f), inv_freq);  // [T, hd/2]
+  return {at::cat({angles.cos(), angles.cos()}, -1).to(options.dtype()),
+          at::cat({angles.sin(), angles.sin()}, -1).to(options.dtype())};
 }
 
 at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

@@ -297,10 +297,7 @@ TEST_CASE("attention: the fused causal kernel equals softmax(q k^T / sqrt(d) + c
   // The same attention with the score matrix written out.
   const auto x2 = x.detach().clone().requires_grad_();
   const auto qkv = attn->qkv(x2).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
-  const auto f = at::TensorOptions().dtype(at::kFloat);
-  const auto inv_freq = at::pow(c.rope_theta, -at::arange(0, hd, 2, f) / double(hd));
-  const auto angles = at::outer(at::arange(T, f), inv_freq);
-  const auto cos = at::cat({angles.cos(), angles.cos()}, -1), sin = at::cat({angles.sin(), angles.sin()}, -1);
+  const auto [cos, sin] = models::rotary_tables(T, hd, c.rope_theta, at::TensorOptions().dtype(at::kFloat));
   const auto q = models::rotary_reference(qkv[0], cos, sin), k = models::rotary_reference(qkv[1], cos, sin);
   auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(hd));
   scores = scores.masked_fill(at::ones({T, T}, at::kBool).triu(1), -std::numeric_limits<double>::infinity());

@@ -229,6 +229,10 @@ TORCH_MODULE(MoETransformer);
 // Mean next-token cross entropy (nats per token): logits [B, T, V], targets [B, T].
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
 
+// cos and sin of the rotary angles of T positions, each [T, head_dim] (the head_dim / 2 angles
+// position * theta^(-2j / head_dim), repeated twice), computed in float32 and given `options`' dtype.
+std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t head_dim, double theta, at::TensorOptions options);
+
 // Rotary position embedding of one tensor: x * cos + rotate_half(x) * sin, written as ATen
 // operations (x: [..., T, head_dim]; cos, sin: [T, head_dim]; rotate_half(x) = cat(-x2, x1)).
 at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
