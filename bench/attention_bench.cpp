@@ -9,8 +9,6 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
-#include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -20,9 +18,9 @@
 #include <vector>
 
 #include "fsdpp/models/moe.hpp"
+#include "interleaved.hpp"
 
 using namespace fsdpp;
-using Clock = std::chrono::steady_clock;
 
 int main(int argc, char** argv) {
   int threads = 1, rounds = 7;
@@ -85,27 +83,10 @@ int main(int argc, char** argv) {
     qkv.mutable_grad() = at::Tensor();
     ways[way]().backward(grad);
   };
-  for (const auto& w : order) step(w), step(w);
-  const int per_round = 10;
-  std::map<std::string, std::vector<double>> ms;
-  for (int r = 0; r < rounds; ++r)
-    for (const auto& w : order) {
-      const auto t0 = Clock::now();
-      for (int i = 0; i < per_round; ++i) step(w);
-      ms[w].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / per_round);
-    }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  auto ratio = [&](const std::string& a, const std::string& b) {
-    std::vector<double> x;
-    for (int r = 0; r < rounds; ++r) x.push_back(ms[a][size_t(r)] / ms[b][size_t(r)]);
-    return median(x);
-  };
+  const auto t = bench::interleave(order, step, rounds, /*per_round=*/10);
   for (const auto& w : order)
     fmt::print("RESULT attention way={} batch={} seq={} dim={} heads={} threads={} fwd_bwd_ms={:.2f} "
                "speedup_over_composed={:.2f}\n",
-               w, B, T, D, H, threads, median(ms[w]), ratio("composed", w));
+               w, B, T, D, H, threads, t.median_ms(w), t.ratio("composed", w));
   return 0;
 }

@@ -1,9 +1,6 @@
 #include "fsdpp/models/moe.hpp"
 
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/TensorIterator.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/init.h>
 
@@ -11,6 +8,7 @@
 #include <tuple>
 
 #include "fsdpp/comm/flight_recorder.hpp"
+#include "fsdpp/models/kernels.hpp"
 
 namespace fsdpp::models {
 
@@ -83,92 +81,6 @@ std::vector<int64_t> sums_of(const int64_t* v, int64_t count, int64_t n) {
   return out;
 }
 
-at::Tensor rotate_half(const at::Tensor& x) {
-  const auto half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
-// Rotates x into y, both [B, H, T, D] with any strides; cos and sin are [T, D]. With lo and hi the
-// first and second halves of the last dimension, forward:
-//   y_lo = x_lo c_lo - x_hi s_lo,   y_hi = x_hi c_hi + x_lo s_hi
-// and backward (x the output's gradient, y the input's):
-//   y_lo = x_lo c_lo + x_hi s_hi,   y_hi = x_hi c_hi - x_lo s_lo
-// Every product and sum is rounded to the tensors' dtype as ATen rounds each operation's result
-// (a - b and a + (-b) are the same IEEE operation), which is what makes the results those of
-// rotary_reference bit for bit. A TensorIterator lays out the loop and runs it on ATen's intra-op threads.
-void rotate_into(const at::Tensor& x, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
-  const int64_t h = x.size(3) / 2;
-  auto lo = [h](const at::Tensor& t) { return t.narrow(-1, 0, h); };
-  auto hi = [h](const at::Tensor& t) { return t.narrow(-1, h, h); };
-  const at::Tensor halves[] = {lo(y), hi(y), lo(x), hi(x), lo(cos), hi(cos), lo(sin), hi(sin)};
-  at::TensorIteratorConfig config;
-  config.add_output(halves[0]).add_output(halves[1]).resize_outputs(false);
-  for (int k = 2; k < 8; ++k) config.add_const_input(halves[k]);
-  auto iter = config.build();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fsdpp_rotary", [&] {
-    using T = scalar_t;
-    using M = at::opmath_type<T>;
-    auto mul = [](T a, T b) { return static_cast<T>(static_cast<M>(a) * static_cast<M>(b)); };
-    auto add = [](T a, T b) { return static_cast<T>(static_cast<M>(a) + static_cast<M>(b)); };
-    auto sub = [](T a, T b) { return static_cast<T>(static_cast<M>(a) - static_cast<M>(b)); };
-    iter.for_each([&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {
-      constexpr int kTensors = 8;
-      for (int64_t j = 0; j < n1; ++j) {
-        char* p[kTensors];
-        for (int k = 0; k < kTensors; ++k) p[k] = data[k] + j * strides[kTensors + k];
-        for (int64_t i = 0; i < n0; ++i) {
-          auto v = [&](int k) -> T& { return *reinterpret_cast<T*>(p[k] + i * strides[k]); };
-          const T x_lo = v(2), x_hi = v(3), c_lo = v(4), c_hi = v(5), s_lo = v(6), s_hi = v(7);
-          if (!backward) {
-            v(0) = sub(mul(x_lo, c_lo), mul(x_hi, s_lo));
-            v(1) = add(mul(x_hi, c_hi), mul(x_lo, s_hi));
-          } else {
-            v(0) = add(mul(x_lo, c_lo), mul(x_hi, s_hi));
-            v(1) = sub(mul(x_hi, c_hi), mul(x_lo, s_lo));
-          }
-        }
-      }
-    });
-  });
-}
-
-// [B, T, 3, H, D] -> its q, k or v part as a [B, H, T, D] view.
-at::Tensor part(const at::Tensor& qkv, int64_t i) { return qkv.select(2, i).permute({0, 2, 1, 3}); }
-
-// The attention's projection [B, T, 3, H, D] (contiguous) -> rotated q, rotated k and v, each
-// [B, H, T, D]. Its backward writes the projection's gradient in one pass, where the
-// composition of selects, permutes and rotate_half builds it from three zero-filled tensors summed.
-struct RotaryQKV : torch::autograd::Function<RotaryQKV> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv,
-                                                const at::Tensor& cos, const at::Tensor& sin) {
-    ctx->saved_data["cos"] = cos;
-    ctx->saved_data["sin"] = sin;
-    // Laid out [B, T, H, D] in memory, as the attention kernel keeps its own tensors.
-    const auto layout = [&] { return at::empty({qkv.size(0), qkv.size(1), qkv.size(3), qkv.size(4)}, qkv.options()); };
-    auto rq = layout().permute({0, 2, 1, 3}), rk = layout().permute({0, 2, 1, 3});
-    rotate_into(part(qkv, 0), rq, cos, sin, false);
-    rotate_into(part(qkv, 1), rk, cos, sin, false);
-    return {rq, rk, layout().copy_(qkv.select(2, 2)).permute({0, 2, 1, 3})};
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto cos = ctx->saved_data["cos"].toTensor(), sin = ctx->saved_data["sin"].toTensor();
-    const auto& like = grads[0].defined() ? grads[0] : grads[1].defined() ? grads[1] : grads[2];
-    const int64_t B = like.size(0), H = like.size(1), T = like.size(2), D = like.size(3);
-    auto g = at::empty({B, T, 3, H, D}, like.options().memory_format(at::MemoryFormat::Contiguous));
-    for (int64_t i = 0; i < 3; ++i) {
-      const auto slot = part(g, i);
-      if (!grads[i].defined())
-        slot.zero_();
-      else if (i < 2)
-        rotate_into(grads[i], slot, cos, sin, true);
-      else
-        slot.copy_(grads[i]);
-    }
-    return {g, at::Tensor(), at::Tensor()};
-  }
-};
-
 void init_normal(at::Tensor& w, double std) {
   at::NoGradGuard g;
   w.normal_(0.0, std);
@@ -213,15 +125,12 @@ int64_t MoEConfig::parameter_count() const {
   return n;
 }
 
-RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps_, bool fused_) : eps(eps_), fused(fused_) {
   weight = register_parameter("weight", at::ones({dim}));
 }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
-  // Normalise in float32 whatever the compute dtype; the result takes the input's dtype.
-  const auto xf = x.to(at::kFloat);
-  const auto y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return (y * weight.to(at::kFloat)).to(x.scalar_type());
+  return fused ? rms_norm(x, weight, eps) : rms_norm_reference(x, weight, eps);
 }
 
 AttentionImpl::AttentionImpl(const MoEConfig& c) : heads(c.heads), rope_theta(c.rope_theta) {
@@ -251,35 +160,39 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   return out(y.transpose(1, 2).reshape({B, T, D}));
 }
 
-SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden) {
+SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_) : fused(fused_) {
   auto lin = [](int64_t i, int64_t o) { return torch::nn::Linear(torch::nn::LinearOptions(i, o).bias(false)); };
   w1 = register_module("w1", lin(dim, hidden));
   w3 = register_module("w3", lin(dim, hidden));
   w2 = register_module("w2", lin(hidden, dim));
 }
 
-at::Tensor SwiGLUImpl::forward(const at::Tensor& x) { return w2(at::silu(w1(x)) * w3(x)); }
+at::Tensor SwiGLUImpl::forward(const at::Tensor& x) {
+  return w2(fused ? swiglu(w1(x), w3(x)) : swiglu_reference(w1(x), w3(x)));
+}
 
-ExpertsImpl::ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden) {
+ExpertsImpl::ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden, bool fused_) : fused(fused_) {
   w1 = register_parameter("w1", at::empty({experts, hidden, dim}));
   w3 = register_parameter("w3", at::empty({experts, hidden, dim}));
   w2 = register_parameter("w2", at::empty({experts, dim, hidden}));
 }
 
+at::Tensor ExpertsImpl::glu(const at::Tensor& a, const at::Tensor& b) const {
+  return fused ? swiglu(a, b) : swiglu_reference(a, b);
+}
+
 at::Tensor ExpertsImpl::forward_one(int64_t e, const at::Tensor& x) {
-  const auto h = at::silu(at::matmul(x, w1[e].t())) * at::matmul(x, w3[e].t());
-  return at::matmul(h, w2[e].t());
+  return at::matmul(glu(at::matmul(x, w1[e].t()), at::matmul(x, w3[e].t())), w2[e].t());
 }
 
 at::Tensor ExpertsImpl::forward_batched(const at::Tensor& x) {
-  const auto h = at::silu(at::bmm(x, w1.transpose(1, 2))) * at::bmm(x, w3.transpose(1, 2));
-  return at::bmm(h, w2.transpose(1, 2));
+  return at::bmm(glu(at::bmm(x, w1.transpose(1, 2)), at::bmm(x, w3.transpose(1, 2))), w2.transpose(1, 2));
 }
 
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& offsets) {
   if (!offsets.defined()) return forward_batched(x);
   if (x.is_cpu()) {
-    const auto h = at::silu(at::_grouped_mm(x, w1.transpose(1, 2), offsets)) * at::_grouped_mm(x, w3.transpose(1, 2), offsets);
+    const auto h = glu(at::_grouped_mm(x, w1.transpose(1, 2), offsets), at::_grouped_mm(x, w3.transpose(1, 2), offsets));
     return at::_grouped_mm(h, w2.transpose(1, 2), offsets);
   }
   const auto ends = offsets.to(at::kCPU).to(at::kLong);
@@ -296,13 +209,13 @@ RouterImpl::RouterImpl(int64_t dim, int64_t experts) {
 
 MoEImpl::MoEImpl(const MoEConfig& c, std::shared_ptr<RouterStats> s) : config(c), stats(std::move(s)) {
   router = register_module("router", Router(c.dim, c.experts));
-  experts = register_module("experts", Experts(c.experts, c.dim, c.expert_hidden));
+  experts = register_module("experts", Experts(c.experts, c.dim, c.expert_hidden, c.fused_kernels));
   init_normal(router->gate->weight, c.init_std);
   init_normal(experts->w1, c.init_std);
   init_normal(experts->w3, c.init_std);
   init_normal(experts->w2, c.init_std / std::sqrt(2.0 * double(c.layers)));
   if (c.shared_expert) {
-    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden));
+    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden, c.fused_kernels));
     init_normal(shared->w1->weight, c.init_std);
     init_normal(shared->w3->weight, c.init_std);
     init_normal(shared->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -438,13 +351,13 @@ void MoEImpl::wrap_experts(torch::nn::AnyModule wrapper) {
 }
 
 BlockImpl::BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterStats> stats) {
-  attn_norm = register_module("attn_norm", RMSNorm(c.dim, c.norm_eps));
+  attn_norm = register_module("attn_norm", RMSNorm(c.dim, c.norm_eps, c.fused_kernels));
   attn = register_module("attn", Attention(c));
-  ffn_norm = register_module("ffn_norm", RMSNorm(c.dim, c.norm_eps));
+  ffn_norm = register_module("ffn_norm", RMSNorm(c.dim, c.norm_eps, c.fused_kernels));
   if (c.is_moe_layer(index)) {
     moe = register_module("moe", MoE(c, std::move(stats)));
   } else {
-    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden));
+    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden, c.fused_kernels));
     init_normal(mlp->w1->weight, c.init_std);
     init_normal(mlp->w3->weight, c.init_std);
     init_normal(mlp->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -467,7 +380,7 @@ MoETransformerImpl::MoETransformerImpl(const MoEConfig& c)
     calls_.emplace_back(blocks_.back());
     layers->register_module(std::to_string(i), blocks_.back().ptr());
   }
-  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
+  norm = register_module("norm", RMSNorm(c.dim, c.norm_eps, c.fused_kernels));
   head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab_size).bias(false)));
   init_normal(head->weight, c.init_std);
 }
@@ -517,34 +430,6 @@ void MoETransformerImpl::wrap_blocks(const std::function<torch::nn::AnyModule(co
     layers->replace_module(std::to_string(layer), calls_[i].ptr());
   }
   wrapped_ = true;
-}
-
-std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t hd, double theta, at::TensorOptions options) {
-  at::NoGradGuard no_grad;
-  const auto f = options.dtype(at::kFloat);
-  const auto inv_freq = at::pow(theta, -at::arange(0, hd, 2, f) / double(hd));
-  const auto angles = at::outer(at::arange(T, f), inv_freq);  // [T, hd/2]
-  return {at::cat({angles.cos(), angles.cos()}, -1).to(options.dtype()),
-          at::cat({angles.sin(), angles.sin()}, -1).to(options.dtype())};
-}
-
-at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  return x * cos + rotate_half(x) * sin;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos,
-                                                          const at::Tensor& sin) {
-  TORCH_CHECK(qkv.dim() == 5 && qkv.size(2) == 3 && qkv.size(4) % 2 == 0,
-              "rotary_qkv: expected [B, T, 3, H, D] with an even D, got ", qkv.sizes());
-  const int64_t T = qkv.size(1), D = qkv.size(4);
-  TORCH_CHECK(cos.sizes() == at::IntArrayRef({T, D}) && sin.sizes() == cos.sizes(), "rotary_qkv: cos and sin must be [",
-              T, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
-  const bool fused = qkv.is_cpu() && qkv.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
-                     sin.scalar_type() == qkv.scalar_type() && cos.is_contiguous() && sin.is_contiguous() &&
-                     !cos.requires_grad() && !sin.requires_grad();
-  if (!fused) return {rotary_reference(part(qkv, 0), cos, sin), rotary_reference(part(qkv, 1), cos, sin), part(qkv, 2)};
-  auto out = RotaryQKV::apply(qkv, cos, sin);
-  return {out[0], out[1], out[2]};
 }
 
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {

@@ -191,7 +191,9 @@ def main():
         torch_rank(sys.argv[2], sys.argv[3])
         torch_moe.exit_rank()
     fsdpp, steps_bin = sys.argv[1], sys.argv[2]
-    base = json.load(open(CONFIG))
+    # fsdpp's side computes RMSNorm and SwiGLU by the ATen compositions PyTorch's modules are
+    # written as (its single-pass kernels round differently: tests/train/test_model.cpp bounds that).
+    base = {**json.load(open(CONFIG)), "fused_kernels": False}
     configs = {"moe": base, "dense": {**base, "experts": 0}}
     torch.manual_seed(1234)
     weights = {name: torch_moe.MoETransformer(c).state_dict() for name, c in configs.items()}

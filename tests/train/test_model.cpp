@@ -1,13 +1,17 @@
 // The MoE model: routing (top-k, capacity, dropped tokens), auxiliary losses against hand-computed
 // values, dispatch against a per-token loop, the auxiliary-loss gradient path, causality, stages.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 #include "fsdpp/base/adopt.hpp"
+#include "fsdpp/models/kernels.hpp"
 #include "fsdpp/models/moe.hpp"
 
 using namespace fsdpp;
@@ -310,4 +314,129 @@ TEST_CASE("attention: the fused causal kernel equals softmax(q k^T / sqrt(d) + c
   // A second call of another length takes its own rotary tables.
   const auto shorter = attn->forward(x.detach().narrow(1, 0, 4));
   CHECK(at::allclose(shorter, y.detach().narrow(1, 0, 4), 1e-5, 1e-6));
+}
+
+namespace {
+
+// Largest |a - b| / (|b| + floor) over the elements: a relative bound that does not blow up at 0.
+double worst(const at::Tensor& a, const at::Tensor& b, double floor) {
+  const auto af = a.to(at::kDouble), bf = b.to(at::kDouble);
+  return ((af - bf).abs() / (bf.abs() + floor)).max().item<double>();
+}
+
+// f on x (and w) at 1 and at 2 intra-op threads: the values and input gradients must be the same bits.
+void check_thread_independent(const std::function<at::Tensor(const at::Tensor&)>& f, const at::Tensor& x) {
+  const int before = at::get_num_threads();
+  std::vector<at::Tensor> out;
+  for (int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    const auto xi = x.detach().clone().requires_grad_();
+    const auto y = f(xi);
+    y.backward(at::ones_like(y));
+    out.push_back(y.detach());
+    out.push_back(xi.grad());
+  }
+  at::set_num_threads(before);
+  CHECK(at::equal(out[0], out[2]));
+  CHECK(at::equal(out[1], out[3]));
+}
+
+}  // namespace
+
+TEST_CASE("rms_norm: the fused CPU kernel agrees with the ATen composition, values and gradients") {
+  at::manual_seed(5);
+  // Rows that split into several blocks and thread ranges, a width that is no multiple of the
+  // vector lanes, a transposed (non-contiguous) input, and bfloat16 with a float32 gain.
+  struct Case {
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+    bool transposed;
+    double bound_y, bound_dx, bound_dw;
+  };
+  for (const Case& k : {Case{{3, 5, 128}, at::kFloat, false, 2e-6, 2e-5, 1e-4}, Case{{4100, 37}, at::kFloat, false, 2e-6, 2e-5, 1e-4},
+                        Case{{37, 70}, at::kFloat, true, 2e-6, 2e-5, 1e-4},
+                        Case{{6, 33, 128}, at::kBFloat16, false, 1e-2, 1e-2, 1e-4}}) {
+    CAPTURE(k.shape);
+    auto x = (3 * at::randn(k.shape)).to(k.dtype);
+    if (k.transposed) x = x.t();
+    const int64_t D = x.size(-1);
+    const auto w = (1 + 0.5 * at::randn({D})).requires_grad_();
+    const auto g = at::randn(x.sizes()).to(k.dtype);
+    const auto x1 = x.clone().requires_grad_(), x2 = x.clone().requires_grad_();
+    const auto w1 = w.detach().clone().requires_grad_(), w2 = w.detach().clone().requires_grad_();
+    REQUIRE(x1.is_contiguous() != k.transposed);
+    const auto y1 = models::rms_norm(x1, w1, 1e-5);
+    const auto y2 = models::rms_norm_reference(x2, w2, 1e-5);
+    REQUIRE((y1.scalar_type() == k.dtype));
+    CHECK(worst(y1, y2, 1e-2) < k.bound_y);
+    y1.backward(g);
+    y2.backward(g);
+    REQUIRE((x1.grad().scalar_type() == k.dtype));
+    CHECK(worst(x1.grad(), x2.grad(), 1e-2) < k.bound_dx);
+    // The gain's gradient, a float32 sum over every row in both.
+    CHECK(worst(w1.grad(), w2.grad(), 1e-2) < k.bound_dw);
+  }
+  const auto w = at::rand({128}) + 0.5;
+  check_thread_independent([&](const at::Tensor& x) { return models::rms_norm(x, w, 1e-5); }, at::randn({3000, 128}));
+  // A row of zeros normalises to zeros (eps keeps it finite), a NaN stays in its row.
+  auto x = at::randn({3, 64});
+  x[0].zero_();
+  x[1][7] = std::numeric_limits<float>::quiet_NaN();
+  const auto y = models::rms_norm(x, at::ones({64}), 1e-5);
+  CHECK(at::equal(y[0], at::zeros({64})));
+  CHECK(y[1].isnan().all().item<bool>());
+  CHECK(at::allclose(y[2], models::rms_norm_reference(x[2], at::ones({64}), 1e-5), 1e-6, 1e-7));
+  CHECK_THROWS_WITH_AS(models::rms_norm(x, at::ones({63}), 1e-5), doctest::Contains("last dimension"), c10::Error);
+}
+
+TEST_CASE("swiglu: the fused CPU kernel agrees with silu(a) * b, values and gradients, across exp's range") {
+  at::manual_seed(6);
+  // a over [-100, 100] (exp's clamping and the whole sigmoid), b random; an odd length.
+  const int64_t n = 20011;
+  const auto a = at::linspace(-100, 100, n).requires_grad_(), b = at::randn({n}).requires_grad_();
+  const auto a2 = a.detach().clone().requires_grad_(), b2 = b.detach().clone().requires_grad_();
+  const auto g = at::randn({n});
+  const auto y = models::swiglu(a, b), expected = models::swiglu_reference(a2, b2);
+  CHECK(worst(y, expected, 1e-30) < 1e-5);
+  y.backward(g);
+  expected.backward(g);
+  CHECK(worst(a.grad(), a2.grad(), 1e-30) < 1e-4);
+  CHECK(worst(b.grad(), b2.grad(), 1e-30) < 1e-5);
+  // Where the values are ordinary, a few float32 ulps.
+  const auto mid = (at::randn({4, 1000}) * 4).requires_grad_(), other = at::randn({4, 1000});
+  const auto mid2 = mid.detach().clone().requires_grad_();
+  const auto ym = models::swiglu(mid, other), ym2 = models::swiglu_reference(mid2, other);
+  CHECK(worst(ym, ym2, 1e-6) < 1e-6);
+  ym.sum().backward();
+  ym2.sum().backward();
+  CHECK(worst(mid.grad(), mid2.grad(), 1e-2) < 1e-5);  // the floor: d silu / da crosses zero
+  const auto nan = models::swiglu(at::full({3}, std::numeric_limits<float>::quiet_NaN()), at::ones({3}));
+  CHECK(nan.isnan().all().item<bool>());
+  const auto bb = at::randn({5000});
+  check_thread_independent([&](const at::Tensor& x) { return models::swiglu(x, bb); }, at::randn({5000}) * 5);
+}
+
+TEST_CASE("model: fused_kernels changes only the rounding (logits and gradients against the compositions)") {
+  auto c = small_config();
+  c.dense_layers = 1;
+  at::manual_seed(12);
+  models::MoETransformer fused(c);
+  c.fused_kernels = false;
+  models::MoETransformer plain(c);
+  {
+    at::NoGradGuard ng;
+    const auto from = fused->named_parameters(), to = plain->named_parameters();
+    for (const auto& p : from) to[p.key()].copy_(p.value());
+  }
+  const auto tokens = at::randint(0, c.vocab_size, {3, 9});
+  const auto lf = fused->forward(tokens), lp = plain->forward(tokens);
+  CHECK(worst(lf, lp, 1e-3) < 1e-5);
+  CHECK_FALSE(at::equal(lf, lp));  // the kernels did run
+  models::lm_loss(lf, tokens).backward();
+  models::lm_loss(lp, tokens).backward();
+  const auto pf = fused->named_parameters(), pp = plain->named_parameters();
+  for (const auto& p : pf) {
+    CAPTURE(p.key());
+    CHECK(worst(p.value().grad(), pp[p.key()].grad(), 1e-4) < 1e-3);
+  }
 }

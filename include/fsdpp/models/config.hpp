@@ -28,6 +28,10 @@ struct MoEConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   double init_std = 0.02;
+  // RMSNorm and SwiGLU's silu(a) * b as single-pass kernels on the CPU (models/kernels.hpp); false:
+  // the ATen compositions, bit for bit what PyTorch's eager modules compute. How the model computes,
+  // not what it is: not part of a checkpoint's model description.
+  bool fused_kernels = true;
 
   bool is_moe_layer(int64_t i) const { return experts > 0 && i >= dense_layers; }
   int64_t parameter_count() const;

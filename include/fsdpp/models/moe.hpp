@@ -55,6 +55,7 @@
 
 #include "fsdpp/comm/comm.hpp"
 #include "fsdpp/models/config.hpp"
+#include "fsdpp/models/kernels.hpp"
 
 namespace fsdpp::models {
 
@@ -76,11 +77,13 @@ struct RouterStats {
   double dropped_fraction() const;
 };
 
+// `fused`: models::rms_norm's single-pass kernel, else the composition (see models/kernels.hpp).
 struct RMSNormImpl : torch::nn::Module {
-  RMSNormImpl(int64_t dim, double eps);
+  RMSNormImpl(int64_t dim, double eps, bool fused = true);
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
   double eps;
+  bool fused;
 };
 TORCH_MODULE(RMSNorm);
 
@@ -100,16 +103,17 @@ struct AttentionImpl : torch::nn::Module {
 TORCH_MODULE(Attention);
 
 struct SwiGLUImpl : torch::nn::Module {
-  SwiGLUImpl(int64_t dim, int64_t hidden);
+  SwiGLUImpl(int64_t dim, int64_t hidden, bool fused = true);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear w1{nullptr}, w3{nullptr}, w2{nullptr};
+  bool fused;  // silu(w1 x) * w3 x by models::swiglu's kernel, else the composition
 };
 TORCH_MODULE(SwiGLU);
 
 // E SwiGLU experts as stacked tensors: w1, w3 are [E, hidden, dim], w2 is [E, dim, hidden]. Under
 // expert parallelism E is this rank's share of the layer's experts.
 struct ExpertsImpl : torch::nn::Module {
-  ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden);
+  ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden, bool fused = true);
   // One expert on the rows routed to it.
   at::Tensor forward_one(int64_t e, const at::Tensor& x);
   // Every expert on its [capacity, dim] slot block: x is [E, C, dim].
@@ -120,6 +124,10 @@ struct ExpertsImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& offsets);
   int64_t count() const { return w1.size(0); }
   at::Tensor w1, w3, w2;
+  bool fused;  // silu(x w1^T) * x w3^T by models::swiglu's kernel, else the composition
+
+ private:
+  at::Tensor glu(const at::Tensor& a, const at::Tensor& b) const;
 };
 TORCH_MODULE(Experts);
 
@@ -228,24 +236,5 @@ TORCH_MODULE(MoETransformer);
 
 // Mean next-token cross entropy (nats per token): logits [B, T, V], targets [B, T].
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
-
-// cos and sin of the rotary angles of T positions, each [T, head_dim] (the head_dim / 2 angles
-// position * theta^(-2j / head_dim), repeated twice), computed in float32 and given `options`' dtype.
-std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t head_dim, double theta, at::TensorOptions options);
-
-// Rotary position embedding of one tensor: x * cos + rotate_half(x) * sin, written as ATen
-// operations (x: [..., T, head_dim]; cos, sin: [T, head_dim]; rotate_half(x) = cat(-x2, x1)).
-at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-
-// The attention's projection split and rotated: qkv [B, T, 3, H, head_dim] -> q', k', v, each
-// [B, H, T, head_dim], q' and k' rotated by rotary_reference. On the CPU (contiguous qkv) one pass
-// forward and one backward, writing the projection's gradient directly, where the composition of
-// ATen operations takes about five passes for the rotation (slice, neg, cat, two multiplies and an
-// add), as many again for its gradient, and three zero-filled tensors summed for the projection's.
-// Each element is the same rounded float operations as there, so values and gradients are those of
-// the composition bit for bit (a zero's sign aside: the composition adds zero-filled tensors);
-// elsewhere it is the composition.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos,
-                                                          const at::Tensor& sin);
 
 }  // namespace fsdpp::models

@@ -1,0 +1,64 @@
+// The model's elementwise kernels (models/kernels.hpp) against the ATen compositions they stand
+// for, forward and backward, at moe-small's shapes (one dp 1 step's 32 x 128 tokens; the dense
+// SwiGLU's hidden 384), side by side (interleaved rounds, medians), one thread unless --threads:
+//   rms_norm-aten, rms_norm-fused   [rows, 128], weight [128]
+//   swiglu-aten, swiglu-fused        silu(a) * b, a and b [rows, 384]
+//   fsdpp_kernels_bench [--threads N] [--rounds R] [--rows N] [--bf16 1]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "fsdpp/models/kernels.hpp"
+#include "interleaved.hpp"
+
+using namespace fsdpp;
+
+int main(int argc, char** argv) {
+  int threads = 1, rounds = 7;
+  int64_t rows = 32 * 128;
+  bool bf16 = false;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    const long v = std::atol(argv[i + 1]);
+    if (a == "--threads") threads = int(v);
+    else if (a == "--rounds") rounds = int(v);
+    else if (a == "--rows") rows = v;
+    else if (a == "--bf16") bf16 = v != 0;
+    else {
+      fmt::print(stderr, "kernels_bench: unknown option {}\n", a);
+      return 2;
+    }
+  }
+  at::set_num_threads(threads);
+  const int64_t dim = 128, hidden = 384;  // moe-small
+  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  at::manual_seed(0);
+  const auto x = at::randn({rows, dim}).to(dtype).requires_grad_();
+  const auto w = (1 + 0.1 * at::randn({dim})).requires_grad_();
+  const auto a = at::randn({rows, hidden}).to(dtype).requires_grad_(), b = at::randn({rows, hidden}).to(dtype).requires_grad_();
+  const auto gx = at::randn({rows, dim}).to(dtype), gh = at::randn({rows, hidden}).to(dtype);
+  std::map<std::string, std::function<void()>> ways = {
+      {"rms_norm-aten", [&] { models::rms_norm_reference(x, w, 1e-5).backward(gx); }},
+      {"rms_norm-fused", [&] { models::rms_norm(x, w, 1e-5).backward(gx); }},
+      {"swiglu-aten", [&] { models::swiglu_reference(a, b).backward(gh); }},
+      {"swiglu-fused", [&] { models::swiglu(a, b).backward(gh); }},
+  };
+  const std::vector<std::string> order = {"rms_norm-aten", "rms_norm-fused", "swiglu-aten", "swiglu-fused"};
+  auto call = [&](const std::string& way) {
+    for (const auto* t : {&x, &w, &a, &b}) const_cast<at::Tensor&>(*t).mutable_grad() = at::Tensor();
+    ways[way]();
+  };
+  const auto t = bench::interleave(order, call, rounds, /*per_round=*/10);
+  for (const auto& way : order) {
+    const auto kernel = way.substr(0, way.find('-'));
+    fmt::print("RESULT kernels way={} rows={} dtype={} threads={} fwd_bwd_ms={:.3f} speedup_over_aten={:.2f}\n", way, rows,
+               bf16 ? "bfloat16" : "float32", threads, t.median_ms(way), t.ratio(kernel + "-aten", way));
+  }
+  return 0;
+}

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The model's RMSNorm and SwiGLU kernels against the ATen compositions (bench/kernels_bench.cpp),
+# float32 and bfloat16, at 1 and 2 threads; writes bench/results/kernels.md. Runs with the machine's
+# OPENBLAS_* settings as they are.
+#   bash bench/run_kernels_bench.sh [build-dir] [rounds]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+rounds=${2:-7}
+out=bench/results/kernels.md
+{
+  echo "# RMSNorm and SwiGLU's gate: single-pass kernels against the ATen compositions"
+  echo
+  echo "Command: \`bash bench/run_kernels_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores, OPENBLAS_* as set by the machine."
+  echo
+  echo "Forward and backward at moe-small's shapes for one dp 1 step (32 x 128 = 4096 rows): RMSNorm over"
+  echo "dim 128 (gain in float32), SwiGLU's \`silu(a) * b\` over hidden 384. \`aten\` is the composition"
+  echo "(\`models::rms_norm_reference\`, \`models::swiglu_reference\`), \`fused\` the kernel the model runs"
+  echo "(\`models::rms_norm\`, \`models::swiglu\`). In bfloat16 \`models::swiglu\` is the composition (its"
+  echo "kernel measured 0.64x there, the conversions costing more than the passes saved), so its two rows"
+  echo "time the same thing. The ways alternate within each of $rounds"
+  echo "rounds of 10 calls; medians, and the median of the per-round ratios."
+  echo
+  echo "| dtype | threads | way | fwd+bwd ms (median) | speedup over aten |"
+  echo "|---|---:|---|---:|---:|"
+  for bf16 in 0 1; do
+    for t in 1 2; do
+      "$build/bench/fsdpp_kernels_bench" --threads "$t" --rounds "$rounds" --bf16 "$bf16" |
+        sed -n 's/^RESULT kernels way=\([a-z_-]*\) rows=[0-9]* dtype=\([a-z0-9]*\) threads=\([0-9]*\) fwd_bwd_ms=\([0-9.]*\) speedup_over_aten=\([0-9.]*\)$/| \2 | \3 | \1 | \4 | \5x |/p'
+    done
+  done
+} > "$out.tmp"
+mv "$out.tmp" "$out"
+cat "$out"

@@ -1,0 +1,311 @@
+#include "fsdpp/models/kernels.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/TensorIterator.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <type_traits>
+#include <vector>
+
+#include "vector_clones.hpp"
+
+namespace fsdpp::models {
+
+namespace {
+
+// ------------------------------------------------------------------ float loops
+
+constexpr int kLanes = 16;
+
+// exp(x) for float x: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial (Cephes'
+// expf coefficients), 2^n put into the exponent bits. Within 2 ulps of the correctly rounded value
+// over [-87, 88], the range clamped to (below it the result is 0 to float precision for our uses,
+// sigmoid and silu); NaN stays NaN. Branch-free, so the loops calling it vectorise.
+inline float exp_poly(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const float t = x * 1.44269504088896341f + kShift;
+  const float n = t - kShift;
+  const int32_t ni = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(kShift);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float er = p * (r * r) + r + 1.0f;
+  return er * std::bit_cast<float>((ni + 127) << 23);
+}
+
+inline float sigmoid(float a) { return 1.0f / (1.0f + exp_poly(-a)); }
+
+// sum of x[i] * y[i], in kLanes partial sums (vectorisable without reassociating anything).
+inline float dot(const float* x, const float* y, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int k = 0; k < kLanes; ++k) acc[k] += x[i + k] * y[i + k];
+  float s = 0.0f;
+  for (; i < n; ++i) s += x[i] * y[i];
+  for (int k = 0; k < kLanes; ++k) s += acc[k];
+  return s;
+}
+
+// One row of RMSNorm: y = x * rstd * w, returns rstd.
+FSDPP_VECTOR_CLONES float rms_row(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t n, float eps) {
+  const float rstd = 1.0f / std::sqrt(dot(x, x, n) / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * rstd * w[i];
+  return rstd;
+}
+
+// One row of RMSNorm's backward. With xhat = x rstd and gw = g w:
+//   dx = rstd (gw - xhat mean(gw xhat)),   dw += g xhat  (added into dw_acc)
+FSDPP_VECTOR_CLONES void rms_row_backward(const float* __restrict g, const float* __restrict x,
+                                          const float* __restrict w, float rstd, float* __restrict dx,
+                                          float* __restrict dw_acc, float* __restrict gw, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) gw[i] = g[i] * w[i];
+  const float c = rstd * rstd * rstd * dot(gw, x, n) / float(n);
+  for (int64_t i = 0; i < n; ++i) {
+    dx[i] = rstd * gw[i] - c * x[i];
+    dw_acc[i] += g[i] * (x[i] * rstd);
+  }
+}
+
+FSDPP_VECTOR_CLONES void swiglu_span(const float* __restrict a, const float* __restrict b, float* __restrict out,
+                                     int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] * sigmoid(a[i]) * b[i];
+}
+
+// d/da silu(a) = s (1 + a (1 - s)) with s = sigmoid(a).
+FSDPP_VECTOR_CLONES void swiglu_span_backward(const float* __restrict g, const float* __restrict a,
+                                              const float* __restrict b, float* __restrict da, float* __restrict db,
+                                              int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = sigmoid(a[i]);
+    db[i] = g[i] * (a[i] * s);
+    da[i] = g[i] * b[i] * (s * (1.0f + a[i] * (1.0f - s)));
+  }
+}
+
+// ------------------------------------------------------------------ dtypes and threads
+
+// body(begin, end) over [0, count) in ranges of at least `grain`, on ATen's intra-op threads (a
+// TensorIterator over a [count] scratch tensor lays out the ranges; at::parallel_for would run them
+// on one thread here, where the OpenMP pragmas of its inline implementation are not compiled).
+void parallel_ranges(int64_t count, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
+  if (count <= 0) return;
+  if (count <= grain) return body(0, count);
+  const auto marks = at::empty({count}, at::TensorOptions().dtype(at::kByte));
+  auto iter = at::TensorIteratorConfig().add_output(marks).resize_outputs(false).check_all_same_dtype(false).build();
+  const char* base = static_cast<const char*>(marks.data_ptr());
+  iter.for_each(
+      [&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {
+        for (int64_t j = 0; j < n1; ++j) {
+          const int64_t begin = (data[0] + j * strides[1]) - base;
+          body(begin, begin + n0);
+        }
+      },
+      grain);
+}
+
+// bfloat16 <-> float, written so that the loops vectorise: widening puts the 16 bits on top,
+// narrowing rounds to nearest even and keeps NaN a (quiet) NaN, as c10::BFloat16's conversion does.
+FSDPP_VECTOR_CLONES void widen(const c10::BFloat16* __restrict p, float* __restrict out, int64_t n) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(p);
+  for (int64_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(uint32_t(bits[i]) << 16);
+}
+FSDPP_VECTOR_CLONES void narrow(const float* __restrict f, c10::BFloat16* __restrict p, int64_t n) {
+  auto* bits = reinterpret_cast<uint16_t*>(p);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = std::bit_cast<uint32_t>(f[i]);
+    const auto rounded = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    bits[i] = f[i] != f[i] ? uint16_t(0x7fc0) : rounded;
+  }
+}
+
+// Reads `n` values of T as floats: the values themselves for float, else converted into `scratch`.
+template <class T>
+const float* as_float(const T* p, int64_t n, std::vector<float>& scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p;
+  } else {
+    scratch.resize(size_t(n));
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      widen(p, scratch.data(), n);
+    else
+      for (int64_t i = 0; i < n; ++i) scratch[size_t(i)] = static_cast<float>(p[i]);
+    return scratch.data();
+  }
+}
+
+// Where float results for `n` values of T go: `p` itself for float, else `scratch`, copied by store().
+template <class T>
+float* float_out(T* p, int64_t n, std::vector<float>& scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p;
+  } else {
+    scratch.resize(size_t(n));
+    return scratch.data();
+  }
+}
+template <class T>
+void store(T* p, const float* f, int64_t n) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    narrow(f, p, n);
+  else if constexpr (!std::is_same_v<T, float>)
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(f[i]);
+}
+
+bool fusable(const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  return t.is_cpu() && (s == at::kFloat || s == at::kBFloat16 || s == at::kHalf);
+}
+
+// Rows of RMSNorm's backward are summed into the weight's gradient a block at a time, each block's
+// sum in row order, then the blocks' sums by ATen: the same bits however the blocks fall on threads.
+constexpr int64_t kRowsPerBlock = 32;
+constexpr int64_t kElementsPerTask = 16384;  // at least this much work per range handed to a thread
+constexpr int64_t kSpan = 1024;              // SwiGLU's elements per inner call
+
+struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& weight,
+                            double eps) {
+    const auto x = x_in.contiguous();
+    const int64_t D = x.size(-1), N = D ? x.numel() / D : 0;
+    const auto w = weight.to(at::kFloat).contiguous();
+    auto y = at::empty_like(x);
+    auto rstd = at::empty({N}, x.options().dtype(at::kFloat));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fsdpp_rms_norm", [&] {
+      const auto* xp = x.const_data_ptr<scalar_t>();
+      auto* yp = y.mutable_data_ptr<scalar_t>();
+      auto* rp = rstd.mutable_data_ptr<float>();
+      const float* wp = w.const_data_ptr<float>();
+      parallel_ranges(N, std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+        std::vector<float> xs, ys;
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* xf = as_float(xp + r * D, D, xs);
+          float* yf = float_out(yp + r * D, D, ys);
+          rp[r] = rms_row(xf, wp, yf, D, static_cast<float>(eps));
+          store(yp + r * D, yf, D);
+        }
+      });
+    });
+    ctx->save_for_backward({x, weight, rstd});
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const auto g = grads[0].contiguous();
+    const int64_t D = x.size(-1), N = D ? x.numel() / D : 0, blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+    const auto w = weight.to(at::kFloat).contiguous();
+    auto dx = at::empty_like(x);
+    auto dw_blocks = at::zeros({blocks, D}, x.options().dtype(at::kFloat));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fsdpp_rms_norm_backward", [&] {
+      const auto* xp = x.const_data_ptr<scalar_t>();
+      const auto* gp = g.const_data_ptr<scalar_t>();
+      auto* dxp = dx.mutable_data_ptr<scalar_t>();
+      const float* rp = rstd.const_data_ptr<float>();
+      const float* wp = w.const_data_ptr<float>();
+      float* dwp = dw_blocks.mutable_data_ptr<float>();
+      const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(D * kRowsPerBlock, 1));
+      parallel_ranges(blocks, grain, [&](int64_t b0, int64_t b1) {
+        std::vector<float> xs, gs, dxs, gw(static_cast<size_t>(D));
+        for (int64_t b = b0; b < b1; ++b)
+          for (int64_t r = b * kRowsPerBlock; r < std::min(N, (b + 1) * kRowsPerBlock); ++r) {
+            const float* xf = as_float(xp + r * D, D, xs);
+            const float* gf = as_float(gp + r * D, D, gs);
+            float* dxf = float_out(dxp + r * D, D, dxs);
+            rms_row_backward(gf, xf, wp, rp[r], dxf, dwp + b * D, gw.data(), D);
+            store(dxp + r * D, dxf, D);
+          }
+      });
+    });
+    return {dx, dw_blocks.sum(0).to(weight.scalar_type()), at::Tensor()};
+  }
+};
+
+struct SwiGLUFunction : torch::autograd::Function<SwiGLUFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a_in, const at::Tensor& b_in) {
+    const auto a = a_in.contiguous(), b = b_in.contiguous();
+    auto out = at::empty_like(a);
+    const int64_t n = a.numel();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "fsdpp_swiglu", [&] {
+      const auto *ap = a.const_data_ptr<scalar_t>(), *bp = b.const_data_ptr<scalar_t>();
+      auto* op = out.mutable_data_ptr<scalar_t>();
+      parallel_ranges(n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
+        std::vector<float> as, bs, os;
+        for (int64_t i = i0; i < i1; i += kSpan) {
+          const int64_t m = std::min(kSpan, i1 - i);
+          float* of = float_out(op + i, m, os);
+          swiglu_span(as_float(ap + i, m, as), as_float(bp + i, m, bs), of, m);
+          store(op + i, of, m);
+        }
+      });
+    });
+    ctx->save_for_backward({a, b});
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &a = saved[0], &b = saved[1];
+    const auto g = grads[0].contiguous();
+    auto da = at::empty_like(a), db = at::empty_like(b);
+    const int64_t n = a.numel();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "fsdpp_swiglu_backward", [&] {
+      const auto *ap = a.const_data_ptr<scalar_t>(), *bp = b.const_data_ptr<scalar_t>();
+      const auto* gp = g.const_data_ptr<scalar_t>();
+      auto *dap = da.mutable_data_ptr<scalar_t>(), *dbp = db.mutable_data_ptr<scalar_t>();
+      parallel_ranges(n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
+        std::vector<float> as, bs, gs, das, dbs;
+        for (int64_t i = i0; i < i1; i += kSpan) {
+          const int64_t m = std::min(kSpan, i1 - i);
+          float *daf = float_out(dap + i, m, das), *dbf = float_out(dbp + i, m, dbs);
+          swiglu_span_backward(as_float(gp + i, m, gs), as_float(ap + i, m, as), as_float(bp + i, m, bs), daf, dbf, m);
+          store(dap + i, daf, m);
+          store(dbp + i, dbf, m);
+        }
+      });
+    });
+    return {da, db};
+  }
+};
+
+}  // namespace
+
+at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const auto xf = x.to(at::kFloat);
+  const auto y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return (y * weight.to(at::kFloat)).to(x.scalar_type());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: weight ",
+              weight.sizes(), " does not match the last dimension of x ", x.sizes());
+  if (!fusable(x) || !weight.is_cpu()) return rms_norm_reference(x, weight, eps);
+  return RMSNormFunction::apply(x, weight, eps);
+}
+
+at::Tensor swiglu_reference(const at::Tensor& a, const at::Tensor& b) { return at::silu(a) * b; }
+
+at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
+  // float32 only: with bfloat16 halves the conversions cost more than the passes saved
+  // (bench/results/kernels.md).
+  if (!fusable(a) || a.scalar_type() != at::kFloat || a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type() || !b.is_cpu())
+    return swiglu_reference(a, b);
+  return SwiGLUFunction::apply(a, b);
+}
+
+}  // namespace fsdpp::models
