@@ -1,7 +1,9 @@
 #pragma once
 // Timing ways of doing the same work side by side: every round runs each way `per_round` times in
 // turn, so that a machine's drift falls on all of them alike; medians over rounds, and ratios taken
-// per round before their median.
+// per round before their median. Each round starts one way further along the list, so that no way
+// always runs in the same place (what the previous way left in the allocator and the caches moves a
+// way's time by as much as 15% here), and each way's timed calls follow one untimed call of its own.
 
 #include <algorithm>
 #include <chrono>
@@ -36,9 +38,11 @@ inline Interleaved interleave(const std::vector<std::string>& order, const std::
   for (const auto& w : order) call(w), call(w);
   Interleaved out;
   for (int r = 0; r < rounds; ++r)
-    for (const auto& w : order) {
+    for (size_t i = 0; i < order.size(); ++i) {
+      const auto& w = order[(i + size_t(r)) % order.size()];
+      call(w);
       const auto t0 = Clock::now();
-      for (int i = 0; i < per_round; ++i) call(w);
+      for (int k = 0; k < per_round; ++k) call(w);
       out.ms[w].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / per_round);
     }
   return out;

@@ -14,7 +14,8 @@ out=bench/results/attention.md
   echo
   echo "Forward and backward of the model's attention core at moe-small's shape (16 sequences of 128"
   echo "tokens, dim 128, 4 heads of 32), from the qkv projection to the attention output; the three ways"
-  echo "alternate within each of $rounds rounds of 10 steps; medians, and the median of the per-round ratios."
+  echo "alternate within each of $rounds rounds of 10 steps, each round starting one way further along;"
+  echo "medians, and the median of the per-round ratios."
   echo "\`composed\` is how the model computed attention before: rotary by ATen operations (slice, neg,"
   echo "cat, multiplies, add), the [B, H, T, T] scores written out, masked, softmax, matmul. \`sdpa\` keeps"
   echo "that rotary and calls \`at::scaled_dot_product_attention(is_causal)\`. \`fused\` is the model now:"

@@ -79,6 +79,13 @@ FSDPP_VECTOR_CLONES void rms_row_backward(const float* __restrict g, const float
   }
 }
 
+// out[j] = sum over i of m[i][j] (m: rows x cols, row-major), rows added in order.
+FSDPP_VECTOR_CLONES void sum_rows(const float* __restrict m, int64_t rows, int64_t cols, float* __restrict out) {
+  for (int64_t j = 0; j < cols; ++j) out[j] = 0.0f;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[j] += m[i * cols + j];
+}
+
 FSDPP_VECTOR_CLONES void swiglu_span(const float* __restrict a, const float* __restrict b, float* __restrict out,
                                      int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] * sigmoid(a[i]) * b[i];
@@ -170,7 +177,8 @@ bool fusable(const at::Tensor& t) {
 }
 
 // Rows of RMSNorm's backward are summed into the weight's gradient a block at a time, each block's
-// sum in row order, then the blocks' sums by ATen: the same bits however the blocks fall on threads.
+// sum in row order, then the blocks' sums in block order: the same bits however the blocks fall on
+// threads.
 constexpr int64_t kRowsPerBlock = 32;
 constexpr int64_t kElementsPerTask = 16384;  // at least this much work per range handed to a thread
 constexpr int64_t kSpan = 1024;              // SwiGLU's elements per inner call
@@ -231,7 +239,9 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
           }
       });
     });
-    return {dx, dw_blocks.sum(0).to(weight.scalar_type()), at::Tensor()};
+    auto dw = at::empty({D}, dw_blocks.options());
+    sum_rows(dw_blocks.const_data_ptr<float>(), blocks, D, dw.mutable_data_ptr<float>());
+    return {dx, dw.to(weight.scalar_type()), at::Tensor()};
   }
 };
 

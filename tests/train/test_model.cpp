@@ -324,21 +324,26 @@ double worst(const at::Tensor& a, const at::Tensor& b, double floor) {
   return ((af - bf).abs() / (bf.abs() + floor)).max().item<double>();
 }
 
-// f on x (and w) at 1 and at 2 intra-op threads: the values and input gradients must be the same bits.
-void check_thread_independent(const std::function<at::Tensor(const at::Tensor&)>& f, const at::Tensor& x) {
+// f on x at 1 and at 2 intra-op threads: the values and the gradients of x and of `leaves` must be
+// the same bits.
+void check_thread_independent(const std::function<at::Tensor(const at::Tensor&)>& f, const at::Tensor& x,
+                              std::vector<at::Tensor> leaves = {}) {
   const int before = at::get_num_threads();
-  std::vector<at::Tensor> out;
+  std::vector<std::vector<at::Tensor>> out;
   for (int threads : {1, 2}) {
     at::set_num_threads(threads);
+    for (auto& l : leaves) l.mutable_grad() = at::Tensor();
     const auto xi = x.detach().clone().requires_grad_();
     const auto y = f(xi);
     y.backward(at::ones_like(y));
-    out.push_back(y.detach());
-    out.push_back(xi.grad());
+    out.push_back({y.detach(), xi.grad()});
+    for (const auto& l : leaves) out.back().push_back(l.grad());
   }
   at::set_num_threads(before);
-  CHECK(at::equal(out[0], out[2]));
-  CHECK(at::equal(out[1], out[3]));
+  for (size_t i = 0; i < out[0].size(); ++i) {
+    CAPTURE(i);
+    CHECK(at::equal(out[0][i], out[1][i]));
+  }
 }
 
 }  // namespace
@@ -376,8 +381,10 @@ TEST_CASE("rms_norm: the fused CPU kernel agrees with the ATen composition, valu
     // The gain's gradient, a float32 sum over every row in both.
     CHECK(worst(w1.grad(), w2.grad(), 1e-2) < k.bound_dw);
   }
-  const auto w = at::rand({128}) + 0.5;
-  check_thread_independent([&](const at::Tensor& x) { return models::rms_norm(x, w, 1e-5); }, at::randn({3000, 128}));
+  // Enough rows that ATen would split a sum over them between threads.
+  const auto w = (at::rand({128}) + 0.5).requires_grad_();
+  check_thread_independent([&](const at::Tensor& x) { return models::rms_norm(x, w, 1e-5); }, at::randn({40000, 128}),
+                           {w});
   // A row of zeros normalises to zeros (eps keeps it finite), a NaN stays in its row.
   auto x = at::randn({3, 64});
   x[0].zero_();
