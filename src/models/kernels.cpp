@@ -181,7 +181,6 @@ bool fusable(const at::Tensor& t) {
 // threads.
 constexpr int64_t kRowsPerBlock = 32;
 constexpr int64_t kElementsPerTask = 16384;  // at least this much work per range handed to a thread
-constexpr int64_t kSpan = 1024;              // SwiGLU's elements per inner call
 
 struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& weight,
@@ -206,17 +205,17 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
         }
       });
     });
-    ctx->save_for_backward({x, weight, rstd});
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->save_for_backward({x, w, rstd});
     return y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const auto &x = saved[0], &w = saved[1], &rstd = saved[2];  // w: the gain in float32
     const auto g = grads[0].contiguous();
     const int64_t D = x.size(-1), N = D ? x.numel() / D : 0, blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-    const auto w = weight.to(at::kFloat).contiguous();
     auto dx = at::empty_like(x);
     auto dw_blocks = at::zeros({blocks, D}, x.options().dtype(at::kFloat));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fsdpp_rms_norm_backward", [&] {
@@ -241,28 +240,19 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
     });
     auto dw = at::empty({D}, dw_blocks.options());
     sum_rows(dw_blocks.const_data_ptr<float>(), blocks, D, dw.mutable_data_ptr<float>());
-    return {dx, dw.to(weight.scalar_type()), at::Tensor()};
+    return {dx, dw.to(static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt())), at::Tensor()};
   }
 };
 
+// float32 only (swiglu() sends every other dtype to the composition).
 struct SwiGLUFunction : torch::autograd::Function<SwiGLUFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a_in, const at::Tensor& b_in) {
     const auto a = a_in.contiguous(), b = b_in.contiguous();
     auto out = at::empty_like(a);
-    const int64_t n = a.numel();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "fsdpp_swiglu", [&] {
-      const auto *ap = a.const_data_ptr<scalar_t>(), *bp = b.const_data_ptr<scalar_t>();
-      auto* op = out.mutable_data_ptr<scalar_t>();
-      parallel_ranges(n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
-        std::vector<float> as, bs, os;
-        for (int64_t i = i0; i < i1; i += kSpan) {
-          const int64_t m = std::min(kSpan, i1 - i);
-          float* of = float_out(op + i, m, os);
-          swiglu_span(as_float(ap + i, m, as), as_float(bp + i, m, bs), of, m);
-          store(op + i, of, m);
-        }
-      });
-    });
+    const float *ap = a.const_data_ptr<float>(), *bp = b.const_data_ptr<float>();
+    float* op = out.mutable_data_ptr<float>();
+    parallel_ranges(a.numel(), kElementsPerTask,
+                    [&](int64_t i0, int64_t i1) { swiglu_span(ap + i0, bp + i0, op + i0, i1 - i0); });
     ctx->save_for_backward({a, b});
     return out;
   }
@@ -273,21 +263,10 @@ struct SwiGLUFunction : torch::autograd::Function<SwiGLUFunction> {
     const auto &a = saved[0], &b = saved[1];
     const auto g = grads[0].contiguous();
     auto da = at::empty_like(a), db = at::empty_like(b);
-    const int64_t n = a.numel();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "fsdpp_swiglu_backward", [&] {
-      const auto *ap = a.const_data_ptr<scalar_t>(), *bp = b.const_data_ptr<scalar_t>();
-      const auto* gp = g.const_data_ptr<scalar_t>();
-      auto *dap = da.mutable_data_ptr<scalar_t>(), *dbp = db.mutable_data_ptr<scalar_t>();
-      parallel_ranges(n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
-        std::vector<float> as, bs, gs, das, dbs;
-        for (int64_t i = i0; i < i1; i += kSpan) {
-          const int64_t m = std::min(kSpan, i1 - i);
-          float *daf = float_out(dap + i, m, das), *dbf = float_out(dbp + i, m, dbs);
-          swiglu_span_backward(as_float(gp + i, m, gs), as_float(ap + i, m, as), as_float(bp + i, m, bs), daf, dbf, m);
-          store(dap + i, daf, m);
-          store(dbp + i, dbf, m);
-        }
-      });
+    const float *ap = a.const_data_ptr<float>(), *bp = b.const_data_ptr<float>(), *gp = g.const_data_ptr<float>();
+    float *dap = da.mutable_data_ptr<float>(), *dbp = db.mutable_data_ptr<float>();
+    parallel_ranges(a.numel(), kElementsPerTask, [&](int64_t i0, int64_t i1) {
+      swiglu_span_backward(gp + i0, ap + i0, bp + i0, dap + i0, dbp + i0, i1 - i0);
     });
     return {da, db};
   }
@@ -313,7 +292,8 @@ at::Tensor swiglu_reference(const at::Tensor& a, const at::Tensor& b) { return a
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
   // float32 only: with bfloat16 halves the conversions cost more than the passes saved
   // (bench/results/kernels.md).
-  if (!fusable(a) || a.scalar_type() != at::kFloat || a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type() || !b.is_cpu())
+  if (!a.is_cpu() || !b.is_cpu() || a.scalar_type() != at::kFloat || b.scalar_type() != at::kFloat ||
+      a.sizes() != b.sizes())
     return swiglu_reference(a, b);
   return SwiGLUFunction::apply(a, b);
 }

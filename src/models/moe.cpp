@@ -81,6 +81,11 @@ std::vector<int64_t> sums_of(const int64_t* v, int64_t count, int64_t n) {
   return out;
 }
 
+// SwiGLU's gate silu(a) * b, by the kernel or by the composition (models/kernels.hpp).
+at::Tensor silu_gate(const at::Tensor& a, const at::Tensor& b, bool fused) {
+  return fused ? swiglu(a, b) : swiglu_reference(a, b);
+}
+
 void init_normal(at::Tensor& w, double std) {
   at::NoGradGuard g;
   w.normal_(0.0, std);
@@ -168,7 +173,7 @@ SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_) : fused(fused_)
 }
 
 at::Tensor SwiGLUImpl::forward(const at::Tensor& x) {
-  return w2(fused ? swiglu(w1(x), w3(x)) : swiglu_reference(w1(x), w3(x)));
+  return w2(silu_gate(w1(x), w3(x), fused));
 }
 
 ExpertsImpl::ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden, bool fused_) : fused(fused_) {
@@ -177,22 +182,18 @@ ExpertsImpl::ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden, bool fuse
   w2 = register_parameter("w2", at::empty({experts, dim, hidden}));
 }
 
-at::Tensor ExpertsImpl::glu(const at::Tensor& a, const at::Tensor& b) const {
-  return fused ? swiglu(a, b) : swiglu_reference(a, b);
-}
-
 at::Tensor ExpertsImpl::forward_one(int64_t e, const at::Tensor& x) {
-  return at::matmul(glu(at::matmul(x, w1[e].t()), at::matmul(x, w3[e].t())), w2[e].t());
+  return at::matmul(silu_gate(at::matmul(x, w1[e].t()), at::matmul(x, w3[e].t()), fused), w2[e].t());
 }
 
 at::Tensor ExpertsImpl::forward_batched(const at::Tensor& x) {
-  return at::bmm(glu(at::bmm(x, w1.transpose(1, 2)), at::bmm(x, w3.transpose(1, 2))), w2.transpose(1, 2));
+  return at::bmm(silu_gate(at::bmm(x, w1.transpose(1, 2)), at::bmm(x, w3.transpose(1, 2)), fused), w2.transpose(1, 2));
 }
 
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& offsets) {
   if (!offsets.defined()) return forward_batched(x);
   if (x.is_cpu()) {
-    const auto h = glu(at::_grouped_mm(x, w1.transpose(1, 2), offsets), at::_grouped_mm(x, w3.transpose(1, 2), offsets));
+    const auto h = silu_gate(at::_grouped_mm(x, w1.transpose(1, 2), offsets), at::_grouped_mm(x, w3.transpose(1, 2), offsets), fused);
     return at::_grouped_mm(h, w2.transpose(1, 2), offsets);
   }
   const auto ends = offsets.to(at::kCPU).to(at::kLong);

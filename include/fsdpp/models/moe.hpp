@@ -125,9 +125,6 @@ struct ExpertsImpl : torch::nn::Module {
   int64_t count() const { return w1.size(0); }
   at::Tensor w1, w3, w2;
   bool fused;  // silu(x w1^T) * x w3^T by models::swiglu's kernel, else the composition
-
- private:
-  at::Tensor glu(const at::Tensor& a, const at::Tensor& b) const;
 };
 TORCH_MODULE(Experts);
 
