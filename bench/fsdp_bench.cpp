@@ -4,8 +4,11 @@
 //       --sharded runs under `fsdpp launch`, each of the dp ranks taking B/dp sequences.
 //   memory        per-rank bytes of parameters, gradients and AdamW state after one step
 //   unit-cost     microseconds of framework bookkeeping per unit per step, 200 tiny units, 1 rank
+//                 [--only plain|sharded] one side alone, for a profiler
+//                 [--only ops] the ATen operators a sharded step adds per unit, by name
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <fmt/format.h>
 #include <torch/optim/adamw.h>
 
@@ -13,6 +16,7 @@
 #include <chrono>
 #include <cstring>
 #include <iostream>
+#include <map>
 #include <string>
 
 #include "fsdpp/comm/init.hpp"
@@ -27,7 +31,7 @@ namespace {
 struct Args {
   std::string mode;
   bool sharded = false, overlap = true, reshard = true;
-  std::string only;  // unit-cost: "plain" or "sharded" runs just that side, for a profiler
+  std::string only;  // unit-cost: "plain" or "sharded" runs just that side; "ops" counts operators
   int threads = 1, steps = 20;
   int64_t batch = 16;
 };
@@ -42,7 +46,11 @@ Args parse(int argc, char** argv) {
     else if (s == "--unsharded") a.sharded = false;
     else if (s == "--no-overlap") a.overlap = false;
     else if (s == "--no-reshard") a.reshard = false;
-    else if (s == "--only" && i + 1 < argc) a.only = argv[++i];
+    else if (s == "--only" && i + 1 < argc) {
+      a.only = argv[++i];
+      if (a.only != "plain" && a.only != "sharded" && a.only != "ops")
+        throw std::invalid_argument("fsdp_bench: --only takes plain, sharded or ops, not " + a.only);
+    }
     else if (s == "--threads") a.threads = static_cast<int>(next());
     else if (s == "--steps") a.steps = static_cast<int>(next());
     else if (s == "--batch") a.batch = next();
@@ -155,6 +163,9 @@ struct TinyImpl : torch::nn::Module {
   torch::nn::ModuleList layers{nullptr};
 };
 
+// Where the operator-counting callback adds, by operator name (unit-cost --only ops).
+thread_local std::map<std::string, int64_t>* t_op_counts = nullptr;
+
 int unit_cost(const Args& a) {
   at::set_num_threads(1);
   auto comm = comm::init_from_env();
@@ -179,6 +190,31 @@ int unit_cost(const Args& a) {
     return std::chrono::duration<double>(Clock::now() - t0).count() / a.steps;
   };
   for (int i = 0; i < 3; ++i) plain_step(), sharded_step();
+  if (a.only == "ops") {  // ATen operators per step, the sharded side's extra ones by name
+    std::map<std::string, int64_t> counts[2];
+    auto handle = at::addThreadLocalCallback(
+        at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+          ++(*t_op_counts)[fn.name()];
+          return nullptr;
+        }).scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+    for (int side = 0; side < 2; ++side) {
+      t_op_counts = &counts[side];
+      for (int i = 0; i < a.steps; ++i) side == 0 ? plain_step() : sharded_step();
+    }
+    at::removeCallback(handle);
+    std::vector<std::pair<double, std::string>> extra;
+    double total = 0;
+    for (const auto& [name, n] : counts[0]) counts[1][name];  // every name on both sides
+    for (const auto& [name, n] : counts[1]) {
+      const double d = double(n - counts[0][name]) / a.steps / 200;
+      total += d;
+      if (d != 0) extra.emplace_back(d, name);
+    }
+    std::sort(extra.rbegin(), extra.rend());
+    std::cout << fmt::format("RESULT unit-cost-ops extra_ops_per_unit_per_step={:.2f}\n", total);
+    for (const auto& [d, name] : extra) std::cout << fmt::format("  {:7.2f} {}\n", d, name);
+    return 0;
+  }
   if (!a.only.empty()) {  // one side alone, for perf: `perf record ... unit-cost --only sharded`
     const double t = a.only == "plain" ? round(plain_step) : round(sharded_step);
     if (comm.rank() == 0) std::cout << fmt::format("RESULT unit-cost-{} step_us={:.0f}\n", a.only, t * 1e6);

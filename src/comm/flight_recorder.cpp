@@ -64,39 +64,46 @@ std::string FlightRecorder::child_name(int color) {
   return fmt::format("{}/split{}.{}", name_, splits_++, color);
 }
 
-void FlightRecorder::record(const std::string& op, const at::Tensor* in, const at::Tensor* out, int peer,
+void FlightRecorder::record(const char* op, const at::Tensor* in, const at::Tensor* out, int peer,
                             const Work& work) {
   if (capacity_ == 0) return;
-  FlightEntry e;
-  e.op = op;
   const at::Tensor* t = in ? in : out;
-  e.dtype = t ? c10::toString(t->scalar_type()) : "";
-  e.in_numel = in ? in->numel() : 0;
-  e.out_numel = out ? out->numel() : 0;
-  e.peer = peer;
-  e.label = OpLabel::current();
-  e.issued = std::chrono::system_clock::now();
-  e.work = work.state();
+  const auto issued = std::chrono::system_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
-  e.seq = next_seq_++;
-  entries_.push_back(std::move(e));
-  if (entries_.size() > capacity_) entries_.pop_front();
+  FlightEntry* e;
+  if (entries_.size() < capacity_) {
+    e = &entries_.emplace_back();
+  } else {
+    e = &entries_[first_];
+    first_ = (first_ + 1) % entries_.size();
+  }
+  e->seq = next_seq_++;
+  e->op = op;
+  e->dtype = t ? c10::toString(t->scalar_type()) : "";
+  e->in_numel = in ? in->numel() : 0;
+  e->out_numel = out ? out->numel() : 0;
+  e->peer = peer;
+  e->label.assign(OpLabel::current());
+  e->issued = issued;
+  e->work = work.state();
 }
 
 std::string FlightRecorder::overdue(std::chrono::milliseconds timeout) const {
   const auto now = std::chrono::system_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& e : entries_)
-    if (e.work && !Work(e.work).is_completed() && now - e.issued > timeout)
-      return fmt::format("{} seq {} {} {} in={} out={}{} ('{}')", name_, e.seq, e.op, e.dtype, e.in_numel,
-                         e.out_numel, e.peer >= 0 ? fmt::format(" peer={}", e.peer) : "", e.label);
-  return "";
+  std::string found;
+  for_each_entry([&](const FlightEntry& e) {
+    if (found.empty() && e.work && !Work(e.work).is_completed() && now - e.issued > timeout)
+      found = fmt::format("{} seq {} {} {} in={} out={}{} ('{}')", name_, e.seq, e.op, e.dtype, e.in_numel,
+                          e.out_numel, e.peer >= 0 ? fmt::format(" peer={}", e.peer) : "", e.label);
+  });
+  return found;
 }
 
 std::string FlightRecorder::to_json() const {
   nlohmann::json entries = nlohmann::json::array();
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& e : entries_) {
+  for_each_entry([&](const FlightEntry& e) {
     const bool done = !e.work || Work(e.work).is_completed();
     bool failed = false, started = !e.work;
     std::chrono::system_clock::time_point started_at;
@@ -115,7 +122,7 @@ std::string FlightRecorder::to_json() const {
     if (e.work && started && started_at.time_since_epoch().count() != 0) j["started_us"] = micros(started_at);
     if (done && e.work) j["completed_us"] = micros(e.work->finished_at);
     entries.push_back(std::move(j));
-  }
+  });
   return nlohmann::json{{"comm", name_}, {"rank", rank_}, {"size", size_}, {"entries", entries}}.dump();
 }
 

@@ -4,6 +4,7 @@
 #include "fsdpp/base/storage.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -33,7 +34,14 @@ bool rows_view(const at::Tensor& t) {
                                               : t.dim() == 2 && (t.stride(1) == 1 || t.size(1) <= 1));
 }
 
+bool plain_bytes(const at::Tensor& t) { return t.device().is_cpu() && t.is_contiguous(); }
+
 void copy_block(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel() && plain_bytes(dst) &&
+      plain_bytes(src)) {
+    if (dst.numel() > 0) std::memcpy(dst.data_ptr(), src.data_ptr(), dst.nbytes());
+    return;
+  }
   if (dst.scalar_type() != src.scalar_type() || dst.sizes() != src.sizes() || !rows_view(dst) ||
       !rows_view(src)) {
     dst.copy_(src);
@@ -47,6 +55,29 @@ void copy_block(const at::Tensor& dst, const at::Tensor& src) {
   const int64_t ds = dst.dim() == 2 ? dst.stride(0) * dst.element_size() : 0;
   const int64_t ss = src.dim() == 2 ? src.stride(0) * src.element_size() : 0;
   for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * ds, s + r * ss, row_bytes);
+}
+
+// dst (one of a parameter's pack views) <- src's elements [offset, offset + dst.numel()), in order.
+// A contiguous CPU src of dst's dtype is read in place: no flattening or narrowing views.
+void copy_from_flat(const at::Tensor& dst, const at::Tensor& src, int64_t offset) {
+  if (dst.scalar_type() != src.scalar_type() || !plain_bytes(src) || !rows_view(dst)) {
+    copy_block(dst, src.reshape(-1).narrow(0, offset, dst.numel()).view(dst.sizes()));
+    return;
+  }
+  const int64_t rows = dst.dim() == 2 ? dst.size(0) : 1;
+  const size_t row_bytes = (dst.dim() == 2 ? dst.size(1) : dst.numel()) * dst.element_size();
+  if (row_bytes == 0) return;
+  auto* d = static_cast<char*>(dst.data_ptr());
+  const auto* s = static_cast<const char*>(src.data_ptr()) + offset * src.element_size();
+  const int64_t ds = dst.dim() == 2 ? dst.stride(0) * dst.element_size() : 0;
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * ds, s + r * row_bytes, row_bytes);
+}
+
+// An uninitialised tensor of t's shape and dtype; on the CPU made directly, not through the
+// dispatcher (this runs for every sharded parameter in every step).
+at::Tensor empty_like_plain(const at::Tensor& t) {
+  if (t.device().is_cpu()) return at::detail::empty_cpu(t.sizes(), t.scalar_type(), false, std::nullopt);
+  return at::empty_like(t, at::MemoryFormat::Contiguous);
 }
 
 void zero_block(const at::Tensor& t) {
@@ -182,7 +213,8 @@ void ParamGroup::make_views() {
   gather_buf_ = at::empty({n * gather_slot_bytes_}, at::TensorOptions(device_).dtype(at::kByte));
   gather_slot_ = gather_buf_.narrow(0, comm_.rank() * gather_slot_bytes_, gather_slot_bytes_);
   const auto rows = gather_buf_.view({n, gather_slot_bytes_});
-  reduce_in_ = at::empty({n, reduce_slot_numel_}, at::TensorOptions(device_).dtype(reduce_dtype_));
+  reduce_in_ = at::empty({n * reduce_slot_numel_}, at::TensorOptions(device_).dtype(reduce_dtype_));
+  const auto reduce_rows = reduce_in_.view({n, reduce_slot_numel_});
   reduce_out_ = at::empty({reduce_slot_numel_}, reduce_in_.options());
   for (auto& q : params_) {
     const int64_t pn = q.padded_numel();
@@ -196,7 +228,7 @@ void ParamGroup::make_views() {
     if (full > 0) q.copy_out.emplace_back(dst.narrow(0, 0, full * pn).view({full, pn}), src.narrow(0, 0, full));
     if (rest > 0) q.copy_out.emplace_back(dst.narrow(0, full * pn, rest), src[full].narrow(0, 0, rest));
     if (q.reduce_offset < 0) continue;
-    q.reduce_all = reduce_in_.narrow(1, q.reduce_offset, pn);
+    q.reduce_all = reduce_rows.narrow(1, q.reduce_offset, pn);
     if (full > 0) q.pack.push_back({q.reduce_all.narrow(0, 0, full), 0, full * pn});
     if (rest > 0) {
       q.pack.push_back({q.reduce_all[full].narrow(0, 0, rest), full * pn, rest});
@@ -341,14 +373,13 @@ void ParamGroup::reduce_grads_async() {
         zero_block(q.reduce_all);
         continue;
       }
-      const auto flat = q.grad_acc.reshape(-1);
-      for (const auto& p : q.pack) copy_block(p.dst, flat.narrow(0, p.offset, p.numel).view(p.dst.sizes()));
+      for (const auto& p : q.pack) copy_from_flat(p.dst, q.grad_acc, p.offset);
       for (auto& z : q.pad) zero_block(z);
       q.grad_acc = at::Tensor();
     }
   }
   comm::OpLabel op_label(&reduce_label_);
-  reduce_work_ = comm_.reduce_scatter(reduce_out_, reduce_in_.view(-1), {comm::ReduceOp::kAvg});
+  reduce_work_ = comm_.reduce_scatter(reduce_out_, reduce_in_, {comm::ReduceOp::kAvg});
 }
 
 void ParamGroup::finish_reduce() {
@@ -375,8 +406,8 @@ void ParamGroup::finish_reduce() {
     if (g.defined()) {
       g.add_(q.reduce_piece);
     } else {
-      g = at::empty_like(q.sharded);
-      copy_block(g.view(-1), q.reduce_piece.view(-1));
+      g = empty_like_plain(q.sharded);
+      copy_block(g, q.reduce_piece);
     }
   }
   release(reduce_in_);

@@ -2,7 +2,8 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -18,22 +19,31 @@ namespace {
 std::mutex g_registry_mu;
 std::unordered_map<const void*, std::string> g_registry;  // TensorImpl* -> owning unit's label
 
-// Identity in forward; its backward runs once the gradients of all the unit's inputs are ready,
-// which is after the unit's whole backward (and after its parameters' AccumulateGrad nodes, which
-// the engine runs as soon as they are ready).
-struct PostBackwardMarker : public torch::autograd::Function<PostBackwardMarker> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                at::TensorList inputs, int64_t unit) {
-    ctx->saved_data["unit"] = unit;
-    return inputs.vec();
+// The autograd node behind the marked inputs: it passes their gradients through, and runs once the
+// gradients of all the unit's inputs are ready, which is after the unit's whole backward (and after
+// its parameters' AccumulateGrad nodes, which the engine runs as soon as they are ready). A plain
+// Node rather than a custom autograd Function: the marker runs for every unit in every step, and
+// needs neither saved state nor the Function machinery's output checks.
+struct PostBackwardNode final : torch::autograd::Node {
+  explicit PostBackwardNode(Unit* unit) : unit(unit) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    unit->post_backward();
+    return std::move(grads);
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    reinterpret_cast<Unit*>(ctx->saved_data["unit"].toInt())->post_backward();
-    grads.emplace_back();  // no gradient for the unit pointer
-    return grads;
-  }
+  std::string name() const override { return "fsdpp::PostBackward"; }
+  Unit* unit;
 };
+
+// Autograd nodes are held by std::shared_ptr in older releases (2.11 among them) and by
+// c10::intrusive_ptr in newer ones (2.15); make the kind Edge takes.
+using NodeRef = decltype(torch::autograd::Edge::function);
+template <class Ref, class T>
+Ref make_node(Unit* unit) {
+  if constexpr (std::is_same_v<Ref, std::shared_ptr<torch::autograd::Node>>)
+    return std::make_shared<T>(unit);
+  else
+    return c10::make_intrusive<T>(unit);
+}
 
 }  // namespace
 
@@ -130,7 +140,8 @@ void Unit::pre_forward() {
   auto& tree = *tree_;
   if (is_root() && !tree.backward_active) {
     // A new forward: the order recorded last time drives this time's prefetching.
-    if (!tree.forward_order.empty()) tree.last_forward_order = std::move(tree.forward_order);
+    // (swapped, not moved: both keep their storage, so this allocates nothing step after step)
+    if (!tree.forward_order.empty()) std::swap(tree.last_forward_order, tree.forward_order);
     tree.forward_order.clear();
   }
   group_->wait_unshard();
@@ -155,7 +166,18 @@ at::Tensor Unit::prepare_input(const at::Tensor& input) const {
 
 std::vector<at::Tensor> Unit::mark_for_post_backward(const std::vector<at::Tensor>& inputs) {
   if (!group_ || inputs.empty() || !at::GradMode::is_enabled()) return inputs;
-  return PostBackwardMarker::apply(at::TensorList(inputs), reinterpret_cast<int64_t>(this));
+  NodeRef node = make_node<NodeRef, PostBackwardNode>(this);
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  std::vector<at::Tensor> marked;
+  marked.reserve(inputs.size());
+  for (const auto& t : inputs) {
+    // A new tensor over the input's storage, sharing its version counter, whose gradient flows
+    // through the node.
+    auto out = torch::autograd::make_variable(t, torch::autograd::Edge(node, node->add_input_metadata(t)));
+    torch::autograd::impl::set_version_counter(out, torch::autograd::impl::version_counter(t));
+    marked.push_back(std::move(out));
+  }
+  return marked;
 }
 
 at::Tensor Unit::finish_output(const at::Tensor& output) {

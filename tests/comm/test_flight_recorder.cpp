@@ -33,6 +33,32 @@ TEST_CASE("operations are recorded with sequence, sizes, label and state") {
   });
 }
 
+TEST_CASE("a full recorder keeps its newest operations, oldest first") {
+  comm::FlightRecorder recorder("ring", 0, 1, 3);
+  const auto t = at::ones({2, 3}, at::kHalf);
+  // Labels of both lengths, so that reused entries go from short to long ones and back.
+  auto label_of = [](int i) {
+    return i % 2 ? "odd " + std::to_string(i) : "even, longer than a short string's buffer " + std::to_string(i);
+  };
+  for (int i = 0; i < 7; ++i) {
+    comm::OpLabel label(label_of(i));
+    recorder.record(i % 2 ? "all_gather" : "reduce_scatter", &t, nullptr, i, comm::Work());
+  }
+  const auto j = nlohmann::json::parse(recorder.to_json());
+  REQUIRE(j["entries"].size() == 3);
+  for (int k = 0; k < 3; ++k) {
+    const int i = 4 + k;
+    const auto& e = j["entries"][k];
+    CHECK(e["seq"] == i);
+    CHECK(e["peer"] == i);
+    CHECK(e["op"] == (i % 2 ? "all_gather" : "reduce_scatter"));
+    CHECK(e["label"] == label_of(i));
+    CHECK(e["dtype"] == "Half");
+    CHECK(e["in"] == 6);
+    CHECK(e["out"] == 0);
+  }
+}
+
 TEST_CASE("an operation waiting for a peer is started; the ones behind it are queued") {
   test::run_ranks(2, [](comm::Comm& comm) {
     if (comm.rank() == 1) {

@@ -1,6 +1,10 @@
 // fully_shard: an independent float64 oracle, collective counts, mixed precision, tied and unused
 // parameters, identity of parameters, and misuse.
+#include <ATen/record_function.h>
 #include <Eigen/Dense>
+#include <fmt/format.h>
+
+#include <map>
 
 #include "fsdp/counting_comm.hpp"
 #include "fsdp/models.hpp"
@@ -96,6 +100,61 @@ TEST_CASE("one all-gather per unit per unshard and one reduce-scatter per unit p
       counter->reset();
       fsdp::clip_grad_norm(*model.ptr(), 1.0);
       CHECK(counter->all_reduces == 1);
+    });
+}
+
+namespace {
+
+// ATen operators (and autograd nodes) run on this thread while `f` runs, counted by name.
+std::map<std::string, int64_t> operators_run_by(const std::function<void()>& f) {
+  thread_local std::map<std::string, int64_t>* counts = nullptr;
+  std::map<std::string, int64_t> mine;
+  counts = &mine;
+  auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+        if (counts) ++(*counts)[fn.name()];
+        return nullptr;
+      }).scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+  f();
+  at::removeCallback(handle);
+  counts = nullptr;
+  return mine;
+}
+
+}  // namespace
+
+// The framework's per-unit work (unshard, the post-backward marker, packing gradients, handing
+// out sharded gradients) is raw copies into persistent views, not ATen calls: the only operators
+// a sharded step adds to the plain model's are the marker's autograd nodes. A reshape, narrow or
+// empty_like per parameter per step would show here.
+TEST_CASE("a sharded forward and backward run no ATen operator the unsharded model does not, at 1 and 3 ranks") {
+  for (int world : {1, 3})
+    test::run_ranks(world, [](comm::Comm& comm) {
+      auto plain = test::Net(8, 3);
+      auto net = test::Net(8, 3);
+      test::copy_params(*net, *plain);
+      auto model = fsdp::fully_shard(net, comm);
+      const auto x = at::randn({6, 5}, at::detail::createCPUGenerator(3));
+      auto step = [&](auto& m, const std::vector<at::Tensor>& params) {
+        for (auto p : params) p.mutable_grad() = at::Tensor();  // as zero_grad(set_to_none)
+        return operators_run_by([&] { m->forward(x).square().sum().backward(); });
+      };
+      for (int i = 0; i < 2; ++i) step(plain, plain->parameters()), step(model, model->sharded_parameters());
+      auto plain_ops = step(plain, plain->parameters());
+      const auto sharded_ops = step(model, model->sharded_parameters());
+      std::string extra;
+      int64_t markers = 0;
+      for (const auto& [name, n] : sharded_ops) {
+        if (name.find("fsdpp::PostBackward") != std::string::npos) {
+          if (name == "fsdpp::PostBackward") markers += n;  // the node, not also the engine's wrapper
+          continue;
+        }
+        if (n > plain_ops[name]) extra += fmt::format(" {} ({} against {})", name, n, plain_ops[name]);
+      }
+      INFO("rank ", comm.rank(), " of ", comm.size(), ":", extra);
+      CHECK(extra.empty());
+      CHECK(markers == 3);  // the blocks' markers ran (the root's input needs no gradient)
+      for (const auto& p : model->sharded_parameters()) CHECK(p.grad().defined());
     });
 }
 

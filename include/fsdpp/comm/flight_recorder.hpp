@@ -16,7 +16,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -46,7 +45,9 @@ class OpLabel {
 
 struct FlightEntry {
   int64_t seq = 0;
-  std::string op, dtype, label;
+  const char* op = "";     // a static name: "all_gather", ...
+  const char* dtype = "";  // c10::toString's static name, or "" without a tensor
+  std::string label;
   int64_t in_numel = 0, out_numel = 0;
   int peer = -1;  // send/recv only
   std::chrono::system_clock::time_point issued;
@@ -56,7 +57,7 @@ struct FlightEntry {
 class FlightRecorder {
  public:
   FlightRecorder(std::string name, int rank, int size, size_t capacity);
-  void record(const std::string& op, const at::Tensor* in, const at::Tensor* out, int peer, const Work& work);
+  void record(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, const Work& work);
   std::string to_json() const;  // the dump format read by `fsdpp fr analyze`
   // The oldest operation in flight for longer than `timeout`, or "".
   std::string overdue(std::chrono::milliseconds timeout) const;
@@ -71,7 +72,14 @@ class FlightRecorder {
   int64_t next_seq_ = 0;
   int splits_ = 0;
   mutable std::mutex mu_;
-  std::deque<FlightEntry> entries_;
+  // A ring of at most capacity_ entries, the oldest at first_ once full. Entries are overwritten in
+  // place, so recording reuses their label strings' storage instead of allocating.
+  std::vector<FlightEntry> entries_;
+  size_t first_ = 0;
+  template <class F>
+  void for_each_entry(F&& f) const {  // oldest first; mu_ held
+    for (size_t i = 0; i < entries_.size(); ++i) f(entries_[(first_ + i) % entries_.size()]);
+  }
 };
 
 // Writes every live recorder of this process to <dir>/rank<world_rank>.json. Returns the path.

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
@@ -174,8 +175,8 @@ class GlooComm : public CommImpl {
     auto what = describe("all_gather", in, fmt::format("in={} out={}", in.numel(), out.numel()));
     return enqueue(std::move(what), {out, in}, [this, out, in, counts = opts.counts](uint32_t tag) {
       const size_t esize = out.element_size();
-      if (size_ == 1) {
-        if (in.data_ptr() != out.data_ptr()) out.copy_(in);
+      if (size_ == 1) {  // contiguous CPU tensors of one dtype and size (Comm checked)
+        if (in.data_ptr() != out.data_ptr()) std::memcpy(out.data_ptr(), in.data_ptr(), out.nbytes());
         return;
       }
       if (counts.empty()) {
@@ -442,12 +443,12 @@ class GlooComm : public CommImpl {
                            uint32_t tag) {
     const int64_t n = out.numel();
     if (n == 0) return;
-    const auto acc_type = is_half(in.scalar_type()) ? at::kFloat : in.scalar_type();
-    const at::Tensor src = in.scalar_type() == acc_type ? in : in.to(acc_type);
-    if (size_ == 1) {  // the sum or average over one rank is the input
-      out.copy_(in);
+    if (size_ == 1) {  // the sum or average over one rank is the input (same dtype, contiguous)
+      std::memcpy(out.data_ptr(), in.data_ptr(), out.nbytes());
       return;
     }
+    const auto acc_type = is_half(in.scalar_type()) ? at::kFloat : in.scalar_type();
+    const at::Tensor src = in.scalar_type() == acc_type ? in : in.to(acc_type);
     auto chunk = [&](int c) { return src.narrow(0, ((c % size_) + size_) % size_ * n, n); };
     const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
     const auto slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
