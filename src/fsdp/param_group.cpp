@@ -36,6 +36,16 @@ bool rows_view(const at::Tensor& t) {
 
 bool plain_bytes(const at::Tensor& t) { return t.device().is_cpu() && t.is_contiguous(); }
 
+// dst (a rows view) <- its rows read from s, one every s_stride bytes.
+void copy_rows(const at::Tensor& dst, const char* s, int64_t s_stride) {
+  const int64_t rows = dst.dim() == 2 ? dst.size(0) : 1;
+  const size_t row_bytes = (dst.dim() == 2 ? dst.size(1) : dst.numel()) * dst.element_size();
+  if (row_bytes == 0) return;
+  auto* d = static_cast<char*>(dst.data_ptr());
+  const int64_t ds = dst.dim() == 2 ? dst.stride(0) * dst.element_size() : 0;
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * ds, s + r * s_stride, row_bytes);
+}
+
 void copy_block(const at::Tensor& dst, const at::Tensor& src) {
   if (dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel() && plain_bytes(dst) &&
       plain_bytes(src)) {
@@ -47,14 +57,8 @@ void copy_block(const at::Tensor& dst, const at::Tensor& src) {
     dst.copy_(src);
     return;
   }
-  const int64_t rows = dst.dim() == 2 ? dst.size(0) : 1;
-  const size_t row_bytes = (dst.dim() == 2 ? dst.size(1) : dst.numel()) * dst.element_size();
-  if (row_bytes == 0) return;
-  auto* d = static_cast<char*>(dst.data_ptr());
-  const auto* s = static_cast<const char*>(src.data_ptr());
-  const int64_t ds = dst.dim() == 2 ? dst.stride(0) * dst.element_size() : 0;
-  const int64_t ss = src.dim() == 2 ? src.stride(0) * src.element_size() : 0;
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * ds, s + r * ss, row_bytes);
+  const int64_t src_stride = src.dim() == 2 ? src.stride(0) * src.element_size() : 0;
+  copy_rows(dst, static_cast<const char*>(src.data_ptr()), src_stride);
 }
 
 // dst (one of a parameter's pack views) <- src's elements [offset, offset + dst.numel()), in order.
@@ -64,13 +68,9 @@ void copy_from_flat(const at::Tensor& dst, const at::Tensor& src, int64_t offset
     copy_block(dst, src.reshape(-1).narrow(0, offset, dst.numel()).view(dst.sizes()));
     return;
   }
-  const int64_t rows = dst.dim() == 2 ? dst.size(0) : 1;
-  const size_t row_bytes = (dst.dim() == 2 ? dst.size(1) : dst.numel()) * dst.element_size();
-  if (row_bytes == 0) return;
-  auto* d = static_cast<char*>(dst.data_ptr());
-  const auto* s = static_cast<const char*>(src.data_ptr()) + offset * src.element_size();
-  const int64_t ds = dst.dim() == 2 ? dst.stride(0) * dst.element_size() : 0;
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * ds, s + r * row_bytes, row_bytes);
+  const int64_t row_numel = dst.dim() == 2 ? dst.size(1) : dst.numel();  // src rows are back to back
+  copy_rows(dst, static_cast<const char*>(src.data_ptr()) + offset * src.element_size(),
+            row_numel * src.element_size());
 }
 
 // An uninitialised tensor of t's shape and dtype; on the CPU made directly, not through the
@@ -229,9 +229,9 @@ void ParamGroup::make_views() {
     if (rest > 0) q.copy_out.emplace_back(dst.narrow(0, full * pn, rest), src[full].narrow(0, 0, rest));
     if (q.reduce_offset < 0) continue;
     q.reduce_all = reduce_rows.narrow(1, q.reduce_offset, pn);
-    if (full > 0) q.pack.push_back({q.reduce_all.narrow(0, 0, full), 0, full * pn});
+    if (full > 0) q.pack.push_back({q.reduce_all.narrow(0, 0, full), 0});
     if (rest > 0) {
-      q.pack.push_back({q.reduce_all[full].narrow(0, 0, rest), full * pn, rest});
+      q.pack.push_back({q.reduce_all[full].narrow(0, 0, rest), full * pn});
       q.pad.push_back(q.reduce_all[full].narrow(0, rest, pn - rest));
     }
     const int64_t used = full + (rest > 0);

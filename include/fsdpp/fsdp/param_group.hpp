@@ -117,7 +117,7 @@ class ParamGroup {
     std::vector<std::pair<at::Tensor, at::Tensor>> copy_out; // (unsharded rows, gathered rows)
     struct Pack {
       at::Tensor dst;  // rows of the reduce input
-      int64_t offset, numel;  // elements of the flattened gradient
+      int64_t offset;  // of dst's first element in the flattened gradient
     };
     std::vector<Pack> pack;
     std::vector<at::Tensor> pad;  // parts of the reduce input beyond the parameter: zeroed
