@@ -4,6 +4,8 @@
 //       --sharded runs under `fsdpp launch`, each of the dp ranks taking B/dp sequences.
 //   memory        per-rank bytes of parameters, gradients and AdamW state after one step
 //   unit-cost     microseconds of framework bookkeeping per unit per step, 200 tiny units, 1 rank
+//                 [--rounds R] pairs of rounds (plain, sharded; --steps steps each) to take the
+//                 median difference over (25)
 //                 [--only plain|sharded] one side alone, for a profiler
 //                 [--only ops] the ATen operators a sharded step adds per unit, by name
 #include <ATen/ATen.h>
@@ -18,6 +20,8 @@
 #include <iostream>
 #include <map>
 #include <string>
+#include <ctime>
+#include <vector>
 
 #include "fsdpp/comm/init.hpp"
 #include "fsdpp/base/blas.hpp"
@@ -32,7 +36,7 @@ struct Args {
   std::string mode;
   bool sharded = false, overlap = true, reshard = true;
   std::string only;  // unit-cost: "plain" or "sharded" runs just that side; "ops" counts operators
-  int threads = 1, steps = 20;
+  int threads = 1, steps = 20, rounds = 25;
   int64_t batch = 16;
 };
 
@@ -53,6 +57,7 @@ Args parse(int argc, char** argv) {
     }
     else if (s == "--threads") a.threads = static_cast<int>(next());
     else if (s == "--steps") a.steps = static_cast<int>(next());
+    else if (s == "--rounds") a.rounds = std::max(1, static_cast<int>(next()));
     else if (s == "--batch") a.batch = next();
     else throw std::invalid_argument("fsdp_bench: unknown argument " + s);
   }
@@ -163,6 +168,12 @@ struct TinyImpl : torch::nn::Module {
   torch::nn::ModuleList layers{nullptr};
 };
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
 // Where the operator-counting callback adds, by operator name (unit-cost --only ops).
 thread_local std::map<std::string, int64_t>* t_op_counts = nullptr;
 
@@ -220,20 +231,35 @@ int unit_cost(const Args& a) {
     if (comm.rank() == 0) std::cout << fmt::format("RESULT unit-cost-{} step_us={:.0f}\n", a.only, t * 1e6);
     return 0;
   }
-  // Alternate the two over 7 rounds and take each one's median round, so that a busy machine
-  // slows both alike.
-  std::vector<double> tp, ts;
-  for (int r = 0; r < 7; ++r) {
-    tp.push_back(round(plain_step));
-    ts.push_back(round(sharded_step));
+  // Pairs of rounds, one of each side, in alternating order; the cost is the median over pairs
+  // of the difference within a pair, so that a busy spell of the machine, which slows the two
+  // rounds of a pair alike, cancels. Wall-clock time, and the thread's CPU time beside it (which
+  // leaves out time the thread was not running).
+  auto cpu_now = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+  };
+  auto timed = [&](auto& step) {
+    const double c0 = cpu_now();
+    const double wall = round(step);
+    return std::pair<double, double>{wall, (cpu_now() - c0) / a.steps};
+  };
+  std::vector<double> tp, ts, d_wall, d_cpu;
+  for (int r = 0; r < a.rounds; ++r) {
+    std::pair<double, double> p, s;
+    if (r % 2 == 0) p = timed(plain_step), s = timed(sharded_step);
+    else s = timed(sharded_step), p = timed(plain_step);
+    tp.push_back(p.first);
+    ts.push_back(s.first);
+    d_wall.push_back((s.first - p.first) / 200);
+    d_cpu.push_back((s.second - p.second) / 200);
   }
-  std::sort(tp.begin(), tp.end());
-  std::sort(ts.begin(), ts.end());
-  const double t_plain = tp[3], t_sharded = ts[3];
   if (comm.rank() == 0)
-    std::cout << fmt::format("RESULT unit-cost units=200 world={} plain_step_us={:.0f} sharded_step_us={:.0f} "
-                             "us_per_unit_per_step={:.1f}\n",
-                             comm.size(), t_plain * 1e6, t_sharded * 1e6, (t_sharded - t_plain) * 1e6 / 200);
+    std::cout << fmt::format("RESULT unit-cost units=200 world={} rounds={} plain_step_us={:.0f} sharded_step_us={:.0f} "
+                             "us_per_unit_per_step={:.1f} cpu_us_per_unit_per_step={:.1f}\n",
+                             comm.size(), a.rounds, median(tp) * 1e6, median(ts) * 1e6, median(d_wall) * 1e6,
+                             median(d_cpu) * 1e6);
   return 0;
 }
 

@@ -112,7 +112,8 @@ print()
 fs = [float(x) for x in open(f"{work}/fsdpp.txt").read().split()]
 ts = [float(x) for x in open(f"{work}/torch.txt").read().split()]
 print("Microseconds per unit per step beyond the unsharded model, 3 alternating rounds (fsdpp's own")
-print("figure is each round's median of 7 interleaved plain/sharded rounds): fsdpp `fsdpp_fsdp_bench")
+print("figure is each round's median, over 25 pairs of an unsharded and a sharded run of 20 steps, of")
+print("the difference within a pair): fsdpp `fsdpp_fsdp_bench")
 print("unit-cost`, PyTorch `bench/torch_peer.py unit-cost` (`fully_shard` on each Linear, world 1).")
 print()
 print("| implementation | rounds | median |")

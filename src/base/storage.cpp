@@ -1,14 +1,127 @@
 #include "fsdpp/base/storage.hpp"
 
 #include <c10/core/StorageImpl.h>
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
 
 namespace fsdpp {
+
+namespace {
+
+void set_bytes(c10::StorageImpl* s, at::DataPtr p, size_t nbytes) {
+  s->set_data_ptr_noswap(std::move(p));
+  s->set_nbytes(nbytes);
+}
+
+int64_t limit_from_env() {
+  constexpr int64_t kDefaultMiB = 256;
+  const char* v = std::getenv("FSDPP_HOST_BUFFER_CACHE_MB");
+  if (!v || !*v) return kDefaultMiB << 20;
+  char* end = nullptr;
+  const long long mib = std::strtoll(v, &end, 10);
+  if (*end != '\0' || mib < 0 || mib > (int64_t{1} << 30))
+    throw std::invalid_argument(fmt::format(
+        "environment variable FSDPP_HOST_BUFFER_CACHE_MB='{}' is not a whole number of MiB (0 turns "
+        "the host buffer cache off)",
+        v));
+  return static_cast<int64_t>(mib) << 20;
+}
+
+// Note [host buffer cache]. Few entries are cached at a time (a model's units come in a few
+// sizes), so a vector searched from its end serves as the map and gives the most recently freed
+// buffer of a size first.
+class HostBufferCache {
+ public:
+  static HostBufferCache& get() {
+    // Never destroyed: buffers still cached at exit go with the process, and no static
+    // destructor runs after the allocator's.
+    static auto* cache = new HostBufferCache();
+    return *cache;
+  }
+
+  at::DataPtr take(c10::Allocator* allocator, size_t nbytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
+        if (it->nbytes != nbytes || it->allocator != allocator) continue;
+        at::DataPtr p = std::move(it->data);
+        entries_.erase(std::next(it).base());
+        stats_.cached_bytes -= static_cast<int64_t>(nbytes);
+        ++stats_.hits;
+        return p;
+      }
+      ++stats_.misses;
+    }
+    return allocator->allocate(nbytes);
+  }
+
+  void give(c10::Allocator* allocator, at::DataPtr p, size_t nbytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stats_.cached_bytes + static_cast<int64_t>(nbytes) > stats_.limit_bytes) {
+      ++stats_.freed;
+      return;  // p frees its buffer on leaving
+    }
+    entries_.push_back({allocator, nbytes, std::move(p)});
+    stats_.cached_bytes += static_cast<int64_t>(nbytes);
+  }
+
+  HostBufferCacheStats stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+  void set_limit(int64_t bytes) {
+    if (bytes < 0) throw std::invalid_argument(fmt::format("host buffer cache limit {} is negative", bytes));
+    std::vector<Entry> dropped;  // freed outside the lock
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.limit_bytes = bytes;
+    while (stats_.cached_bytes > bytes) {  // the oldest go first
+      stats_.cached_bytes -= static_cast<int64_t>(entries_.front().nbytes);
+      dropped.push_back(std::move(entries_.front()));
+      entries_.erase(entries_.begin());
+    }
+  }
+
+ private:
+  HostBufferCache() { stats_.limit_bytes = limit_from_env(); }
+
+  struct Entry {
+    c10::Allocator* allocator;
+    size_t nbytes;
+    at::DataPtr data;
+  };
+  std::mutex mu_;
+  std::vector<Entry> entries_;
+  HostBufferCacheStats stats_;
+};
+
+}  // namespace
 
 void resize_storage_bytes(const at::Tensor& t, size_t nbytes) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   if (s->nbytes() == nbytes) return;
-  s->set_data_ptr_noswap(nbytes ? s->allocator()->allocate(nbytes) : at::DataPtr(nullptr, s->device()));
-  s->set_nbytes(nbytes);
+  set_bytes(s, nbytes ? s->allocator()->allocate(nbytes) : at::DataPtr(nullptr, s->device()), nbytes);
 }
+
+void resize_storage_bytes_cached(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const size_t had = s->nbytes();
+  if (had == nbytes) return;
+  if (!s->device().is_cpu()) return resize_storage_bytes(t, nbytes);
+  auto& cache = HostBufferCache::get();
+  // Callers go between empty and full size; a storage resized from one size to another gives its
+  // old buffer to the cache first.
+  at::DataPtr old = s->set_data_ptr(at::DataPtr(nullptr, s->device()));
+  if (had > 0 && old.get() != nullptr) cache.give(s->allocator(), std::move(old), had);
+  set_bytes(s, nbytes ? cache.take(s->allocator(), nbytes) : at::DataPtr(nullptr, s->device()), nbytes);
+}
+
+HostBufferCacheStats host_buffer_cache_stats() { return HostBufferCache::get().stats(); }
+
+void set_host_buffer_cache_limit(int64_t bytes) { HostBufferCache::get().set_limit(bytes); }
 
 }  // namespace fsdpp

@@ -25,6 +25,17 @@ const char* to_string(ReduceOp op) {
   return "?";
 }
 
+std::string detail::OpSummary::to_string() const {
+  std::string s = fmt::format("rank {}/{} {}", rank, size, op);
+  if (dtype != at::ScalarType::Undefined) s += fmt::format(" {}", c10::toString(dtype));
+  if (reduce) s += fmt::format(" {}", reduce);
+  if (root >= 0) s += fmt::format(" root={}", root);
+  if (in >= 0) s += fmt::format(" in={}", in);
+  if (out >= 0) s += fmt::format(" out={}", out);
+  if (n >= 0) s += fmt::format(" n={}", n);
+  return s;
+}
+
 namespace {
 
 bool supported(at::ScalarType t) {

@@ -36,15 +36,21 @@ bool rows_view(const at::Tensor& t) {
 
 bool plain_bytes(const at::Tensor& t) { return t.device().is_cpu() && t.is_contiguous(); }
 
+// `rows` rows of `row_bytes` bytes, one every d_stride bytes at d, from one every s_stride at s.
+void copy_strided(char* d, int64_t d_stride, const char* s, int64_t s_stride, int64_t rows, size_t row_bytes) {
+  if (row_bytes == 0) return;
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * d_stride, s + r * s_stride, row_bytes);
+}
+
 // dst (a rows view) <- its rows read from s, one every s_stride bytes.
 void copy_rows(const at::Tensor& dst, const char* s, int64_t s_stride) {
   const int64_t rows = dst.dim() == 2 ? dst.size(0) : 1;
   const size_t row_bytes = (dst.dim() == 2 ? dst.size(1) : dst.numel()) * dst.element_size();
-  if (row_bytes == 0) return;
-  auto* d = static_cast<char*>(dst.data_ptr());
   const int64_t ds = dst.dim() == 2 ? dst.stride(0) * dst.element_size() : 0;
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * ds, s + r * s_stride, row_bytes);
+  if (row_bytes > 0) copy_strided(static_cast<char*>(dst.data_ptr()), ds, s, s_stride, rows, row_bytes);
 }
+
+char* bytes_of(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 void copy_block(const at::Tensor& dst, const at::Tensor& src) {
   if (dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel() && plain_bytes(dst) &&
@@ -104,6 +110,8 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
   set_label(label_);
   static_buffers_ = static_buffers;
   const int64_t n = comm_.size(), rank = comm_.rank();
+  comm_size_ = n;
+  comm_rank_ = rank;
   std::optional<at::ScalarType> widest_grad;
   for (auto& spec : specs) {
     const std::string& name = spec.names.front();
@@ -183,16 +191,19 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     q.unsharded = at::empty(q.shape, q.param.options().dtype(q.compute_dtype));
     q.param.set_data(q.unsharded);
   }
+  host_ = device_.is_cpu();
   make_views();
   for (auto& q : params_) release(q.unsharded);
 }
 
+// Through the host buffer cache (Note [host buffer cache]): on the CPU, the buffers one unit
+// releases are, size for size, the ones the next unit takes.
 void ParamGroup::allocate(const at::Tensor& t, size_t nbytes) const {
-  resize_storage_bytes(t, nbytes);  // nothing to do when it has that size
+  resize_storage_bytes_cached(t, nbytes);  // nothing to do when it has that size
 }
 
 void ParamGroup::release(const at::Tensor& t) const {
-  if (!static_buffers_) resize_storage_bytes(t, 0);
+  if (!static_buffers_) resize_storage_bytes_cached(t, 0);
 }
 
 std::vector<const void*> ParamGroup::buffer_addresses() const {
@@ -202,6 +213,15 @@ std::vector<const void*> ParamGroup::buffer_addresses() const {
   return out;
 }
 
+// Note [raw copies]
+// On the CPU, when no dtype changes hands, a step moves its bytes by memcpy at offsets known since
+// construction, reading only the base pointers of the gather and reduce buffers and of each
+// parameter's tensors: this rank's padded rows into its slot of the gather buffer, each rank's
+// rows out of it into the unsharded parameter, the gradient's rows into the reduce input (the
+// padding zeroed), and this rank's reduced rows into a new gradient. A deep model's hundreds of
+// units hold more tensors than the caches do, and reading a view's metadata there costs more than
+// copying the few bytes it describes. Conversions and CUDA tensors go through the views below.
+//
 // Note [persistent views]
 // The gather and reduce buffers are tensors made once, whose storage is allocated only while a
 // collective uses it (as the parameters' own, Note [unshard by storage resize]). Every view that
@@ -297,8 +317,14 @@ void ParamGroup::unshard_async() {
     group_shard_ = at::Tensor();
     return;
   }
-  for (const auto& q : params_)
-    if (q.copy_in.defined()) copy_block(q.copy_in, q.padded);  // casts to the compute dtype
+  char* slot = host_ ? bytes_of(gather_buf_) + comm_rank_ * gather_slot_bytes_ : nullptr;
+  for (const auto& q : params_) {
+    if (q.padded_numel() == 0) continue;
+    if (slot && q.padded.scalar_type() == q.compute_dtype)  // Note [raw copies]
+      std::memcpy(slot + q.gather_offset, bytes_of(q.padded), q.gather_bytes);
+    else
+      copy_block(q.copy_in, q.padded);  // casts to the compute dtype
+  }
   comm::OpLabel op_label(&gather_label_);
   gather_work_ = comm_.all_gather(gather_buf_, gather_slot_);
 }
@@ -308,9 +334,19 @@ void ParamGroup::wait_unshard() {
   unshard_async();
   gather_work_->wait();
   gather_work_.reset();
+  const char* gathered = host_ ? bytes_of(gather_buf_) : nullptr;
   for (auto& q : params_) {
     allocate(q.unsharded, q.numel() * at::elementSize(q.compute_dtype));
-    for (auto& [dst, src] : q.copy_out) copy_block(dst, src);
+    const int64_t pn = q.padded_numel();
+    if (!gathered) {
+      for (auto& [dst, src] : q.copy_out) copy_block(dst, src);
+    } else if (pn > 0) {  // Note [raw copies]: rank r's rows, then the last rank's partial ones
+      const int64_t es = at::elementSize(q.compute_dtype), full = q.numel() / pn, rest = q.numel() % pn;
+      char* dst = bytes_of(q.unsharded);
+      const char* src = gathered + q.gather_offset;
+      copy_strided(dst, pn * es, src, gather_slot_bytes_, full, pn * es);
+      if (rest > 0) std::memcpy(dst + full * pn * es, src + full * gather_slot_bytes_, rest * es);
+    }
   }
   if (!group_comm_) release(gather_buf_);  // reshard_to_group still needs it
   unsharded_ = true;
@@ -367,6 +403,7 @@ void ParamGroup::reduce_grads_async() {
     at::NoGradGuard no_grad;
     for (auto& q : params_) {
       if (!q.reduce_all.defined()) continue;
+      if (host_ && pack_raw(q)) continue;
       // A parameter that got no gradient here (an expert that saw no tokens) is reduced as zeros,
       // so every rank still issues the same collective.
       if (!q.grad_acc.defined()) {
@@ -405,6 +442,10 @@ void ParamGroup::finish_reduce() {
     }
     if (g.defined()) {
       g.add_(q.reduce_piece);
+    } else if (host_ && q.sharded.scalar_type() == reduce_dtype_) {  // Note [raw copies]
+      g = empty_like_plain(q.sharded);
+      const int64_t es = at::elementSize(reduce_dtype_);
+      std::memcpy(bytes_of(g), bytes_of(reduce_out_) + q.reduce_offset * es, q.local_rows * q.row_numel * es);
     } else {
       g = empty_like_plain(q.sharded);
       copy_block(g, q.reduce_piece);
@@ -412,6 +453,33 @@ void ParamGroup::finish_reduce() {
   }
   release(reduce_in_);
   release(reduce_out_);
+}
+
+// Note [raw copies]: rank r's part of the gradient (padded_numel elements from r * padded_numel)
+// goes to row r of the parameter's region in the reduce input; what lies past the gradient's end is
+// zeroed, as all of it is for a parameter that got no gradient. False when a dtype conversion or a
+// strided gradient needs ATen.
+bool ParamGroup::pack_raw(Param& q) {
+  const at::Tensor& g = q.grad_acc;
+  if (g.defined() && (g.scalar_type() != reduce_dtype_ || !g.is_contiguous() || !g.device().is_cpu())) return false;
+  const int64_t es = at::elementSize(reduce_dtype_), pn = q.padded_numel(), n = comm_size_;
+  const int64_t row_stride = reduce_slot_numel_ * es;
+  char* dst = bytes_of(reduce_in_) + q.reduce_offset * es;
+  int64_t used = 0;
+  if (g.defined()) {
+    const int64_t full = q.numel() / pn, rest = q.numel() % pn;
+    const char* src = bytes_of(g);
+    copy_strided(dst, row_stride, src, pn * es, full, pn * es);
+    used = full;
+    if (rest > 0) {
+      std::memcpy(dst + full * row_stride, src + full * pn * es, rest * es);
+      std::memset(dst + full * row_stride + rest * es, 0, (pn - rest) * es);
+      used = full + 1;
+    }
+    q.grad_acc = at::Tensor();
+  }
+  for (int64_t r = used; r < n; ++r) std::memset(dst + r * row_stride, 0, pn * es);
+  return true;
 }
 
 std::vector<at::Tensor> ParamGroup::sharded_parameters() const {

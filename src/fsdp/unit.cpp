@@ -128,11 +128,10 @@ int Unit::post_forward_group() const {
   return n == 1 ? 0 : n == comm_.size() ? 1 : n;
 }
 
-Unit* Unit::neighbour(const std::vector<Unit*>& order, int step) const {
-  auto it = std::find(order.begin(), order.end(), this);
-  if (it == order.end()) return nullptr;
-  const auto idx = (it - order.begin()) + step;
-  return idx >= 0 && idx < static_cast<std::ptrdiff_t>(order.size()) ? order[idx] : nullptr;
+Unit* Unit::neighbour(const std::vector<Unit*>& order, int64_t pos, int step) const {
+  if (pos < 0 || pos >= static_cast<int64_t>(order.size()) || order[pos] != this) return nullptr;
+  const int64_t idx = pos + step;
+  return idx >= 0 && idx < static_cast<int64_t>(order.size()) ? order[idx] : nullptr;
 }
 
 void Unit::pre_forward() {
@@ -141,15 +140,26 @@ void Unit::pre_forward() {
   if (is_root() && !tree.backward_active) {
     // A new forward: the order recorded last time drives this time's prefetching.
     // (swapped, not moved: both keep their storage, so this allocates nothing step after step)
-    if (!tree.forward_order.empty()) std::swap(tree.last_forward_order, tree.forward_order);
+    // Each unit also knows its place in both orders, so that finding a neighbour is not a search.
+    if (!tree.forward_order.empty()) {
+      for (Unit* u : tree.last_forward_order) u->last_order_pos_ = -1;
+      std::swap(tree.last_forward_order, tree.forward_order);
+      for (size_t i = 0; i < tree.last_forward_order.size(); ++i) {
+        tree.last_forward_order[i]->last_order_pos_ = static_cast<int64_t>(i);
+        tree.last_forward_order[i]->order_pos_ = -1;
+      }
+    }
     tree.forward_order.clear();
   }
   group_->wait_unshard();
-  if (std::find(tree.forward_order.begin(), tree.forward_order.end(), this) == tree.forward_order.end())
+  if (order_pos_ < 0 || order_pos_ >= static_cast<int64_t>(tree.forward_order.size()) ||
+      tree.forward_order[order_pos_] != this) {
+    order_pos_ = static_cast<int64_t>(tree.forward_order.size());
     tree.forward_order.push_back(this);
+  }
   if (!forward_prefetch_.empty()) {
     for (Unit* u : forward_prefetch_) u->group().unshard_async();
-  } else if (Unit* next = neighbour(tree.last_forward_order, +1); next && next != tree.root) {
+  } else if (Unit* next = neighbour(tree.last_forward_order, last_order_pos_, +1); next && next != tree.root) {
     next->group_->unshard_async();
   }
   pre_backward_done_ = false;
@@ -208,7 +218,7 @@ void Unit::pre_backward() {
   group_->wait_unshard();
   if (!backward_prefetch_.empty()) {
     for (Unit* u : backward_prefetch_) u->group().unshard_async();
-  } else if (Unit* prev = neighbour(tree->forward_order, -1); prev && prev != tree->root) {
+  } else if (Unit* prev = neighbour(tree->forward_order, order_pos_, -1); prev && prev != tree->root) {
     prev->group_->unshard_async();
   }
 }

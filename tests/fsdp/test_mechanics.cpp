@@ -6,6 +6,7 @@
 
 #include <map>
 
+#include "fsdpp/base/storage.hpp"
 #include "fsdp/counting_comm.hpp"
 #include "fsdp/models.hpp"
 
@@ -375,6 +376,39 @@ TEST_CASE("unshard and reshard change storage, not the parameter objects") {
       CHECK(p.value().storage().nbytes() == p.value().numel() * p.value().element_size());
     model->reshard();
     for (auto& p : model->named_parameters()) CHECK(p.value().storage().nbytes() == 0);
+  });
+}
+
+TEST_CASE("resharding gives host buffers to the cache and the next unshard takes them back; limit 0 frees them") {
+  test::run_ranks(1, [](comm::Comm& comm) {
+    const int64_t limit = host_buffer_cache_stats().limit_bytes;
+    REQUIRE(limit > 0);
+    auto model = fsdp::fully_shard(test::Net(8, 3), comm);
+    const auto x = at::randn({6, 5}, at::detail::createCPUGenerator(5));
+    auto step = [&](auto& m, const std::vector<at::Tensor>& params) {
+      for (auto p : params) p.mutable_grad() = at::Tensor();
+      m->forward(x).square().sum().backward();
+    };
+    step(model, model->sharded_parameters());
+    const auto a = host_buffer_cache_stats();
+    step(model, model->sharded_parameters());
+    const auto b = host_buffer_cache_stats();
+    // Every buffer the second step needs was released by the first, or earlier in the second.
+    CHECK(b.misses == a.misses);
+    CHECK(b.hits - a.hits >= 4 * 3);  // per block at least: 2 gathers, reduce input and output
+    CHECK(b.cached_bytes > 0);
+    CHECK(b.cached_bytes <= b.limit_bytes);
+
+    set_host_buffer_cache_limit(0);
+    const auto c = host_buffer_cache_stats();
+    CHECK(c.cached_bytes == 0);
+    step(model, model->sharded_parameters());
+    const auto d = host_buffer_cache_stats();
+    CHECK(d.hits == c.hits);
+    CHECK(d.misses - c.misses == b.hits - a.hits);  // the same allocations, from the allocator now
+    CHECK(d.freed - c.freed == d.misses - c.misses);  // and every one freed again
+    CHECK(d.cached_bytes == 0);
+    set_host_buffer_cache_limit(limit);
   });
 }
 

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace fsdpp {
 
@@ -12,5 +13,32 @@ namespace fsdpp {
 // CUDA tensors), or frees it for 0. Every tensor viewing the storage sees the change; contents are
 // not kept, so callers go from empty to full size (and write it whole) or from full size to empty.
 void resize_storage_bytes(const at::Tensor& t, size_t nbytes);
+
+// Note [host buffer cache]
+// fully_shard frees a unit's unsharded parameters and communication buffers on resharding and
+// allocates them again on the next unshard: with many small units, on the CPU, that is several
+// aligned mallocs and frees per unit per step, each colder in the cache than the buffer just freed.
+// The host buffer cache keeps such freed buffers, by size, and hands the most recently freed one of
+// the size asked for to the next unshard: the units of a model are mostly of a few sizes, so the
+// buffer one unit releases is the one the next unit takes, and the memory in use at any moment
+// stays what it was, plus at most `limit` bytes of buffers waiting for their size to come back.
+// CUDA storages are left to PyTorch's caching allocator.
+//
+// The limit defaults to 256 MiB, or FSDPP_HOST_BUFFER_CACHE_MB; 0 turns the cache off (every
+// release frees). A buffer that would take the cache past the limit is freed.
+struct HostBufferCacheStats {
+  int64_t hits = 0;          // allocations served from the cache
+  int64_t misses = 0;        // allocations that went to the allocator
+  int64_t freed = 0;         // releases freed because the cache was full (or off)
+  int64_t cached_bytes = 0;  // held now
+  int64_t limit_bytes = 0;
+};
+HostBufferCacheStats host_buffer_cache_stats();
+// Sets the limit, freeing cached buffers beyond it (0: frees them all and stops caching).
+void set_host_buffer_cache_limit(int64_t bytes);
+
+// resize_storage_bytes through the host buffer cache: a CPU storage takes its bytes from the
+// cache when it has a buffer of that size, and gives them to it when resized to 0.
+void resize_storage_bytes_cached(const at::Tensor& t, size_t nbytes);
 
 }  // namespace fsdpp

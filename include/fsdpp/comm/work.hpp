@@ -20,8 +20,30 @@ namespace fsdpp::comm {
 
 namespace detail {
 
+// What a collective is, kept as values and put into words only when someone asks (an error, a
+// failure note): formatting it for every operation would cost more than a small collective's
+// bytes. to_string() gives "rank 1/4 all_gather Float in=10 out=40"; fields left at their
+// defaults are left out.
+struct OpSummary {
+  const char* op = "";
+  int rank = 0, size = 0;
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  const char* reduce = nullptr;  // the reduction ("sum", "avg", ...)
+  int root = -1;                 // broadcast's
+  int64_t in = -1, out = -1;     // element counts
+  int64_t n = -1;                // the element count of an in-place operation
+  std::string to_string() const;
+};
+
 struct WorkState {
-  explicit WorkState(std::string what) : what(std::move(what)) {}
+  explicit WorkState(std::string what) : what_(std::move(what)), summary_{} { std::call_once(described_, [] {}); }
+  explicit WorkState(const OpSummary& summary) : summary_(summary) {}
+
+  // "rank 1/4 all_gather Float in=10 out=40"; made on first use, from any thread.
+  const std::string& what() const {
+    std::call_once(described_, [this] { what_ = summary_.to_string(); });
+    return what_;
+  }
 
   // Called by the thread that runs the operation as it begins (flight records tell queued from
   // started).
@@ -43,7 +65,6 @@ struct WorkState {
     cv.notify_all();
   }
 
-  const std::string what;  // "rank 1/4 all_gather float32 in=10 out=40"
   std::mutex mu;
   std::condition_variable cv;
   bool started = false, done = false;
@@ -65,6 +86,11 @@ struct WorkState {
   // and the watchdog, although done for the host.
   std::function<bool()> device_done;
   std::chrono::system_clock::time_point started_at, finished_at;
+
+ private:
+  mutable std::string what_;
+  mutable std::once_flag described_;
+  OpSummary summary_;
 };
 
 }  // namespace detail
@@ -85,7 +111,7 @@ class Work {
     try {
       std::rethrow_exception(state_->error);
     } catch (const std::exception& e) {
-      throw CommError(state_->what + " failed: " + e.what());
+      throw CommError(state_->what() + " failed: " + e.what());
     }
   }
 
@@ -106,7 +132,7 @@ class Work {
 
   const std::string& description() const {
     static const std::string kEmpty = "empty work";
-    return state_ ? state_->what : kEmpty;
+    return state_ ? state_->what() : kEmpty;
   }
 
  private:

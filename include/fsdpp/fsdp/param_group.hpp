@@ -129,6 +129,7 @@ class ParamGroup {
 
   void check_plan_is_uniform();
   void make_views();
+  bool pack_raw(Param& q);
 
   comm::Comm comm_;
   std::optional<comm::Comm> replicate_;  // HSDP: this shard group's replicas
@@ -147,6 +148,11 @@ class ParamGroup {
   at::ScalarType reduce_dtype_ = at::kFloat;
   bool unsharded_ = false;
   bool static_buffers_ = false;
+  // Note [raw copies]: on the CPU, a step's same-dtype packing and unpacking are memcpys at offsets
+  // fixed here (with many small units, reading the views of Note [persistent views] costs more
+  // cache misses than the bytes they describe); the views serve the rest (casts, CUDA).
+  bool host_ = false;
+  int64_t comm_rank_ = 0, comm_size_ = 1;
   at::Device device_ = at::kCPU;  // of every parameter, buffer and plan-check tensor of the group
   // Storage management behind unshard/reshard (Note [unshard by storage resize]); with static
   // buffers, release is a no-op and allocate finds the storage in place.

@@ -139,7 +139,9 @@ class Unit {
   static void finish_backward(const std::shared_ptr<detail::Tree>& tree);
   // 0: keep unsharded after forward; 1: reshard fully; N > 1: keep 1/N (see the option).
   int post_forward_group() const;
-  Unit* neighbour(const std::vector<Unit*>& order, int step) const;
+  // The unit `step` places from this one in `order`, where this one sits at `pos` (null when it
+  // does not, or past either end).
+  Unit* neighbour(const std::vector<Unit*>& order, int64_t pos, int step) const;
 
   std::string label_;
   std::string prefix_;
@@ -149,6 +151,7 @@ class Unit {
   std::shared_ptr<detail::Tree> tree_;
   std::vector<Unit*> forward_prefetch_, backward_prefetch_;
   std::vector<const void*> owned_;  // TensorImpls of the parameters this unit manages
+  int64_t order_pos_ = -1, last_order_pos_ = -1;  // in the tree's forward_order, last_forward_order
   bool pre_backward_done_ = false;
   bool post_backward_done_ = false;
 };

@@ -172,8 +172,9 @@ class GlooComm : public CommImpl {
 
   Work all_gather(const at::Tensor& out, const at::Tensor& in,
                   const AllGatherOptions& opts) override {
-    auto what = describe("all_gather", in, fmt::format("in={} out={}", in.numel(), out.numel()));
-    return enqueue(std::move(what), {out, in}, [this, out, in, counts = opts.counts](uint32_t tag) {
+    auto what = summary("all_gather", in);
+    what.in = in.numel(), what.out = out.numel();
+    return enqueue(what, {out, in}, [this, out, in, counts = opts.counts](uint32_t tag) {
       const size_t esize = out.element_size();
       if (size_ == 1) {  // contiguous CPU tensors of one dtype and size (Comm checked)
         if (in.data_ptr() != out.data_ptr()) std::memcpy(out.data_ptr(), in.data_ptr(), out.nbytes());
@@ -205,15 +206,16 @@ class GlooComm : public CommImpl {
 
   Work reduce_scatter(const at::Tensor& out, const at::Tensor& in,
                       const ReduceScatterOptions& opts) override {
-    auto what = describe("reduce_scatter", in,
-                         fmt::format("{} in={} out={}", to_string(opts.op), in.numel(), out.numel()));
-    return enqueue(std::move(what), {out, in},
+    auto what = summary("reduce_scatter", in);
+    what.reduce = to_string(opts.op), what.in = in.numel(), what.out = out.numel();
+    return enqueue(what, {out, in},
                    [this, out, in, op = opts.op](uint32_t tag) { ring_reduce_scatter(out, in, op, tag); });
   }
 
   Work all_reduce(const at::Tensor& t, const AllReduceOptions& opts) override {
-    auto what = describe("all_reduce", t, fmt::format("{} n={}", to_string(opts.op), t.numel()));
-    return enqueue(std::move(what), {t}, [this, t, op = opts.op](uint32_t tag) {
+    auto what = summary("all_reduce", t);
+    what.reduce = to_string(opts.op), what.n = t.numel();
+    return enqueue(what, {t}, [this, t, op = opts.op](uint32_t tag) {
       if (t.numel() == 0 || size_ == 1) return;
       // 16-bit floats are reduced in float32: the ring gives every rank the same bits, and the
       // sum does not lose precision at each hop.
@@ -232,8 +234,9 @@ class GlooComm : public CommImpl {
   }
 
   Work broadcast(const at::Tensor& t, const BroadcastOptions& opts) override {
-    auto what = describe("broadcast", t, fmt::format("root={} n={}", opts.root, t.numel()));
-    return enqueue(std::move(what), {t}, [this, t, root = opts.root](uint32_t tag) {
+    auto what = summary("broadcast", t);
+    what.root = opts.root, what.n = t.numel();
+    return enqueue(what, {t}, [this, t, root = opts.root](uint32_t tag) {
       if (t.numel() == 0 || size_ == 1) return;
       gloo::BroadcastOptions o(context_);
       o.setOutput(static_cast<uint8_t*>(t.data_ptr()), t.nbytes());
@@ -246,8 +249,9 @@ class GlooComm : public CommImpl {
 
   Work all_to_all(const at::Tensor& out, const at::Tensor& in,
                   const AllToAllOptions& opts) override {
-    auto what = describe("all_to_all", in, fmt::format("in={} out={}", in.numel(), out.numel()));
-    return enqueue(std::move(what), {out, in}, [this, out, in, opts](uint32_t tag) {
+    auto what = summary("all_to_all", in);
+    what.in = in.numel(), what.out = out.numel();
+    return enqueue(what, {out, in}, [this, out, in, opts](uint32_t tag) {
       const int64_t esize = out.element_size();
       if (opts.in_splits.empty()) {
         if (in.numel() == 0) return;
@@ -286,7 +290,7 @@ class GlooComm : public CommImpl {
   }
 
   Work barrier() override {
-    return enqueue(fmt::format("rank {}/{} barrier", rank_, size_), {}, [this](uint32_t tag) {
+    return enqueue(OpSummary{.op = "barrier", .rank = rank_, .size = size_}, {}, [this](uint32_t tag) {
       if (size_ == 1) return;
       gloo::BarrierOptions o(context_);
       o.setTag(tag);
@@ -321,14 +325,13 @@ class GlooComm : public CommImpl {
     std::function<bool(uint32_t tag)> run;
   };
 
-  std::string describe(const char* op, const at::Tensor& t, const std::string& sizes) const {
-    return fmt::format("rank {}/{} {} {} {}", rank_, size_, op, c10::toString(t.scalar_type()),
-                       sizes);
+  OpSummary summary(const char* op, const at::Tensor& t) const {
+    return {.op = op, .rank = rank_, .size = size_, .dtype = t.scalar_type()};
   }
 
   template <typename F>
-  Work enqueue(std::string what, std::vector<at::Tensor> tensors, F&& body) {
-    auto state = std::make_shared<WorkState>(std::move(what));
+  Work enqueue(const OpSummary& what, std::vector<at::Tensor> tensors, F&& body) {
+    auto state = std::make_shared<WorkState>(what);
     if (size_ == 1) {
       // Alone in the group, every collective is a local copy: run it here rather than pay two
       // thread hand-offs. Nothing else can be queued (send/recv to self are rejected).
@@ -379,7 +382,7 @@ class GlooComm : public CommImpl {
         // A failed gloo operation leaves the context unusable; later operations fail fast with
         // the original cause instead of hanging.
         broken_ = std::current_exception();
-        note_failure(task.state->what, broken_);
+        note_failure(task.state->what(), broken_);
         task.state->finish(broken_);
       }
     }
@@ -418,7 +421,7 @@ class GlooComm : public CommImpl {
           op.buffer->waitRecv(config_.timeout);
         op.state->finish();
       } catch (...) {
-        note_failure(op.state->what, std::current_exception());
+        note_failure(op.state->what(), std::current_exception());
         op.state->finish(std::current_exception());
       }
       done->store(true);

@@ -113,50 +113,55 @@ class NcclComm final : public CommImpl {
 
   Work all_gather(const at::Tensor& out, const at::Tensor& in, const AllGatherOptions& opts) override {
     const auto type = nccl_type(in.scalar_type());
-    auto what = describe("all_gather", in, fmt::format("in={} out={}", in.numel(), out.numel()));
+    auto what = summary("all_gather", in);
+    what.in = in.numel(), what.out = out.numel();
     const bool even = opts.counts.empty() ||
                       std::all_of(opts.counts.begin(), opts.counts.end(), [&](int64_t c) { return c == opts.counts[0]; });
     if (even)
-      return run(std::move(what), {in, out}, [&](cudaEvent_t ready) {
+      return run(what, {in, out}, [&](cudaEvent_t ready) {
         return core_->all_gather(in.data_ptr(), out.data_ptr(), size_t(in.numel()), type, ready);
       });
     // Uneven parts: every rank sends its part to every rank, in one NCCL group.
     const auto recv = to_sizes(opts.counts);
     const std::vector<size_t> send(size(), size_t(in.numel())), send_off(size(), 0);
-    return run(std::move(what), {in, out}, [&](cudaEvent_t ready) {
+    return run(what, {in, out}, [&](cudaEvent_t ready) {
       return core_->all_to_all(in.data_ptr(), out.data_ptr(), send, send_off, recv, offsets_of(recv), type, ready);
     });
   }
 
   Work reduce_scatter(const at::Tensor& out, const at::Tensor& in, const ReduceScatterOptions& opts) override {
-    auto what = describe("reduce_scatter", in, fmt::format("{} in={} out={}", to_string(opts.op), in.numel(), out.numel()));
-    return run(std::move(what), {in, out}, [&](cudaEvent_t ready) {
+    auto what = summary("reduce_scatter", in);
+    what.reduce = to_string(opts.op), what.in = in.numel(), what.out = out.numel();
+    return run(what, {in, out}, [&](cudaEvent_t ready) {
       return core_->reduce_scatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()), nccl_type(in.scalar_type()),
                                    nccl_op(opts.op), ready);
     });
   }
 
   Work all_reduce(const at::Tensor& t, const AllReduceOptions& opts) override {
-    auto what = describe("all_reduce", t, fmt::format("{} n={}", to_string(opts.op), t.numel()));
-    return run(std::move(what), {t}, [&](cudaEvent_t ready) {
+    auto what = summary("all_reduce", t);
+    what.reduce = to_string(opts.op), what.n = t.numel();
+    return run(what, {t}, [&](cudaEvent_t ready) {
       return core_->all_reduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()), nccl_type(t.scalar_type()),
                                nccl_op(opts.op), ready);
     });
   }
 
   Work broadcast(const at::Tensor& t, const BroadcastOptions& opts) override {
-    auto what = describe("broadcast", t, fmt::format("root={} n={}", opts.root, t.numel()));
-    return run(std::move(what), {t}, [&](cudaEvent_t ready) {
+    auto what = summary("broadcast", t);
+    what.root = opts.root, what.n = t.numel();
+    return run(what, {t}, [&](cudaEvent_t ready) {
       return core_->broadcast(t.data_ptr(), size_t(t.numel()), nccl_type(t.scalar_type()), opts.root, ready);
     });
   }
 
   Work all_to_all(const at::Tensor& out, const at::Tensor& in, const AllToAllOptions& opts) override {
-    auto what = describe("all_to_all", in, fmt::format("in={} out={}", in.numel(), out.numel()));
+    auto what = summary("all_to_all", in);
+    what.in = in.numel(), what.out = out.numel();
     const size_t n = size_t(size());
     auto send = opts.in_splits.empty() ? std::vector<size_t>(n, size_t(in.numel()) / n) : to_sizes(opts.in_splits);
     auto recv = opts.out_splits.empty() ? std::vector<size_t>(n, size_t(out.numel()) / n) : to_sizes(opts.out_splits);
-    return run(std::move(what), {in, out}, [&](cudaEvent_t ready) {
+    return run(what, {in, out}, [&](cudaEvent_t ready) {
       return core_->all_to_all(in.data_ptr(), out.data_ptr(), send, offsets_of(send), recv, offsets_of(recv),
                                nccl_type(in.scalar_type()), ready);
     });
@@ -165,7 +170,7 @@ class NcclComm final : public CommImpl {
   Work send(const at::Tensor& t, int dst, uint32_t tag) override {
     auto what = fmt::format("rank {}/{} send to rank {} tag {} {} n={}", rank(), size(), dst, tag,
                             c10::toString(t.scalar_type()), t.numel());
-    return run(std::move(what), {t}, [&](cudaEvent_t ready) {
+    return run(what, {t}, [&](cudaEvent_t ready) {
       return core_->send(t.data_ptr(), size_t(t.numel()), nccl_type(t.scalar_type()), dst, ready);
     });
   }
@@ -173,7 +178,7 @@ class NcclComm final : public CommImpl {
   Work recv(const at::Tensor& t, int src, uint32_t tag) override {
     auto what = fmt::format("rank {}/{} recv from rank {} tag {} {} n={}", rank(), size(), src, tag,
                             c10::toString(t.scalar_type()), t.numel());
-    return run(std::move(what), {t}, [&](cudaEvent_t ready) {
+    return run(what, {t}, [&](cudaEvent_t ready) {
       return core_->recv(t.data_ptr(), size_t(t.numel()), nccl_type(t.scalar_type()), src, ready);
     });
   }
@@ -203,17 +208,17 @@ class NcclComm final : public CommImpl {
   }
 
  private:
-  std::string describe(const char* op, const at::Tensor& t, const std::string& sizes) const {
-    return fmt::format("rank {}/{} {} {} {}", rank(), size(), op, c10::toString(t.scalar_type()), sizes);
+  OpSummary summary(const char* op, const at::Tensor& t) const {
+    return {.op = op, .rank = rank(), .size = size(), .dtype = t.scalar_type()};
   }
 
   void check(cudaError_t e, const char* what) const { check_cuda(e, rank(), size(), what); }
 
   // Orders the operation after the work already on the caller's stream, enqueues it, and returns
   // a Work whose wait() orders the caller's stream after it.
-  template <typename F>
-  Work run(std::string what, std::initializer_list<at::Tensor> tensors, F&& enqueue) {
-    auto state = std::make_shared<WorkState>(std::move(what));
+  template <typename What, typename F>
+  Work run(What&& what, std::initializer_list<at::Tensor> tensors, F&& enqueue) {
+    auto state = std::make_shared<WorkState>(std::forward<What>(what));
     state->start();
     const auto device = static_cast<c10::DeviceIndex>(core_->device());
     try {
@@ -231,7 +236,7 @@ class NcclComm final : public CommImpl {
       state->finish();
     } catch (const nccl::NcclError& e) {
       // An NCCL failure leaves the communicator unusable; the launcher stops the job.
-      note_failure(state->what, std::current_exception());
+      note_failure(state->what(), std::current_exception());
       state->finish(std::make_exception_ptr(CommError(e.what())));
     }
     return Work(state);
@@ -264,7 +269,7 @@ class NcclComm final : public CommImpl {
     c->abort();
     if (const auto state = op.lock()) {
       auto error = std::make_exception_ptr(CommError(why));
-      note_failure(state->what, error);
+      note_failure(state->what(), error);
       state->fail(error);
     }
     return true;
