@@ -31,9 +31,9 @@ int64_t limit_from_env() {
   return static_cast<int64_t>(mib) << 20;
 }
 
-// Note [host buffer cache]. Few entries are cached at a time (a model's units come in a few
-// sizes), so a vector searched from its end serves as the map and gives the most recently freed
-// buffer of a size first.
+// Note [host buffer cache]. One bucket per size, searched linearly (a model's units come in a
+// few sizes); a bucket hands out its most recently freed buffer first, the one likeliest to be in
+// the caches still.
 class HostBufferCache {
  public:
   static HostBufferCache& get() {
@@ -46,10 +46,9 @@ class HostBufferCache {
   at::DataPtr take(c10::Allocator* allocator, size_t nbytes) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
-        if (it->nbytes != nbytes || it->allocator != allocator) continue;
-        at::DataPtr p = std::move(it->data);
-        entries_.erase(std::next(it).base());
+      if (Bucket* b = find(allocator, nbytes); b && !b->free.empty()) {
+        at::DataPtr p = std::move(b->free.back());
+        b->free.pop_back();
         stats_.cached_bytes -= static_cast<int64_t>(nbytes);
         ++stats_.hits;
         return p;
@@ -65,7 +64,9 @@ class HostBufferCache {
       ++stats_.freed;
       return;  // p frees its buffer on leaving
     }
-    entries_.push_back({allocator, nbytes, std::move(p)});
+    Bucket* b = find(allocator, nbytes);
+    if (!b) b = &buckets_.emplace_back(Bucket{allocator, nbytes, {}});
+    b->free.push_back(std::move(p));
     stats_.cached_bytes += static_cast<int64_t>(nbytes);
   }
 
@@ -76,26 +77,33 @@ class HostBufferCache {
 
   void set_limit(int64_t bytes) {
     if (bytes < 0) throw std::invalid_argument(fmt::format("host buffer cache limit {} is negative", bytes));
-    std::vector<Entry> dropped;  // freed outside the lock
+    std::vector<at::DataPtr> dropped;  // freed outside the lock
     std::lock_guard<std::mutex> lock(mu_);
     stats_.limit_bytes = bytes;
-    while (stats_.cached_bytes > bytes) {  // the oldest go first
-      stats_.cached_bytes -= static_cast<int64_t>(entries_.front().nbytes);
-      dropped.push_back(std::move(entries_.front()));
-      entries_.erase(entries_.begin());
-    }
+    for (auto& b : buckets_)
+      while (stats_.cached_bytes > bytes && !b.free.empty()) {
+        dropped.push_back(std::move(b.free.back()));
+        b.free.pop_back();
+        stats_.cached_bytes -= static_cast<int64_t>(b.nbytes);
+      }
   }
 
  private:
   HostBufferCache() { stats_.limit_bytes = limit_from_env(); }
 
-  struct Entry {
+  // The free buffers of one size, most recently freed last.
+  struct Bucket {
     c10::Allocator* allocator;
     size_t nbytes;
-    at::DataPtr data;
+    std::vector<at::DataPtr> free;
   };
+  Bucket* find(c10::Allocator* allocator, size_t nbytes) {
+    for (auto& b : buckets_)
+      if (b.nbytes == nbytes && b.allocator == allocator) return &b;
+    return nullptr;
+  }
   std::mutex mu_;
-  std::vector<Entry> entries_;
+  std::vector<Bucket> buckets_;  // a model's units come in a few sizes
   HostBufferCacheStats stats_;
 };
 
