@@ -60,12 +60,12 @@ def totals(run):
 def per_step(i, side, event):
     return (totals(f"{i}-{side}-9")[event] - totals(f"{i}-{side}-3")[event]) / STEPS
 
-# Inclusive instructions of the functions a sharded step runs per unit, by name.
+# Inclusive instructions of the functions a sharded step runs per unit, by the start of the name.
 FUNCS = [
     ("forward hooks", r"fsdpp::fsdp::Unit::pre_forward\(\)"),
     ("post-backward marker (made in forward)", r"fsdpp::fsdp::Unit::mark_for_post_backward\("),
     ("pre-backward hook", r"fsdpp::fsdp::Unit::pre_backward\(\)"),
-    ("post-backward (pack, reduce-scatter)", r"PostBackwardNode::apply\("),
+    ("post-backward (pack, reduce-scatter)", r"fsdpp::fsdp::\(anonymous namespace\)::PostBackwardNode::apply\("),
     ("end of backward (wait, hand out gradients)", r"fsdpp::fsdp::Unit::finish_backward\("),
     ("of which: Comm::all_gather", r"fsdpp::comm::Comm::all_gather\("),
     ("of which: Comm::reduce_scatter", r"fsdpp::comm::Comm::reduce_scatter\("),
@@ -81,7 +81,8 @@ def inclusive(run):
         n, fn = int(m.group(1).replace(",", "")), m.group(2)
         for label, pat in FUNCS:
             # The first (largest) line for a function is its own; later ones are inlined copies.
-            if re.search(pat, fn) and label not in found:
+            # Matched from the start of the name: a lambda defined inside a hook is not the hook.
+            if re.match(pat, fn) and label not in found:
                 found[label] = n
     return found
 
