@@ -62,10 +62,12 @@ def per_step(i, side, event):
 
 # Inclusive instructions of the functions a sharded step runs per unit, by the start of the name.
 FUNCS = [
-    ("forward hooks", r"fsdpp::fsdp::Unit::pre_forward\(\)"),
-    ("post-backward marker (made in forward)", r"fsdpp::fsdp::Unit::mark_for_post_backward\("),
+    ("pre-forward (wait for the gather, prefetch the next)", r"fsdpp::fsdp::Unit::pre_forward\(\)"),
+    ("post-forward (reshard)", r"fsdpp::fsdp::Unit::post_forward\(\)"),
+    ("hooking the output for pre-backward", r"fsdpp::fsdp::Unit::finish_output\("),
+    ("post-backward hook or node (set up in forward)", r"fsdpp::fsdp::Unit::mark_for_post_backward\("),
     ("pre-backward hook", r"fsdpp::fsdp::Unit::pre_backward\(\)"),
-    ("post-backward (pack, reduce-scatter)", r"fsdpp::fsdp::\(anonymous namespace\)::PostBackwardNode::apply\("),
+    ("post-backward (pack, reduce-scatter)", r"fsdpp::fsdp::Unit::post_backward\(\)"),
     ("end of backward (wait, hand out gradients)", r"fsdpp::fsdp::Unit::finish_backward\("),
     ("of which: Comm::all_gather", r"fsdpp::comm::Comm::all_gather\("),
     ("of which: Comm::reduce_scatter", r"fsdpp::comm::Comm::reduce_scatter\("),
@@ -73,7 +75,7 @@ FUNCS = [
 ]
 
 def inclusive(run):
-    found = {}
+    found = {}  # label -> {function: its inclusive count}
     for line in open(f"{work}/{run}.txt"):
         m = re.match(r"\s*([\d,]+)\s+\(\s*[\d.]+%\)\s+[^:]*:(.*) \[", line)
         if not m:
@@ -82,9 +84,10 @@ def inclusive(run):
         for label, pat in FUNCS:
             # The first (largest) line for a function is its own; later ones are inlined copies.
             # Matched from the start of the name: a lambda defined inside a hook is not the hook.
-            if re.match(pat, fn) and label not in found:
-                found[label] = n
-    return found
+            # A label may name several functions (allocate and release): their counts add up.
+            if re.match(pat, fn) and fn not in found.setdefault(label, {}):
+                found[label][fn] = n
+    return {label: sum(fns.values()) for label, fns in found.items()}
 
 labels = [open(f"{work}/{i}.label").read().strip() for i in range(count)]
 print("# fully_shard's per-unit cost, counted")
@@ -118,13 +121,13 @@ for i in range(count):
         rows.setdefault(label, []).append((b.get(label, 0) - a.get(label, 0)) / STEPS / UNITS)
 for label, _ in FUNCS:
     print(f"| {label} | " + " | ".join(f"{v:,.0f}" for v in rows[label]) + " |")
-# What the rows above the "of which" ones leave: autograd running the hook and the marker node,
+# What the rows above the "of which" ones leave: autograd running the hooks and the identity node,
 # FullyShard's forward wrapper, and the unsharded model's own work done differently.
 rest = []
 for i in range(count):
     total = (per_step(i, "sharded", "Ir") - per_step(i, "plain", "Ir")) / UNITS
     rest.append(total - sum(rows[label][i] for label, _ in FUNCS if not label.startswith("of which")))
-print("| the rest (autograd running the hooks and the marker, the forward wrapper) | "
+print("| the rest (autograd running the hooks and nodes, the forward wrapper) | "
       + " | ".join(f"{v:,.0f}" for v in rest) + " |")
 PY
 mv "$out.tmp" "$out"

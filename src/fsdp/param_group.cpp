@@ -17,6 +17,7 @@ namespace fsdpp::fsdp {
 namespace {
 
 constexpr int64_t kAlign = 16;  // bytes; keeps every dtype view of the gather buffer aligned
+constexpr int64_t kParamAlign = 64;  // bytes; where each unsharded parameter starts, as malloc'd ones
 
 int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -181,19 +182,29 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
 
   // Everything is checked; only now take the parameters over, so a rejected plan leaves the
   // model as it was.
-  for (auto& q : params_) {
+  // Note [unshard by storage resize]: every parameter's place in the one unsharded buffer.
+  std::vector<int64_t> offsets;
+  int64_t unsharded_total = 0;
+  for (const auto& q : params_) {
+    offsets.push_back(unsharded_total);
+    unsharded_total += (q.numel() * int64_t(at::elementSize(q.compute_dtype)) + kParamAlign - 1) / kParamAlign * kParamAlign;
+  }
+  unsharded_buf_ = at::empty({unsharded_total}, at::TensorOptions(device_).dtype(at::kByte));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto& q = params_[i];
     at::NoGradGuard no_grad;
     std::vector<int64_t> padded_shape = q.shape;
     padded_shape[0] = q.padded_rows;
     q.padded = at::zeros(padded_shape, q.param.options());
     q.padded.narrow(0, 0, q.local_rows).copy_(q.param.narrow(0, q.row_offset, q.local_rows));
     q.sharded = q.padded.narrow(0, 0, q.local_rows).detach().requires_grad_(q.param.requires_grad());
-    q.unsharded = at::empty(q.shape, q.param.options().dtype(q.compute_dtype));
+    const int64_t nbytes = q.numel() * int64_t(at::elementSize(q.compute_dtype));
+    q.unsharded = unsharded_buf_.narrow(0, offsets[i], nbytes).view(q.compute_dtype).view(q.shape);
     q.param.set_data(q.unsharded);
   }
   host_ = device_.is_cpu();
   make_views();
-  for (auto& q : params_) release(q.unsharded);
+  release(unsharded_buf_);
 }
 
 // Through the host buffer cache (Note [host buffer cache]): on the CPU, the buffers one unit
@@ -209,7 +220,7 @@ void ParamGroup::release(const at::Tensor& t) const {
 std::vector<const void*> ParamGroup::buffer_addresses() const {
   std::vector<const void*> out;
   for (const auto* t : {&gather_buf_, &reduce_in_, &reduce_out_}) out.push_back(t->storage().data());
-  for (const auto& q : params_) out.push_back(q.unsharded.storage().data());
+  out.push_back(unsharded_buf_.storage().data());
   return out;
 }
 
@@ -335,8 +346,8 @@ void ParamGroup::wait_unshard() {
   gather_work_->wait();
   gather_work_.reset();
   const char* gathered = host_ ? bytes_of(gather_buf_) : nullptr;
+  allocate(unsharded_buf_, unsharded_buf_.numel());
   for (auto& q : params_) {
-    allocate(q.unsharded, q.numel() * at::elementSize(q.compute_dtype));
     const int64_t pn = q.padded_numel();
     if (!gathered) {
       for (auto& [dst, src] : q.copy_out) copy_block(dst, src);
@@ -358,7 +369,7 @@ void ParamGroup::reshard_to_group() {
   const int64_t piece = gather_buf_.numel() / group_comm_.size();
   group_shard_ = gather_buf_.narrow(0, group_comm_.rank() * piece, piece).clone();
   release(gather_buf_);
-  for (auto& q : params_) release(q.unsharded);
+  release(unsharded_buf_);
   unsharded_ = false;
 }
 
@@ -370,7 +381,7 @@ void ParamGroup::reshard() {
   group_shard_ = at::Tensor();
   release(gather_buf_);
   if (!unsharded_) return;
-  for (auto& q : params_) release(q.unsharded);
+  release(unsharded_buf_);
   unsharded_ = false;
 }
 
@@ -433,6 +444,7 @@ void ParamGroup::finish_reduce() {
     replicate_->all_reduce(reduce_out_, {comm::ReduceOp::kAvg}).wait();
   }
   at::NoGradGuard no_grad;
+  const bool keep_spares = host_ && host_buffer_cache_stats().limit_bytes > 0;
   for (auto& q : params_) {
     if (q.reduce_offset < 0) continue;
     at::Tensor& g = q.sharded.mutable_grad();
@@ -443,7 +455,7 @@ void ParamGroup::finish_reduce() {
     if (g.defined()) {
       g.add_(q.reduce_piece);
     } else if (host_ && q.sharded.scalar_type() == reduce_dtype_) {  // Note [raw copies]
-      g = empty_like_plain(q.sharded);
+      g = spare_or_new_grad(q, keep_spares);
       const int64_t es = at::elementSize(reduce_dtype_);
       std::memcpy(bytes_of(g), bytes_of(reduce_out_) + q.reduce_offset * es, q.local_rows * q.row_numel * es);
     } else {
@@ -453,6 +465,26 @@ void ParamGroup::finish_reduce() {
   }
   release(reduce_in_);
   release(reduce_out_);
+}
+
+// Note [spare gradients]
+// An optimizer's zero_grad(set_to_none) drops each sharded gradient, and the next backward would
+// allocate it again: per parameter per step, an allocation and a free that the unsharded model
+// does not make (its AccumulateGrad takes the incoming gradient as it is). On the CPU, while the
+// host buffer cache is on (Note [host buffer cache]), a group keeps the last gradient it handed
+// out and, when nothing else holds that tensor or its storage any more, refills it instead. A
+// gradient still held elsewhere (kept by the caller, or a view of it) is never written: a new
+// one is made. The memory kept is one sharded gradient per parameter, 1/N of the unsharded ones.
+at::Tensor ParamGroup::spare_or_new_grad(Param& q, bool keep) {
+  at::Tensor& spare = q.spare_grad;
+  if (!keep) {
+    spare = at::Tensor();
+    return empty_like_plain(q.sharded);
+  }
+  if (!spare.defined() || spare.use_count() != 1 || spare.storage().use_count() != 1 ||
+      spare.sizes() != q.sharded.sizes())
+    spare = empty_like_plain(q.sharded);
+  return spare;
 }
 
 // Note [raw copies]: rank r's part of the gradient (padded_numel elements from r * padded_numel)

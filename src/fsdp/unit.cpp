@@ -19,11 +19,25 @@ namespace {
 std::mutex g_registry_mu;
 std::unordered_map<const void*, std::string> g_registry;  // TensorImpl* -> owning unit's label
 
-// The autograd node behind the marked inputs: it passes their gradients through, and runs once the
-// gradients of all the unit's inputs are ready, which is after the unit's whole backward (and after
-// its parameters' AccumulateGrad nodes, which the engine runs as soon as they are ready). A plain
-// Node rather than a custom autograd Function: the marker runs for every unit in every step, and
-// needs neither saved state nor the Function machinery's output checks.
+// Note [post-backward hook]
+// A unit's post-backward must run once the gradient of its inputs is computed: then its whole
+// backward is done, and the engine has run its parameters' AccumulateGrad nodes too (it runs those
+// as soon as they are ready). Two ways to be told:
+//  - The common case, one input needing a gradient that some node produced (a block fed the
+//    previous block's output): a hook on that producing node. The engine calls a node's tensor
+//    pre-hooks when the gradients into it are complete, just before it runs the node, and the unit
+//    is among the consumers it waits for. The node is usually the previous unit's output node,
+//    which carries that unit's pre-backward hook too. This adds nothing to the graph.
+//  - Otherwise (several inputs, a leaf input such as a pipeline stage's received activations): an
+//    identity node between the inputs and the unit, which runs once all their gradients are in.
+//    That is a node per unit per step for the engine to schedule, and the engine's set-up around
+//    each node it runs costs more than the hook (bench/results/unit_cost_count.md).
+// Either runs post_backward at most once per backward; a unit whose hook or node never ran (its
+// inputs needed no gradient, a first layer fed token ids) runs it at the end of backward.
+
+// The identity node behind marked inputs: it passes their gradients through. A plain Node rather
+// than a custom autograd Function: it needs neither saved state nor the Function machinery's
+// output checks.
 struct PostBackwardNode final : torch::autograd::Node {
   explicit PostBackwardNode(Unit* unit) : unit(unit) {}
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
@@ -31,6 +45,20 @@ struct PostBackwardNode final : torch::autograd::Node {
     return std::move(grads);
   }
   std::string name() const override { return "fsdpp::PostBackward"; }
+  Unit* unit;
+};
+
+// A tensor pre-hook that leaves the gradients as they are and tells its unit that backward reached
+// the node: pre_backward on the node of the unit's output, post_backward on the node that produced
+// its input. Added straight to the node, one small object per forward (Tensor::register_hook would
+// add a hook list, two std::functions and a wrapper).
+template <void (Unit::*Call)()>
+struct UnitHook final : torch::autograd::FunctionPreHook {
+  explicit UnitHook(Unit* unit) : unit(unit) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    (unit->*Call)();
+    return grads;
+  }
   Unit* unit;
 };
 
@@ -175,7 +203,16 @@ at::Tensor Unit::prepare_input(const at::Tensor& input) const {
 }
 
 std::vector<at::Tensor> Unit::mark_for_post_backward(const std::vector<at::Tensor>& inputs) {
-  if (!group_ || inputs.empty() || !at::GradMode::is_enabled()) return inputs;
+  if (!group_ || inputs.empty() || !at::GradMode::is_enabled()) return {};
+  // Note [post-backward hook]: one input with a producing node needs no marker.
+  if (inputs.size() == 1)
+    if (const auto& producer = inputs.front().grad_fn()) {
+      // First among the node's hooks: this unit's reduce-scatter goes out before the previous
+      // unit's pre-backward prefetches the one before it, as with the marker node.
+      auto& hooks = producer->tensor_pre_hooks();
+      hooks.insert(hooks.begin(), std::make_unique<UnitHook<&Unit::post_backward>>(this));
+      return {};
+    }
   NodeRef node = make_node<NodeRef, PostBackwardNode>(this);
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   std::vector<at::Tensor> marked;
@@ -195,8 +232,12 @@ at::Tensor Unit::finish_output(const at::Tensor& output) {
   at::Tensor out = output;
   if (options_.mp.output_dtype && out.is_floating_point())
     out = out.to(*options_.mp.output_dtype);
-  if (out.requires_grad() && at::GradMode::is_enabled())
-    out.register_hook([this](const at::Tensor&) { pre_backward(); });
+  if (out.requires_grad() && at::GradMode::is_enabled()) {
+    if (const auto& node = out.grad_fn())
+      node->add_tensor_pre_hook(std::make_unique<UnitHook<&Unit::pre_backward>>(this));
+    else  // a leaf (the module returned a parameter or its input): its gradient accumulator's hook
+      out.register_hook([this](const at::Tensor&) { pre_backward(); });
+  }
   return out;
 }
 
@@ -236,8 +277,8 @@ void Unit::post_backward() {
 }
 
 void Unit::finish_backward(const std::shared_ptr<detail::Tree>& tree) {
-  // Units whose inputs needed no gradient (a first layer fed token ids) had no marker; they run
-  // their post-backward now, in reverse forward order, the same on every rank.
+  // Units whose post-backward hook or node never ran (Note [post-backward hook]: a first layer fed
+  // token ids) run their post-backward now, in reverse forward order, the same on every rank.
   for (auto it = tree->forward_order.rbegin(); it != tree->forward_order.rend(); ++it)
     (*it)->post_backward();
   // Parameters may stay unsharded across no-sync microbatches; after a synchronising backward the

@@ -103,3 +103,97 @@ TEST_CASE("overlap by order: gathers run ahead of compute, each reduce-scatter i
       }
     });
 }
+
+namespace {
+
+// A block of two inputs: x as LoggedBlock's, and a scale s that needs a gradient too.
+struct PairBlockImpl : torch::nn::Module {
+  PairBlockImpl(int64_t d, int index, EventLog& log) : index(index), log(&log) {
+    fc = register_module("fc", torch::nn::Linear(d, d));
+  }
+  at::Tensor forward(at::Tensor x, at::Tensor s) {
+    x = BackwardDone::apply(x, index, reinterpret_cast<int64_t>(log));
+    auto y = at::tanh(fc(x)) * s + x;
+    log->add("fwd_end " + std::to_string(index));
+    return y;
+  }
+  int index;
+  EventLog* log;
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(PairBlock);
+
+// Every way a post-backward is arranged (Note [post-backward hook]): the root takes two leaves, so
+// they pass through its identity node; blocks.0 takes the root's alias of x, whose producer is that
+// node; blocks.1 takes two inputs, so it has its own node; blocks.2 and blocks.3 take the previous
+// block's output, and hook that block's output node.
+struct MixedNetImpl : torch::nn::Module {
+  MixedNetImpl(int64_t d, EventLog& log) {
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    blocks->push_back(fsdp::FullyShard<LoggedBlock>(LoggedBlock(d, 0, log)));
+    blocks->push_back(fsdp::FullyShard<PairBlock>(PairBlock(d, 1, log)));
+    blocks->push_back(fsdp::FullyShard<LoggedBlock>(LoggedBlock(d, 2, log)));
+    blocks->push_back(fsdp::FullyShard<LoggedBlock>(LoggedBlock(d, 3, log)));
+    head = register_module("head", torch::nn::Linear(d, 1));
+  }
+  at::Tensor forward(at::Tensor x, at::Tensor s) {
+    auto single = [&](size_t i, const at::Tensor& h) { return blocks[i]->as<fsdp::FullyShardImpl<LoggedBlock>>()->forward(h); };
+    auto h = single(0, x);
+    h = blocks[1]->as<fsdp::FullyShardImpl<PairBlock>>()->forward(h, s);
+    h = single(3, single(2, h));
+    return head(h);
+  }
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(MixedNet);
+
+}  // namespace
+
+// Note [post-backward hook]: whether a block's post-backward comes from a hook on the node that
+// produced its input or from an identity node in front of its inputs, its reduce-scatter goes out
+// after its own backward compute and before the previous block's ends, and the gradients are the
+// unsharded model's.
+TEST_CASE("post-backward by hook, and by identity node for a leaf or two inputs: each reduce-scatter between its block's backward and the previous one's") {
+  test::run_ranks(2, [&](comm::Comm& world) {
+    EventLog log;
+    comm::Comm comm(std::make_shared<LoggingComm>(world.impl_ptr(), log));
+    comm.set_consistency_check(false);
+    auto plain = MixedNet(8, log);
+    auto net = MixedNet(8, log);
+    {  // the same weights on every rank
+      at::NoGradGuard no_grad;
+      auto params = plain->parameters();
+      for (size_t i = 0; i < params.size(); ++i)
+        params[i].copy_(at::randn(params[i].sizes(), at::detail::createCPUGenerator(100 + i)) * 0.3);
+    }
+    test::copy_params(*net, *plain);
+    auto model = fsdp::fully_shard(net, comm);
+    const auto x0 = at::randn({4, 8}, at::detail::createCPUGenerator(5));
+    const auto s0 = at::rand({4, 8}, at::detail::createCPUGenerator(6));
+    auto x = x0.clone().requires_grad_(true), s = s0.clone().requires_grad_(true);
+    model->forward(x, s).sum().backward();  // the first step records the forward order
+    {
+      std::lock_guard<std::mutex> lock(log.mu);
+      log.events.clear();
+    }
+    model->forward(x, s).sum().backward();
+    INFO("rank " << comm.rank() << ": " << log.dump());
+    for (int i = 3; i >= 0; --i) {
+      const long reduce = log.find("RS blocks." + std::to_string(i));
+      CHECK(reduce > log.find("bwd_done " + std::to_string(i)));
+      if (i > 0) CHECK(reduce < log.find("bwd_done " + std::to_string(i - 1)));
+    }
+    // Two steps' gradients, as the plain model accumulates them; and the inputs' own.
+    auto px = x0.clone().requires_grad_(true), ps = s0.clone().requires_grad_(true);
+    for (int step = 0; step < 2; ++step) plain->forward(px, ps).sum().backward();
+    CHECK(at::allclose(x.grad(), px.grad(), 1e-5, 1e-6));
+    CHECK(at::allclose(s.grad(), ps.grad(), 1e-5, 1e-6));
+    for (const auto& shard : fsdp::shards(*model.ptr())) {
+      const auto full = plain->named_parameters()[shard.name].grad();
+      const auto rows = full.narrow(0, shard.info.row_offset, shard.info.local_rows);
+      INFO(shard.name);
+      CHECK(at::allclose(shard.param.grad(), rows, 1e-5, 1e-6));
+    }
+  });
+}

@@ -84,7 +84,7 @@ struct ForwardFor<Derived, Impl, false> {
   }
 };
 
-// The tensors among forward's arguments, for the post-backward marker.
+// The tensors among forward's arguments that need a gradient, for the post-backward hook.
 inline void collect_tensors(std::vector<at::Tensor>& out, const at::Tensor& t) {
   if (t.defined() && t.requires_grad()) out.push_back(t);
 }
@@ -96,7 +96,7 @@ void collect_tensors(std::vector<at::Tensor>&, const T&) {}
 
 inline at::Tensor substitute(const Unit& unit, const at::Tensor& t,
                              const std::vector<at::Tensor>& from, const std::vector<at::Tensor>& to) {
-  for (size_t i = 0; i < from.size(); ++i)
+  for (size_t i = 0; i < to.size(); ++i)
     if (from[i].is_same(t)) return unit.prepare_input(to[i]);
   return unit.prepare_input(t);
 }

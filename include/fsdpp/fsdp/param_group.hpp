@@ -8,10 +8,12 @@
 //
 // Note [unshard by storage resize]
 // The module's parameter tensors stay the same objects for the module's lifetime. At sharding time
-// each one is pointed (set_data, once) at a full-size buffer in its compute dtype whose storage is
-// then freed. Unsharding re-allocates that storage and fills it from one all-gather; resharding
-// frees it again. Autograd's saved references to the parameter therefore stay valid: only the
-// bytes behind them come and go. Reading a parameter while its unit is resharded is an error.
+// each one is pointed (set_data, once) at its place in one buffer for the whole unit, in its
+// compute dtype, 64-byte aligned; the buffer's storage is then freed. Unsharding re-allocates that
+// storage (one allocation for the unit, not one per parameter) and fills it from one all-gather;
+// resharding frees it again. Autograd's saved references to the parameters therefore stay valid:
+// only the bytes behind them come and go. Reading a parameter while its unit is resharded is an
+// error.
 //
 // Layout: all-gather and reduce-scatter use one rank-major layout, [rank 0: p0 | p1 | ...][rank 1:
 // p0 | p1 | ...]..., where pi is parameter i's padded shard. The all-gather packs as bytes, so one
@@ -81,7 +83,8 @@ class ParamGroup {
   // reduce-scatter that averages over the ranks.
   void reduce_grads_async();
   // Waits for the reduce-scatter (and, with replicas, averages its result across them) and adds
-  // the result to the sharded parameters' gradients.
+  // the result to the sharded parameters' gradients. On the CPU, a parameter without a gradient
+  // gets its last one back, refilled, when nothing else holds it (Note [spare gradients]).
   void finish_reduce();
   bool reduce_pending() const { return reduce_work_.has_value(); }
   // True when some parameter holds a .grad that was not accumulated yet.
@@ -103,7 +106,7 @@ class ParamGroup {
   struct Param {
     std::vector<std::string> names;
     at::Tensor param;      // the module's parameter (identity kept)
-    at::Tensor unsharded;  // full-size compute-dtype buffer sharing param's storage
+    at::Tensor unsharded;  // full-size compute-dtype view of the unit's unsharded buffer, as param is
     at::Tensor padded;     // this rank's rows, zero-padded to padded_rows, original dtype
     at::Tensor sharded;    // leaf view of padded's real rows: what the optimizer updates
     at::Tensor grad_acc;   // unsharded gradient accumulated in grad_dtype
@@ -123,6 +126,7 @@ class ParamGroup {
     std::vector<at::Tensor> pad;  // parts of the reduce input beyond the parameter: zeroed
     at::Tensor reduce_all;        // the parameter's whole region of the reduce input
     at::Tensor reduce_piece;      // this rank's rows in the reduce output
+    at::Tensor spare_grad;        // the last sharded gradient handed out (Note [spare gradients])
     int64_t padded_numel() const { return padded_rows * row_numel; }
     int64_t numel() const { return rows * row_numel; }
   };
@@ -130,6 +134,8 @@ class ParamGroup {
   void check_plan_is_uniform();
   void make_views();
   bool pack_raw(Param& q);
+  // q's spare gradient when nothing else holds it, else a new one (kept as the spare if `keep`).
+  static at::Tensor spare_or_new_grad(Param& q, bool keep);
 
   comm::Comm comm_;
   std::optional<comm::Comm> replicate_;  // HSDP: this shard group's replicas
@@ -158,6 +164,7 @@ class ParamGroup {
   // buffers, release is a no-op and allocate finds the storage in place.
   void allocate(const at::Tensor& t, size_t nbytes) const;
   void release(const at::Tensor& t) const;
+  at::Tensor unsharded_buf_;  // bytes behind every unsharded parameter, allocated while unsharded
   at::Tensor gather_buf_;   // [ranks x slot] bytes, storage allocated only while in use
   at::Tensor gather_slot_;  // this rank's slot of gather_buf_
   at::Tensor reduce_in_, reduce_out_;  // likewise, in reduce_dtype

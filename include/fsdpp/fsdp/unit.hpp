@@ -4,13 +4,15 @@
 //
 // One training step, as a unit sees it:
 //   pre_forward      wait for this unit's all-gather (maybe prefetched), prefetch the next unit's
-//   forward          inputs pass through a post-backward marker (an identity autograd node)
+//   forward          the inputs' producing node gets a post-backward hook, or, for several inputs or
+//                    a leaf, the inputs pass through an identity autograd node (Note [post-backward
+//                    hook] in unit.cpp)
 //   post_forward     reshard (unless told not to); hook the outputs for pre_backward
 //   pre_backward     (first gradient reaching an output) unshard again, prefetch the unit that
 //                    ran before this one
-//   post_backward    (the marker's backward: the unit's backward is done) move .grad into the
-//                    unsharded accumulators and issue one asynchronous reduce-scatter, which
-//                    overlaps the backward of earlier units
+//   post_backward    (the hook or node: the gradient of the inputs is in, so the unit's backward
+//                    is done) move .grad into the unsharded accumulators and issue one
+//                    asynchronous reduce-scatter, which overlaps the backward of earlier units
 //   end of backward  (autograd engine callback, queued by the first pre_backward) post_backward for
 //                    units that had none, in reverse forward order, then wait for every
 //                    reduce-scatter, so the optimizer never sees a partial gradient.
@@ -103,6 +105,9 @@ class Unit {
   // Called by FullyShard<M>::forward.
   void pre_forward();
   at::Tensor prepare_input(const at::Tensor& input) const;
+  // Arranges for post_backward once the gradient of `inputs` is computed. Returns the tensors to
+  // call the module with instead of `inputs` (aliases behind an identity node), or nothing when
+  // the inputs can be used as they are.
   std::vector<at::Tensor> mark_for_post_backward(const std::vector<at::Tensor>& inputs);
   at::Tensor finish_output(const at::Tensor& output);
   void post_forward();
