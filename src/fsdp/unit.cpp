@@ -27,9 +27,14 @@ std::unordered_map<const void*, std::string> g_registry;  // TensorImpl* -> owni
 //    previous block's output): a hook on that producing node. The engine calls a node's tensor
 //    pre-hooks when the gradients into it are complete, just before it runs the node, and the unit
 //    is among the consumers it waits for. The node is usually the previous unit's output node,
-//    which carries that unit's pre-backward hook too. This adds nothing to the graph.
-//  - Otherwise (several inputs, a leaf input such as a pipeline stage's received activations): an
-//    identity node between the inputs and the unit, which runs once all their gradients are in.
+//    and one hook object there runs this unit's post-backward, then that unit's pre-backward
+//    (the reduce-scatter goes out before the next prefetch). This adds nothing to the graph. If
+//    the input is also used outside the unit (a residual added by the caller), the node waits for
+//    that use's gradient too, so the post-backward can come later than the unit's own backward
+//    ends: never too early.
+//  - Otherwise (several inputs, a leaf input such as a pipeline stage's received activations, an
+//    input whose node already serves another unit's post-backward): an identity node between the
+//    inputs and the unit, which runs once all their gradients are in.
 //    That is a node per unit per step for the engine to schedule, and the engine's set-up around
 //    each node it runs costs more than the hook (bench/results/unit_cost_count.md).
 // Either runs post_backward at most once per backward; a unit whose hook or node never ran (its
@@ -48,19 +53,29 @@ struct PostBackwardNode final : torch::autograd::Node {
   Unit* unit;
 };
 
-// A tensor pre-hook that leaves the gradients as they are and tells its unit that backward reached
-// the node: pre_backward on the node of the unit's output, post_backward on the node that produced
-// its input. Added straight to the node, one small object per forward (Tensor::register_hook would
-// add a hook list, two std::functions and a wrapper).
-template <void (Unit::*Call)()>
-struct UnitHook final : torch::autograd::FunctionPreHook {
-  explicit UnitHook(Unit* unit) : unit(unit) {}
+// A tensor pre-hook that leaves the gradients as they are and tells units that backward reached
+// the node: `post` that the gradient of its input is in (the node produced that input), then `pre`
+// that the gradient of its output is (the node produced that output). A block's input node is the
+// previous block's output node, so one hook usually serves both. Added straight to the node
+// (Tensor::register_hook would add a hook list, two std::functions and a wrapper per tensor).
+struct UnitHooks final : torch::autograd::FunctionPreHook {
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    (unit->*Call)();
+    if (post) post->post_backward();
+    if (pre) pre->pre_backward();
     return grads;
   }
-  Unit* unit;
+  Unit* post = nullptr;
+  Unit* pre = nullptr;
 };
+
+// `node`'s UnitHooks, added when it has none.
+UnitHooks& hooks_of(torch::autograd::Node& node) {
+  auto& hooks = node.tensor_pre_hooks();
+  for (auto& h : hooks)
+    if (auto* mine = dynamic_cast<UnitHooks*>(h.get())) return *mine;
+  hooks.push_back(std::make_unique<UnitHooks>());
+  return static_cast<UnitHooks&>(*hooks.back());
+}
 
 // Autograd nodes are held by std::shared_ptr in older releases (2.11 among them) and by
 // c10::intrusive_ptr in newer ones (2.15); make the kind Edge takes.
@@ -207,12 +222,15 @@ std::vector<at::Tensor> Unit::mark_for_post_backward(const std::vector<at::Tenso
   // Note [post-backward hook]: one input with a producing node needs no marker.
   if (inputs.size() == 1)
     if (const auto& producer = inputs.front().grad_fn()) {
-      // First among the node's hooks: this unit's reduce-scatter goes out before the previous
-      // unit's pre-backward prefetches the one before it, as with the marker node.
-      auto& hooks = producer->tensor_pre_hooks();
-      hooks.insert(hooks.begin(), std::make_unique<UnitHook<&Unit::post_backward>>(this));
+      // Unless an earlier unit's input came from the same node, which then serves that one.
+      if (UnitHooks& h = hooks_of(*producer); !h.post) h.post = this;
+      else return mark_with_node(inputs);
       return {};
     }
+  return mark_with_node(inputs);
+}
+
+std::vector<at::Tensor> Unit::mark_with_node(const std::vector<at::Tensor>& inputs) {
   NodeRef node = make_node<NodeRef, PostBackwardNode>(this);
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   std::vector<at::Tensor> marked;
@@ -233,9 +251,17 @@ at::Tensor Unit::finish_output(const at::Tensor& output) {
   if (options_.mp.output_dtype && out.is_floating_point())
     out = out.to(*options_.mp.output_dtype);
   if (out.requires_grad() && at::GradMode::is_enabled()) {
-    if (const auto& node = out.grad_fn())
-      node->add_tensor_pre_hook(std::make_unique<UnitHook<&Unit::pre_backward>>(this));
-    else  // a leaf (the module returned a parameter or its input): its gradient accumulator's hook
+    if (const auto& node = out.grad_fn()) {
+      // Another unit's output from the same node (a unit that returns its input unchanged) leaves
+      // this one a hook of its own.
+      if (UnitHooks& h = hooks_of(*node); !h.pre || h.pre == this) {
+        h.pre = this;
+      } else {
+        auto own = std::make_unique<UnitHooks>();
+        own->pre = this;
+        node->add_tensor_pre_hook(std::move(own));
+      }
+    } else  // a leaf (the module returned a parameter or its input): its gradient accumulator's hook
       out.register_hook([this](const at::Tensor&) { pre_backward(); });
   }
   return out;

@@ -125,23 +125,21 @@ TORCH_MODULE(PairBlock);
 
 // Every way a post-backward is arranged (Note [post-backward hook]): the root takes two leaves, so
 // they pass through its identity node; blocks.0 takes the root's alias of x, whose producer is that
-// node; blocks.1 takes two inputs, so it has its own node; blocks.2 and blocks.3 take the previous
-// block's output, and hook that block's output node.
+// node; blocks.1 takes two inputs, so it has its own node; blocks.2 takes blocks.1's output and
+// hooks that block's output node, whose hook then serves both; blocks.4 takes the same tensor, finds
+// that hook taken and gets a node; blocks.3 takes a sum, and hooks the sum's node.
 struct MixedNetImpl : torch::nn::Module {
   MixedNetImpl(int64_t d, EventLog& log) {
     blocks = register_module("blocks", torch::nn::ModuleList());
     blocks->push_back(fsdp::FullyShard<LoggedBlock>(LoggedBlock(d, 0, log)));
     blocks->push_back(fsdp::FullyShard<PairBlock>(PairBlock(d, 1, log)));
-    blocks->push_back(fsdp::FullyShard<LoggedBlock>(LoggedBlock(d, 2, log)));
-    blocks->push_back(fsdp::FullyShard<LoggedBlock>(LoggedBlock(d, 3, log)));
+    for (int i = 2; i <= 4; ++i) blocks->push_back(fsdp::FullyShard<LoggedBlock>(LoggedBlock(d, i, log)));
     head = register_module("head", torch::nn::Linear(d, 1));
   }
   at::Tensor forward(at::Tensor x, at::Tensor s) {
     auto single = [&](size_t i, const at::Tensor& h) { return blocks[i]->as<fsdp::FullyShardImpl<LoggedBlock>>()->forward(h); };
-    auto h = single(0, x);
-    h = blocks[1]->as<fsdp::FullyShardImpl<PairBlock>>()->forward(h, s);
-    h = single(3, single(2, h));
-    return head(h);
+    const auto h1 = blocks[1]->as<fsdp::FullyShardImpl<PairBlock>>()->forward(single(0, x), s);
+    return head(single(3, single(2, h1) + single(4, h1)));
   }
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::Linear head{nullptr};
@@ -179,10 +177,11 @@ TEST_CASE("post-backward by hook, and by identity node for a leaf or two inputs:
     }
     model->forward(x, s).sum().backward();
     INFO("rank " << comm.rank() << ": " << log.dump());
-    for (int i = 3; i >= 0; --i) {
+    // Block i's reduce-scatter, after its backward and before that of the block feeding it.
+    for (const auto& [i, feeding] : std::vector<std::pair<int, int>>{{3, 2}, {3, 4}, {4, 1}, {2, 1}, {1, 0}, {0, -1}}) {
       const long reduce = log.find("RS blocks." + std::to_string(i));
       CHECK(reduce > log.find("bwd_done " + std::to_string(i)));
-      if (i > 0) CHECK(reduce < log.find("bwd_done " + std::to_string(i - 1)));
+      if (feeding >= 0) CHECK(reduce < log.find("bwd_done " + std::to_string(feeding)));
     }
     // Two steps' gradients, as the plain model accumulates them; and the inputs' own.
     auto px = x0.clone().requires_grad_(true), ps = s0.clone().requires_grad_(true);

@@ -142,6 +142,8 @@ class Unit {
 
  private:
   static void finish_backward(const std::shared_ptr<detail::Tree>& tree);
+  // mark_for_post_backward's identity node (Note [post-backward hook]).
+  std::vector<at::Tensor> mark_with_node(const std::vector<at::Tensor>& inputs);
   // 0: keep unsharded after forward; 1: reshard fully; N > 1: keep 1/N (see the option).
   int post_forward_group() const;
   // The unit `step` places from this one in `order`, where this one sits at `pos` (null when it

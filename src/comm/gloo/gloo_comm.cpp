@@ -330,21 +330,25 @@ class GlooComm : public CommImpl {
   }
 
   template <typename F>
-  Work enqueue(const OpSummary& what, std::vector<at::Tensor> tensors, F&& body) {
+  Work enqueue(const OpSummary& what, std::initializer_list<at::Tensor> tensors, F&& body) {
     auto state = std::make_shared<WorkState>(what);
     if (size_ == 1) {
       // Alone in the group, every collective is a local copy: run it here rather than pay two
-      // thread hand-offs. Nothing else can be queued (send/recv to self are rejected).
+      // thread hand-offs. Nothing else can be queued (send/recv to self are rejected). No other
+      // thread can see the state before it is returned, so it is filled in without its lock, and
+      // there is nobody to wake.
+      state->started = true;
+      state->started_at = std::chrono::system_clock::now();
       try {
-        state->start();
         body(0);
-        state->finish();
       } catch (...) {
-        state->finish(std::current_exception());
+        state->error = std::current_exception();
       }
+      state->finished_at = std::chrono::system_clock::now();
+      state->done = true;
       return Work(state);
     }
-    state->tensors = std::move(tensors);
+    state->tensors.assign(tensors);
     push({state, [body = std::forward<F>(body)](uint32_t tag) {
             body(tag);
             return true;
