@@ -129,6 +129,13 @@ for i in range(count):
     rest.append(total - sum(rows[label][i] for label, _ in FUNCS if not label.startswith("of which")))
 print("| the rest (autograd running the hooks and nodes, the forward wrapper) | "
       + " | ".join(f"{v:,.0f}" for v in rest) + " |")
+print()
+print("A row counts each function's largest line in callgrind_annotate's listing, which leaves out")
+print("code inlined into it from another file when that is listed apart (2c723a0's output hook:")
+print("Tensor::register_hook, inlined from Tensor.h). The rest is the total less the rows above the")
+print("\"of which\" ones, and can come out below zero: the hooks also do work that the unsharded step")
+print("does elsewhere, such as freeing the unsharded gradients (the sharded step frees them after")
+print("packing, the unsharded one in zero_grad).")
 PY
 mv "$out.tmp" "$out"
 cat "$out"
