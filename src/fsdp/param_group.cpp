@@ -19,7 +19,7 @@ namespace {
 constexpr int64_t kAlign = 16;  // bytes; keeps every dtype view of the gather buffer aligned
 constexpr int64_t kParamAlign = 64;  // bytes; where each unsharded parameter starts, as malloc'd ones
 
-int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+int64_t align_up(int64_t x, int64_t to = kAlign) { return (x + to - 1) / to * to; }
 
 bool is_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
@@ -183,11 +183,12 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
   // Everything is checked; only now take the parameters over, so a rejected plan leaves the
   // model as it was.
   // Note [unshard by storage resize]: every parameter's place in the one unsharded buffer.
-  std::vector<int64_t> offsets;
+  std::vector<int64_t> offsets, nbytes;
   int64_t unsharded_total = 0;
   for (const auto& q : params_) {
     offsets.push_back(unsharded_total);
-    unsharded_total += (q.numel() * int64_t(at::elementSize(q.compute_dtype)) + kParamAlign - 1) / kParamAlign * kParamAlign;
+    nbytes.push_back(q.numel() * int64_t(at::elementSize(q.compute_dtype)));
+    unsharded_total += align_up(nbytes.back(), kParamAlign);
   }
   unsharded_buf_ = at::empty({unsharded_total}, at::TensorOptions(device_).dtype(at::kByte));
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -198,8 +199,7 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     q.padded = at::zeros(padded_shape, q.param.options());
     q.padded.narrow(0, 0, q.local_rows).copy_(q.param.narrow(0, q.row_offset, q.local_rows));
     q.sharded = q.padded.narrow(0, 0, q.local_rows).detach().requires_grad_(q.param.requires_grad());
-    const int64_t nbytes = q.numel() * int64_t(at::elementSize(q.compute_dtype));
-    q.unsharded = unsharded_buf_.narrow(0, offsets[i], nbytes).view(q.compute_dtype).view(q.shape);
+    q.unsharded = unsharded_buf_.narrow(0, offsets[i], nbytes[i]).view(q.compute_dtype).view(q.shape);
     q.param.set_data(q.unsharded);
   }
   host_ = device_.is_cpu();

@@ -220,13 +220,13 @@ at::Tensor Unit::prepare_input(const at::Tensor& input) const {
 std::vector<at::Tensor> Unit::mark_for_post_backward(const std::vector<at::Tensor>& inputs) {
   if (!group_ || inputs.empty() || !at::GradMode::is_enabled()) return {};
   // Note [post-backward hook]: one input with a producing node needs no marker.
+  // Unless an earlier unit's input came from the same node, which then serves that one.
   if (inputs.size() == 1)
-    if (const auto& producer = inputs.front().grad_fn()) {
-      // Unless an earlier unit's input came from the same node, which then serves that one.
-      if (UnitHooks& h = hooks_of(*producer); !h.post) h.post = this;
-      else return mark_with_node(inputs);
-      return {};
-    }
+    if (const auto& producer = inputs.front().grad_fn())
+      if (UnitHooks& h = hooks_of(*producer); !h.post) {
+        h.post = this;
+        return {};
+      }
   return mark_with_node(inputs);
 }
 
