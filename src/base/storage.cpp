@@ -4,8 +4,9 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
-#include <mutex>
+#include <atomic>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 namespace fsdpp {
@@ -33,7 +34,10 @@ int64_t limit_from_env() {
 
 // Note [host buffer cache]. One bucket per size, searched linearly (a model's units come in a
 // few sizes); a bucket hands out its most recently freed buffer first, the one likeliest to be in
-// the caches still.
+// the caches still. Taking and giving are a few dozen instructions under a spin lock: a unit's
+// step makes about ten of them, where an uncontended std::mutex cost more than the rest of the
+// call. The lock is held for a bucket search and a vector push or pop; a thread that finds it
+// taken yields, in case the holder was preempted.
 class HostBufferCache {
  public:
   static HostBufferCache& get() {
@@ -45,7 +49,7 @@ class HostBufferCache {
 
   at::DataPtr take(c10::Allocator* allocator, size_t nbytes) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      Lock lock(busy_);
       if (Bucket* b = find(allocator, nbytes); b && !b->free.empty()) {
         at::DataPtr p = std::move(b->free.back());
         b->free.pop_back();
@@ -59,27 +63,34 @@ class HostBufferCache {
   }
 
   void give(c10::Allocator* allocator, at::DataPtr p, size_t nbytes) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stats_.cached_bytes + static_cast<int64_t>(nbytes) > stats_.limit_bytes) {
+    {
+      Lock lock(busy_);
+      if (stats_.cached_bytes + static_cast<int64_t>(nbytes) <= limit_.load(std::memory_order_relaxed)) {
+        Bucket* b = find(allocator, nbytes);
+        if (!b) b = &buckets_.emplace_back(Bucket{allocator, nbytes, {}});
+        b->free.push_back(std::move(p));
+        stats_.cached_bytes += static_cast<int64_t>(nbytes);
+        return;
+      }
       ++stats_.freed;
-      return;  // p frees its buffer on leaving
     }
-    Bucket* b = find(allocator, nbytes);
-    if (!b) b = &buckets_.emplace_back(Bucket{allocator, nbytes, {}});
-    b->free.push_back(std::move(p));
-    stats_.cached_bytes += static_cast<int64_t>(nbytes);
+    // p frees its buffer on leaving, outside the lock
   }
 
   HostBufferCacheStats stats() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return stats_;
+    Lock lock(busy_);
+    HostBufferCacheStats s = stats_;
+    s.limit_bytes = limit_.load(std::memory_order_relaxed);
+    return s;
   }
+
+  int64_t limit() const { return limit_.load(std::memory_order_relaxed); }
 
   void set_limit(int64_t bytes) {
     if (bytes < 0) throw std::invalid_argument(fmt::format("host buffer cache limit {} is negative", bytes));
     std::vector<at::DataPtr> dropped;  // freed outside the lock
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.limit_bytes = bytes;
+    Lock lock(busy_);
+    limit_.store(bytes, std::memory_order_relaxed);
     for (auto& b : buckets_)
       while (stats_.cached_bytes > bytes && !b.free.empty()) {
         dropped.push_back(std::move(b.free.back()));
@@ -89,7 +100,21 @@ class HostBufferCache {
   }
 
  private:
-  HostBufferCache() { stats_.limit_bytes = limit_from_env(); }
+  HostBufferCache() : limit_(limit_from_env()) {}
+
+  class Lock {
+   public:
+    explicit Lock(std::atomic<bool>& busy) : busy_(busy) {
+      while (busy_.exchange(true, std::memory_order_acquire))
+        while (busy_.load(std::memory_order_relaxed)) std::this_thread::yield();
+    }
+    ~Lock() { busy_.store(false, std::memory_order_release); }
+    Lock(const Lock&) = delete;
+    Lock& operator=(const Lock&) = delete;
+
+   private:
+    std::atomic<bool>& busy_;
+  };
 
   // The free buffers of one size, most recently freed last.
   struct Bucket {
@@ -102,9 +127,10 @@ class HostBufferCache {
       if (b.nbytes == nbytes && b.allocator == allocator) return &b;
     return nullptr;
   }
-  std::mutex mu_;
+  std::atomic<bool> busy_{false};
+  std::atomic<int64_t> limit_;  // read without the lock by host_buffer_cache_limit()
   std::vector<Bucket> buckets_;  // a model's units come in a few sizes
-  HostBufferCacheStats stats_;
+  HostBufferCacheStats stats_;   // limit_bytes filled in by stats()
 };
 
 }  // namespace
@@ -115,20 +141,28 @@ void resize_storage_bytes(const at::Tensor& t, size_t nbytes) {
   set_bytes(s, nbytes ? s->allocator()->allocate(nbytes) : at::DataPtr(nullptr, s->device()), nbytes);
 }
 
-void resize_storage_bytes_cached(const at::Tensor& t, size_t nbytes) {
+void* resize_storage_bytes_cached(const at::Tensor& t, size_t nbytes) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const size_t had = s->nbytes();
-  if (had == nbytes) return;
-  if (!s->device().is_cpu()) return resize_storage_bytes(t, nbytes);
-  auto& cache = HostBufferCache::get();
-  // Callers go between empty and full size; a storage resized from one size to another gives its
-  // old buffer to the cache first.
-  at::DataPtr old = s->set_data_ptr(at::DataPtr(nullptr, s->device()));
-  if (had > 0 && old.get() != nullptr) cache.give(s->allocator(), std::move(old), had);
-  set_bytes(s, nbytes ? cache.take(s->allocator(), nbytes) : at::DataPtr(nullptr, s->device()), nbytes);
+  if (had != nbytes) {
+    if (!s->device().is_cpu()) {
+      resize_storage_bytes(t, nbytes);
+    } else {
+      auto& cache = HostBufferCache::get();
+      // Callers go between empty and full size; a storage resized from one size to another gives
+      // its old buffer to the cache first.
+      at::DataPtr old = s->set_data_ptr(at::DataPtr(nullptr, s->device()));
+      if (had > 0 && old.get() != nullptr) cache.give(s->allocator(), std::move(old), had);
+      if (nbytes > 0) set_bytes(s, cache.take(s->allocator(), nbytes), nbytes);
+      else s->set_nbytes(0);
+    }
+  }
+  return s->mutable_data();
 }
 
 HostBufferCacheStats host_buffer_cache_stats() { return HostBufferCache::get().stats(); }
+
+int64_t host_buffer_cache_limit() { return HostBufferCache::get().limit(); }
 
 void set_host_buffer_cache_limit(int64_t bytes) { HostBufferCache::get().set_limit(bytes); }
 

@@ -199,6 +199,7 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     q.padded = at::zeros(padded_shape, q.param.options());
     q.padded.narrow(0, 0, q.local_rows).copy_(q.param.narrow(0, q.row_offset, q.local_rows));
     q.sharded = q.padded.narrow(0, 0, q.local_rows).detach().requires_grad_(q.param.requires_grad());
+    q.unsharded_offset = offsets[i];
     q.unsharded = unsharded_buf_.narrow(0, offsets[i], nbytes[i]).view(q.compute_dtype).view(q.shape);
     q.param.set_data(q.unsharded);
   }
@@ -209,8 +210,8 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
 
 // Through the host buffer cache (Note [host buffer cache]): on the CPU, the buffers one unit
 // releases are, size for size, the ones the next unit takes.
-void ParamGroup::allocate(const at::Tensor& t, size_t nbytes) const {
-  resize_storage_bytes_cached(t, nbytes);  // nothing to do when it has that size
+char* ParamGroup::allocate(const at::Tensor& t, size_t nbytes) const {
+  return static_cast<char*>(resize_storage_bytes_cached(t, nbytes));  // nothing to do when it has that size
 }
 
 void ParamGroup::release(const at::Tensor& t) const {
@@ -219,8 +220,7 @@ void ParamGroup::release(const at::Tensor& t) const {
 
 std::vector<const void*> ParamGroup::buffer_addresses() const {
   std::vector<const void*> out;
-  for (const auto* t : {&gather_buf_, &reduce_in_, &reduce_out_}) out.push_back(t->storage().data());
-  out.push_back(unsharded_buf_.storage().data());
+  for (const auto* t : {&gather_buf_, &reduce_buf_, &unsharded_buf_}) out.push_back(t->storage().data());
   return out;
 }
 
@@ -244,9 +244,11 @@ void ParamGroup::make_views() {
   gather_buf_ = at::empty({n * gather_slot_bytes_}, at::TensorOptions(device_).dtype(at::kByte));
   gather_slot_ = gather_buf_.narrow(0, comm_.rank() * gather_slot_bytes_, gather_slot_bytes_);
   const auto rows = gather_buf_.view({n, gather_slot_bytes_});
-  reduce_in_ = at::empty({n * reduce_slot_numel_}, at::TensorOptions(device_).dtype(reduce_dtype_));
+  // The reduce-scatter's input and output share one storage, the output after the input.
+  reduce_buf_ = at::empty({(n + 1) * reduce_slot_numel_}, at::TensorOptions(device_).dtype(reduce_dtype_));
+  reduce_in_ = reduce_buf_.narrow(0, 0, n * reduce_slot_numel_);
   const auto reduce_rows = reduce_in_.view({n, reduce_slot_numel_});
-  reduce_out_ = at::empty({reduce_slot_numel_}, reduce_in_.options());
+  reduce_out_ = reduce_buf_.narrow(0, n * reduce_slot_numel_, reduce_slot_numel_);
   for (auto& q : params_) {
     const int64_t pn = q.padded_numel();
     if (pn == 0) continue;
@@ -272,8 +274,7 @@ void ParamGroup::make_views() {
     q.reduce_piece = reduce_out_.narrow(0, q.reduce_offset, q.local_rows * q.row_numel).view(local_shape);
   }
   release(gather_buf_);
-  release(reduce_in_);
-  release(reduce_out_);
+  release(reduce_buf_);
 }
 
 // Per-parameter dtype choices come from user callables; a rank that decides differently would
@@ -320,7 +321,7 @@ void ParamGroup::check_plan_is_uniform() {
 
 void ParamGroup::unshard_async() {
   if (unsharded_ || gather_work_) return;
-  allocate(gather_buf_, gather_buf_.numel());
+  char* gathered = allocate(gather_buf_, gather_buf_.numel());
   if (group_shard_.defined()) {
     // After reshard_to_group: the buffer is split in N contiguous pieces, one per group member.
     comm::OpLabel op_label("fsdp group all_gather " + label_);
@@ -328,7 +329,7 @@ void ParamGroup::unshard_async() {
     group_shard_ = at::Tensor();
     return;
   }
-  char* slot = host_ ? bytes_of(gather_buf_) + comm_rank_ * gather_slot_bytes_ : nullptr;
+  char* slot = host_ ? gathered + comm_rank_ * gather_slot_bytes_ : nullptr;
   for (const auto& q : params_) {
     if (q.padded_numel() == 0) continue;
     if (slot && q.padded.scalar_type() == q.compute_dtype)  // Note [raw copies]
@@ -345,15 +346,15 @@ void ParamGroup::wait_unshard() {
   unshard_async();
   gather_work_->wait();
   gather_work_.reset();
-  const char* gathered = host_ ? bytes_of(gather_buf_) : nullptr;
-  allocate(unsharded_buf_, unsharded_buf_.numel());
+  const char* gathered = host_ ? allocate(gather_buf_, gather_buf_.numel()) : nullptr;  // in place already
+  char* unsharded = allocate(unsharded_buf_, unsharded_buf_.numel());
   for (auto& q : params_) {
     const int64_t pn = q.padded_numel();
     if (!gathered) {
       for (auto& [dst, src] : q.copy_out) copy_block(dst, src);
     } else if (pn > 0) {  // Note [raw copies]: rank r's rows, then the last rank's partial ones
       const int64_t es = at::elementSize(q.compute_dtype), full = q.numel() / pn, rest = q.numel() % pn;
-      char* dst = bytes_of(q.unsharded);
+      char* dst = unsharded + q.unsharded_offset;
       const char* src = gathered + q.gather_offset;
       copy_strided(dst, pn * es, src, gather_slot_bytes_, full, pn * es);
       if (rest > 0) std::memcpy(dst + full * pn * es, src + full * gather_slot_bytes_, rest * es);
@@ -408,13 +409,12 @@ void ParamGroup::reduce_grads_async() {
   accumulate_grads();
   if (reduce_slot_numel_ == 0) return;
   TORCH_INTERNAL_ASSERT(!reduce_work_, "fsdp: reduce-scatter issued twice for ", label_);
-  allocate(reduce_in_, reduce_in_.numel() * reduce_in_.element_size());
-  allocate(reduce_out_, reduce_out_.numel() * reduce_out_.element_size());
+  char* reduce_in = allocate(reduce_buf_, reduce_buf_.numel() * reduce_buf_.element_size());
   {
     at::NoGradGuard no_grad;
     for (auto& q : params_) {
       if (!q.reduce_all.defined()) continue;
-      if (host_ && pack_raw(q)) continue;
+      if (host_ && pack_raw(q, reduce_in)) continue;
       // A parameter that got no gradient here (an expert that saw no tokens) is reduced as zeros,
       // so every rank still issues the same collective.
       if (!q.grad_acc.defined()) {
@@ -444,7 +444,8 @@ void ParamGroup::finish_reduce() {
     replicate_->all_reduce(reduce_out_, {comm::ReduceOp::kAvg}).wait();
   }
   at::NoGradGuard no_grad;
-  const bool keep_spares = host_ && host_buffer_cache_stats().limit_bytes > 0;
+  const bool keep_spares = host_ && host_buffer_cache_limit() > 0;
+  const char* reduced = host_ ? bytes_of(reduce_out_) : nullptr;
   for (auto& q : params_) {
     if (q.reduce_offset < 0) continue;
     at::Tensor& g = q.sharded.mutable_grad();
@@ -457,14 +458,13 @@ void ParamGroup::finish_reduce() {
     } else if (host_ && q.sharded.scalar_type() == reduce_dtype_) {  // Note [raw copies]
       g = spare_or_new_grad(q, keep_spares);
       const int64_t es = at::elementSize(reduce_dtype_);
-      std::memcpy(bytes_of(g), bytes_of(reduce_out_) + q.reduce_offset * es, q.local_rows * q.row_numel * es);
+      std::memcpy(bytes_of(g), reduced + q.reduce_offset * es, q.local_rows * q.row_numel * es);
     } else {
       g = empty_like_plain(q.sharded);
       copy_block(g, q.reduce_piece);
     }
   }
-  release(reduce_in_);
-  release(reduce_out_);
+  release(reduce_buf_);
 }
 
 // Note [spare gradients]
@@ -491,12 +491,12 @@ at::Tensor ParamGroup::spare_or_new_grad(Param& q, bool keep) {
 // goes to row r of the parameter's region in the reduce input; what lies past the gradient's end is
 // zeroed, as all of it is for a parameter that got no gradient. False when a dtype conversion or a
 // strided gradient needs ATen.
-bool ParamGroup::pack_raw(Param& q) {
+bool ParamGroup::pack_raw(Param& q, char* reduce_in) {
   const at::Tensor& g = q.grad_acc;
   if (g.defined() && (g.scalar_type() != reduce_dtype_ || !g.is_contiguous() || !g.device().is_cpu())) return false;
   const int64_t es = at::elementSize(reduce_dtype_), pn = q.padded_numel(), n = comm_size_;
   const int64_t row_stride = reduce_slot_numel_ * es;
-  char* dst = bytes_of(reduce_in_) + q.reduce_offset * es;
+  char* dst = reduce_in + q.reduce_offset * es;
   int64_t used = 0;
   if (g.defined()) {
     const int64_t full = q.numel() / pn, rest = q.numel() % pn;

@@ -6,6 +6,9 @@
 
 #include <map>
 #include <set>
+#include <thread>
+#include <atomic>
+#include <cstring>
 
 #include "fsdpp/base/storage.hpp"
 #include "fsdp/counting_comm.hpp"
@@ -403,13 +406,14 @@ TEST_CASE("resharding gives host buffers to the cache and the next unshard takes
     const auto b = host_buffer_cache_stats();
     // Every buffer the second step needs was released by the first, or earlier in the second.
     CHECK(b.misses == a.misses);
-    CHECK(b.hits - a.hits >= 4 * 3);  // per block at least: 2 gathers, reduce input and output
+    CHECK(b.hits - a.hits >= 5 * 3);  // per block: 2 gathers, 2 unshards and the reduce buffer
     CHECK(b.cached_bytes > 0);
     CHECK(b.cached_bytes <= b.limit_bytes);
 
     set_host_buffer_cache_limit(0);
     const auto c = host_buffer_cache_stats();
     CHECK(c.cached_bytes == 0);
+    CHECK(host_buffer_cache_limit() == 0);
     step(model, model->sharded_parameters());
     const auto d = host_buffer_cache_stats();
     CHECK(d.hits == c.hits);
@@ -418,6 +422,47 @@ TEST_CASE("resharding gives host buffers to the cache and the next unshard takes
     CHECK(d.cached_bytes == 0);
     set_host_buffer_cache_limit(limit);
   });
+}
+
+// Note [host buffer cache]: threads taking and giving buffers of the same sizes at once (a
+// pipeline's stages, the gradient-reduce worker) never get the same buffer, and the cache's books
+// balance afterwards.
+TEST_CASE("the host buffer cache hands a buffer to one thread at a time") {
+  const auto before = host_buffer_cache_stats();
+  REQUIRE(before.limit_bytes > 0);
+  REQUIRE(host_buffer_cache_limit() == before.limit_bytes);
+  constexpr int kThreads = 4, kRounds = 4000;
+  const size_t sizes[] = {4096, 64 * 1024};
+  std::atomic<int> bad{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      // Two tensors per thread, one of each size, so every size has several takers.
+      std::vector<at::Tensor> mine;
+      for (size_t n : sizes) mine.push_back(at::empty({int64_t(n)}, at::kByte));
+      for (auto& m : mine) resize_storage_bytes_cached(m, 0);
+      while (!go.load()) std::this_thread::yield();
+      for (int r = 0; r < kRounds; ++r)
+        for (size_t i = 0; i < mine.size(); ++i) {
+          auto* p = static_cast<unsigned char*>(resize_storage_bytes_cached(mine[i], sizes[i]));
+          const unsigned char mark = static_cast<unsigned char>(t * 64 + r % 64);
+          std::memset(p, mark, sizes[i]);
+          std::this_thread::yield();  // another thread holding the same buffer would write now
+          if (p[0] != mark || p[sizes[i] / 2] != mark || p[sizes[i] - 1] != mark) bad.fetch_add(1);
+          resize_storage_bytes_cached(mine[i], 0);
+        }
+    });
+  go = true;
+  for (auto& th : threads) th.join();
+  CHECK(bad.load() == 0);
+  const auto after = host_buffer_cache_stats();
+  const int64_t takes = int64_t(kThreads) * kRounds * 2;
+  CHECK(after.hits + after.misses - before.hits - before.misses == takes);
+  // Every buffer taken was given back: cached, or freed with the cache full.
+  CHECK(after.misses - before.misses <= kThreads * 2 + (after.freed - before.freed));
+  CHECK(after.cached_bytes <= after.limit_bytes);
+  CHECK(after.cached_bytes - before.cached_bytes >= 0);
 }
 
 // Note [spare gradients]

@@ -34,11 +34,14 @@ struct HostBufferCacheStats {
   int64_t limit_bytes = 0;
 };
 HostBufferCacheStats host_buffer_cache_stats();
+// The limit alone, read without taking the cache's lock.
+int64_t host_buffer_cache_limit();
 // Sets the limit, freeing cached buffers beyond it (0: frees them all and stops caching).
 void set_host_buffer_cache_limit(int64_t bytes);
 
 // resize_storage_bytes through the host buffer cache: a CPU storage takes its bytes from the
-// cache when it has a buffer of that size, and gives them to it when resized to 0.
-void resize_storage_bytes_cached(const at::Tensor& t, size_t nbytes);
+// cache when it has a buffer of that size, and gives them to it when resized to 0. Returns the
+// start of the storage's bytes (null when empty).
+void* resize_storage_bytes_cached(const at::Tensor& t, size_t nbytes);
 
 }  // namespace fsdpp

@@ -107,6 +107,7 @@ class ParamGroup {
     std::vector<std::string> names;
     at::Tensor param;      // the module's parameter (identity kept)
     at::Tensor unsharded;  // full-size compute-dtype view of the unit's unsharded buffer, as param is
+    int64_t unsharded_offset = 0;  // bytes into the unsharded buffer
     at::Tensor padded;     // this rank's rows, zero-padded to padded_rows, original dtype
     at::Tensor sharded;    // leaf view of padded's real rows: what the optimizer updates
     at::Tensor grad_acc;   // unsharded gradient accumulated in grad_dtype
@@ -133,7 +134,8 @@ class ParamGroup {
 
   void check_plan_is_uniform();
   void make_views();
-  bool pack_raw(Param& q);
+  // reduce_in: the start of the reduce input's bytes.
+  bool pack_raw(Param& q, char* reduce_in);
   // q's spare gradient when nothing else holds it, else a new one (kept as the spare if `keep`).
   static at::Tensor spare_or_new_grad(Param& q, bool keep);
 
@@ -161,13 +163,15 @@ class ParamGroup {
   int64_t comm_rank_ = 0, comm_size_ = 1;
   at::Device device_ = at::kCPU;  // of every parameter, buffer and plan-check tensor of the group
   // Storage management behind unshard/reshard (Note [unshard by storage resize]); with static
-  // buffers, release is a no-op and allocate finds the storage in place.
-  void allocate(const at::Tensor& t, size_t nbytes) const;
+  // buffers, release is a no-op and allocate finds the storage in place. allocate returns the
+  // start of the storage's bytes.
+  char* allocate(const at::Tensor& t, size_t nbytes) const;
   void release(const at::Tensor& t) const;
   at::Tensor unsharded_buf_;  // bytes behind every unsharded parameter, allocated while unsharded
   at::Tensor gather_buf_;   // [ranks x slot] bytes, storage allocated only while in use
   at::Tensor gather_slot_;  // this rank's slot of gather_buf_
-  at::Tensor reduce_in_, reduce_out_;  // likewise, in reduce_dtype
+  at::Tensor reduce_buf_;              // likewise, in reduce_dtype: [ranks x slot] input, then a slot of output
+  at::Tensor reduce_in_, reduce_out_;  // its two parts
   comm::Comm group_comm_;   // N consecutive ranks, for reshard_to_group
   at::Tensor group_shard_;  // this rank's 1/N of the gather buffer while resharded to the group
   std::optional<comm::Work> gather_work_;
