@@ -34,10 +34,10 @@ int64_t limit_from_env() {
 
 // Note [host buffer cache]. One bucket per size, searched linearly (a model's units come in a
 // few sizes); a bucket hands out its most recently freed buffer first, the one likeliest to be in
-// the caches still. Taking and giving are a few dozen instructions under a spin lock: a unit's
-// step makes about ten of them, where an uncontended std::mutex cost more than the rest of the
-// call. The lock is held for a bucket search and a vector push or pop; a thread that finds it
-// taken yields, in case the holder was preempted.
+// the caches still. Taking and giving happen under a spin lock: a unit's step makes about ten of
+// them, and an uncontended std::mutex's lock and unlock came to over a third of their cost. The
+// lock is held for a bucket search and a vector push or pop; a thread that finds it taken yields,
+// in case the holder was preempted.
 class HostBufferCache {
  public:
   static HostBufferCache& get() {

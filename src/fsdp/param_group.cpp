@@ -346,7 +346,7 @@ void ParamGroup::wait_unshard() {
   unshard_async();
   gather_work_->wait();
   gather_work_.reset();
-  const char* gathered = host_ ? allocate(gather_buf_, gather_buf_.numel()) : nullptr;  // in place already
+  const char* gathered = host_ ? bytes_of(gather_buf_) : nullptr;
   char* unsharded = allocate(unsharded_buf_, unsharded_buf_.numel());
   for (auto& q : params_) {
     const int64_t pn = q.padded_numel();
