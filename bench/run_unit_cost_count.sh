@@ -100,15 +100,16 @@ print("The unit-cost model of `bench/fsdp_bench.cpp` (200 FSDP units of Linear(8
 print("recorder on) run unsharded and sharded for 3 and for 9 steps; a step's count is the difference")
 print("over 6, so start-up and sharding drop out. The sharded run's extra per unit per step is what")
 print("fully_shard adds. Counts do not move with the machine's load as times do; on a core doing one")
-print("to two instructions per cycle, 10 000 instructions are 2 to 4 us at 2.5 GHz.")
+print("to two instructions per cycle, 10 000 instructions are 2 to 4 us at 2.5 GHz. Misses (per unit")
+print("per step, like the instructions) are of callgrind's simulated first-level caches; each costs")
+print("about ten cycles or more, so a change can save time while adding instructions.")
 print()
-print("| build | instructions per unit per step | L1 data read misses per unit per step | the unsharded model's instructions per unit per step |")
-print("|---|---:|---:|---:|")
+print("| build | instructions per unit per step | L1 data read misses | L1 instruction misses | the unsharded model's instructions per unit per step |")
+print("|---|---:|---:|---:|---:|")
 for i, label in enumerate(labels):
-    ir = (per_step(i, "sharded", "Ir") - per_step(i, "plain", "Ir")) / UNITS
-    d1 = (per_step(i, "sharded", "D1mr") - per_step(i, "plain", "D1mr")) / UNITS
+    ir, d1, i1 = ((per_step(i, "sharded", e) - per_step(i, "plain", e)) / UNITS for e in ("Ir", "D1mr", "I1mr"))
     plain = per_step(i, "plain", "Ir") / UNITS
-    print(f"| {label} | {ir:,.0f} | {d1:,.0f} | {plain:,.0f} |")
+    print(f"| {label} | {ir:,.0f} | {d1:,.0f} | {i1:,.0f} | {plain:,.0f} |")
 print()
 print("Where the sharded step's instructions go, per unit per step (inclusive: a hook with what it calls):")
 print()

@@ -48,13 +48,9 @@ bool supported(at::ScalarType t) {
   }
 }
 
-// NCCL communicators take CUDA tensors; Gloo's take CPU tensors.
-bool takes_cuda(const Comm& c) { return std::strcmp(c.backend(), "nccl") == 0; }
-
 class Checker {
  public:
-  Checker(const Comm& c, const char* op)
-      : rank_(c.rank()), size_(c.size()), op_(op), cuda_(takes_cuda(c)) {}
+  Checker(int rank, int size, bool cuda, const char* op) : rank_(rank), size_(size), op_(op), cuda_(cuda) {}
 
   template <typename... Args>
   [[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) const {
@@ -108,7 +104,10 @@ class Checker {
 
 Comm::Comm(std::shared_ptr<detail::CommImpl> impl, const std::string& name) : impl_(std::move(impl)) {
   if (!impl_) return;
-  recorder_ = detail::make_recorder(name, impl_->rank(), impl_->size());
+  rank_ = impl_->rank();
+  size_ = impl_->size();
+  takes_cuda_ = std::strcmp(impl_->backend(), "nccl") == 0;
+  recorder_ = detail::make_recorder(name, rank_, size_);
   const char* env = std::getenv("FSDPP_CHECK_COLLECTIVES");
   check_ = std::make_shared<bool>(env && std::string(env) == "1");
 }
@@ -137,7 +136,7 @@ void Comm::check_consistency(int op, const at::Tensor* in, const at::Tensor* out
   if (!check_ || !*check_ || size() == 1) return;
   const at::Tensor* t = in ? in : out;
   // A barrier over NCCL has no tensor to tell the device by; it is left unchecked.
-  if (!t && takes_cuda(*this)) return;
+  if (!t && takes_cuda_) return;
   auto mine = at::tensor({int64_t{op}, t ? static_cast<int64_t>(t->scalar_type()) : -1, in ? in->numel() : 0,
                           out ? out->numel() : 0, extra},
                          at::kLong);
@@ -159,18 +158,18 @@ Work Comm::recorded(const char* op, const at::Tensor* in, const at::Tensor* out,
   return work;
 }
 
+void Comm::throw_empty() { throw CommError("use of an empty Comm (this rank is not a member of that group)"); }
+
 detail::CommImpl& Comm::impl() const {
-  if (!impl_) throw CommError("use of an empty Comm (this rank is not a member of that group)");
+  if (!impl_) throw_empty();
   return *impl_;
 }
 
-int Comm::rank() const { return impl().rank(); }
-int Comm::size() const { return impl().size(); }
 const char* Comm::backend() const { return impl().backend(); }
 
 Work Comm::all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOptions opts) {
   if (detail::skip_this_all_gather()) return Work();  // FSDPP_FAULT (fsdpp/comm/fault.hpp)
-  Checker c(*this, "all_gather");
+  Checker c(rank(), size_, takes_cuda_, "all_gather");
   c.tensor(out, "out");
   c.tensor(in, "in");
   c.same_dtype(out, in);
@@ -188,7 +187,7 @@ Work Comm::all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOpti
 }
 
 Work Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceScatterOptions opts) {
-  Checker c(*this, "reduce_scatter");
+  Checker c(rank(), size_, takes_cuda_, "reduce_scatter");
   c.tensor(out, "out");
   c.tensor(in, "in");
   c.same_dtype(out, in);
@@ -201,7 +200,7 @@ Work Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceSca
 }
 
 Work Comm::all_reduce(const at::Tensor& t, AllReduceOptions opts) {
-  Checker c(*this, "all_reduce");
+  Checker c(rank(), size_, takes_cuda_, "all_reduce");
   c.tensor(t, "tensor");
   c.reduction(opts.op, t);
   check_consistency(2, &t, &t, static_cast<int64_t>(opts.op));
@@ -209,7 +208,7 @@ Work Comm::all_reduce(const at::Tensor& t, AllReduceOptions opts) {
 }
 
 Work Comm::broadcast(const at::Tensor& t, BroadcastOptions opts) {
-  Checker c(*this, "broadcast");
+  Checker c(rank(), size_, takes_cuda_, "broadcast");
   c.tensor(t, "tensor");
   c.peer(opts.root, "root");
   check_consistency(3, &t, &t, opts.root);
@@ -217,7 +216,7 @@ Work Comm::broadcast(const at::Tensor& t, BroadcastOptions opts) {
 }
 
 Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptions opts) {
-  Checker c(*this, "all_to_all");
+  Checker c(rank(), size_, takes_cuda_, "all_to_all");
   c.tensor(out, "out");
   c.tensor(in, "in");
   c.same_dtype(out, in);
@@ -238,7 +237,7 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptio
 }
 
 Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) {
-  Checker c(*this, "send");
+  Checker c(rank(), size_, takes_cuda_, "send");
   c.tensor(t, "tensor");
   c.peer(dst, "destination");
   if (dst == rank()) c.fail("send to self (rank {}) is not supported", dst);
@@ -246,7 +245,7 @@ Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) {
 }
 
 Work Comm::recv(const at::Tensor& t, int src, uint32_t tag) {
-  Checker c(*this, "recv");
+  Checker c(rank(), size_, takes_cuda_, "recv");
   c.tensor(t, "tensor");
   c.peer(src, "source");
   if (src == rank()) c.fail("receive from self (rank {}) is not supported", src);

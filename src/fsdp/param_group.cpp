@@ -482,8 +482,15 @@ at::Tensor ParamGroup::spare_or_new_grad(Param& q, bool keep) {
     return empty_like_plain(q.sharded);
   }
   if (!spare.defined() || spare.use_count() != 1 || spare.storage().use_count() != 1 ||
-      spare.sizes() != q.sharded.sizes())
+      spare.sizes() != q.sharded.sizes()) {
     spare = empty_like_plain(q.sharded);
+  } else if (spare.unsafeGetTensorImpl()->autograd_meta()) {
+    // torch::optim's zero_grad detach_()es a gradient before dropping it, which gives the tensor
+    // autograd metadata. Kept, it would send every optimizer operation reading this gradient
+    // through the forward-AD check that locks the metadata's mutex (about 400 instructions per
+    // parameter per step); a gradient fresh from backward has none. Nothing else holds the tensor.
+    spare.unsafeGetTensorImpl()->set_autograd_meta(nullptr);
+  }
   return spare;
 }
 

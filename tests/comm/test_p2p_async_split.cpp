@@ -96,6 +96,12 @@ TEST_CASE("split: groups by color, ordered by key; negative color is left out") 
     auto sub = comm.split(color, -r);
     if (r == 3) {
       CHECK_FALSE(sub);
+      // Using it is an error that says why, for a query and an operation alike.
+      const char* why = "use of an empty Comm (this rank is not a member of that group)";
+      CHECK_THROWS_WITH_AS(sub.rank(), why, comm::CommError);
+      CHECK_THROWS_WITH_AS(sub.size(), why, comm::CommError);
+      CHECK_THROWS_WITH_AS(sub.all_reduce(at::ones({2})), why, comm::CommError);
+      CHECK_THROWS_WITH_AS(sub.barrier(), why, comm::CommError);
       return;
     }
     REQUIRE(sub);

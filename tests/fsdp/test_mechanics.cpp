@@ -472,8 +472,9 @@ TEST_CASE("a sharded gradient dropped by zero_grad is refilled, not made again; 
     REQUIRE(limit > 0);
     auto model = fsdp::fully_shard(test::Net(8, 3), comm);
     const auto params = model->sharded_parameters();
+    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));  // for its zero_grad only
     auto step = [&](int64_t seed) {
-      for (auto p : params) p.mutable_grad() = at::Tensor();  // as zero_grad(set_to_none)
+      opt.zero_grad();  // set_to_none, after a detach_ that gives each gradient autograd metadata
       model->forward(at::randn({6, 5}, at::detail::createCPUGenerator(seed))).square().sum().backward();
       std::vector<at::Tensor> grads;
       for (const auto& p : params) grads.push_back(p.grad());
@@ -485,7 +486,12 @@ TEST_CASE("a sharded gradient dropped by zero_grad is refilled, not made again; 
     std::vector<Weak> first;
     for (const auto& g : step(1)) first.emplace_back(g.getIntrusivePtr());
     const auto second = step(2);
-    for (size_t i = 0; i < params.size(); ++i) CHECK(first[i].lock().get() == second[i].unsafeGetTensorImpl());
+    for (size_t i = 0; i < params.size(); ++i) {
+      CHECK(first[i].lock().get() == second[i].unsafeGetTensorImpl());
+      // Refilled as backward makes a gradient: no autograd metadata left from zero_grad's detach_,
+      // which would put every optimizer operation on the gradient through a locked lookup.
+      CHECK(second[i].unsafeGetTensorImpl()->autograd_meta() == nullptr);
+    }
 
     // `second` still holds them: the next step makes new ones and leaves these as they were.
     std::vector<at::Tensor> copies;

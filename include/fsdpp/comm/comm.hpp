@@ -57,8 +57,14 @@ class Comm {
   explicit Comm(std::shared_ptr<detail::CommImpl> impl, const std::string& name = "comm");
 
   explicit operator bool() const { return impl_ != nullptr; }
-  int rank() const;
-  int size() const;
+  int rank() const {
+    if (!impl_) throw_empty();
+    return rank_;
+  }
+  int size() const {
+    if (!impl_) throw_empty();
+    return size_;
+  }
   const char* backend() const;
 
   Work all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOptions opts = {});
@@ -90,11 +96,15 @@ class Comm {
 
  private:
   detail::CommImpl& impl() const;
+  [[noreturn]] static void throw_empty();
   Work recorded(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, Work work);
   void check_consistency(int op, const at::Tensor* in, const at::Tensor* out, int64_t extra);
   std::shared_ptr<detail::CommImpl> impl_;
   std::shared_ptr<FlightRecorder> recorder_;
   std::shared_ptr<bool> check_;  // shared by copies of this Comm
+  // The backend's, which never change, read once: every operation's argument checks use them.
+  int rank_ = -1, size_ = 0;
+  bool takes_cuda_ = false;  // NCCL's communicators take CUDA tensors; Gloo's, CPU tensors
 };
 
 }  // namespace fsdpp::comm
