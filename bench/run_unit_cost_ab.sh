@@ -4,14 +4,14 @@
 # that a busy spell on a shared machine falls on both. Each run prints its own paired median (the
 # sharded step against the unsharded one, in one process); this script compares the two builds
 # round by round. Counted figures, which do not move with the load, are bench/run_unit_cost_count.sh's.
-#   bash bench/run_unit_cost_ab.sh [rounds] label=dir label=dir
+#   bash bench/run_unit_cost_ab.sh [rounds] before=dir after=dir
 # Each dir holds a build's fsdpp_fsdp_bench, libfsdpp.so and libfsdpp_gloo.so (copied from its
 # tree). Writes bench/results/unit_cost_ab.md; about 12 seconds per build per round.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=${1:-15}
-shift || true
-[[ $# -eq 2 ]] || { echo "usage: bash bench/run_unit_cost_ab.sh [rounds] before=dir after=dir"; exit 1; }
+rounds=15
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
+[[ $# -eq 2 && $rounds -gt 0 ]] || { echo "usage: bash bench/run_unit_cost_ab.sh [rounds] before=dir after=dir"; exit 1; }
 for v in "$@"; do
   dir=${v#*=}
   [[ $v == *=* && -x $dir/fsdpp_fsdp_bench && -f $dir/libfsdpp.so ]] ||
