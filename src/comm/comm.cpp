@@ -48,9 +48,11 @@ bool supported(at::ScalarType t) {
   }
 }
 
-class Checker {
+}  // namespace
+
+class Comm::Checker {
  public:
-  Checker(int rank, int size, bool cuda, const char* op) : rank_(rank), size_(size), op_(op), cuda_(cuda) {}
+  Checker(const Comm& c, const char* op) : rank_(c.rank()), size_(c.size_), op_(op), cuda_(c.takes_cuda_) {}
 
   template <typename... Args>
   [[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) const {
@@ -99,8 +101,6 @@ class Checker {
   const char* op_;
   bool cuda_;  // the backend takes CUDA tensors
 };
-
-}  // namespace
 
 Comm::Comm(std::shared_ptr<detail::CommImpl> impl, const std::string& name) : impl_(std::move(impl)) {
   if (!impl_) return;
@@ -169,7 +169,7 @@ const char* Comm::backend() const { return impl().backend(); }
 
 Work Comm::all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOptions opts) {
   if (detail::skip_this_all_gather()) return Work();  // FSDPP_FAULT (fsdpp/comm/fault.hpp)
-  Checker c(rank(), size_, takes_cuda_, "all_gather");
+  Checker c(*this, "all_gather");
   c.tensor(out, "out");
   c.tensor(in, "in");
   c.same_dtype(out, in);
@@ -187,7 +187,7 @@ Work Comm::all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOpti
 }
 
 Work Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceScatterOptions opts) {
-  Checker c(rank(), size_, takes_cuda_, "reduce_scatter");
+  Checker c(*this, "reduce_scatter");
   c.tensor(out, "out");
   c.tensor(in, "in");
   c.same_dtype(out, in);
@@ -200,7 +200,7 @@ Work Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceSca
 }
 
 Work Comm::all_reduce(const at::Tensor& t, AllReduceOptions opts) {
-  Checker c(rank(), size_, takes_cuda_, "all_reduce");
+  Checker c(*this, "all_reduce");
   c.tensor(t, "tensor");
   c.reduction(opts.op, t);
   check_consistency(2, &t, &t, static_cast<int64_t>(opts.op));
@@ -208,7 +208,7 @@ Work Comm::all_reduce(const at::Tensor& t, AllReduceOptions opts) {
 }
 
 Work Comm::broadcast(const at::Tensor& t, BroadcastOptions opts) {
-  Checker c(rank(), size_, takes_cuda_, "broadcast");
+  Checker c(*this, "broadcast");
   c.tensor(t, "tensor");
   c.peer(opts.root, "root");
   check_consistency(3, &t, &t, opts.root);
@@ -216,7 +216,7 @@ Work Comm::broadcast(const at::Tensor& t, BroadcastOptions opts) {
 }
 
 Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptions opts) {
-  Checker c(rank(), size_, takes_cuda_, "all_to_all");
+  Checker c(*this, "all_to_all");
   c.tensor(out, "out");
   c.tensor(in, "in");
   c.same_dtype(out, in);
@@ -237,7 +237,7 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptio
 }
 
 Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) {
-  Checker c(rank(), size_, takes_cuda_, "send");
+  Checker c(*this, "send");
   c.tensor(t, "tensor");
   c.peer(dst, "destination");
   if (dst == rank()) c.fail("send to self (rank {}) is not supported", dst);
@@ -245,7 +245,7 @@ Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) {
 }
 
 Work Comm::recv(const at::Tensor& t, int src, uint32_t tag) {
-  Checker c(rank(), size_, takes_cuda_, "recv");
+  Checker c(*this, "recv");
   c.tensor(t, "tensor");
   c.peer(src, "source");
   if (src == rank()) c.fail("receive from self (rank {}) is not supported", src);

@@ -95,6 +95,7 @@ class Comm {
   const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }
 
  private:
+  class Checker;  // argument checks (comm.cpp)
   detail::CommImpl& impl() const;
   [[noreturn]] static void throw_empty();
   Work recorded(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, Work work);
