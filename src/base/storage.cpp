@@ -1,12 +1,14 @@
 #include "fsdpp/base/storage.hpp"
 
+#include "fsdpp/base/spin_lock.hpp"
+
 #include <c10/core/StorageImpl.h>
 #include <fmt/format.h>
 
 #include <cstdlib>
 #include <atomic>
 #include <stdexcept>
-#include <thread>
+#include <mutex>
 #include <vector>
 
 namespace fsdpp {
@@ -34,10 +36,8 @@ int64_t limit_from_env() {
 
 // Note [host buffer cache]. One bucket per size, searched linearly (a model's units come in a
 // few sizes); a bucket hands out its most recently freed buffer first, the one likeliest to be in
-// the caches still. Taking and giving happen under a spin lock: a unit's step makes about ten of
-// them, and an uncontended std::mutex's lock and unlock came to over a third of their cost. The
-// lock is held for a bucket search and a vector push or pop; a thread that finds it taken yields,
-// in case the holder was preempted.
+// the caches still. Taking and giving happen under a SpinLock (a unit's step makes about ten of
+// them), held for a bucket search and a vector push or pop.
 class HostBufferCache {
  public:
   static HostBufferCache& get() {
@@ -49,7 +49,7 @@ class HostBufferCache {
 
   at::DataPtr take(c10::Allocator* allocator, size_t nbytes) {
     {
-      Lock lock(busy_);
+      std::lock_guard<SpinLock> lock(lock_);
       if (Bucket* b = find(allocator, nbytes); b && !b->free.empty()) {
         at::DataPtr p = std::move(b->free.back());
         b->free.pop_back();
@@ -64,7 +64,7 @@ class HostBufferCache {
 
   void give(c10::Allocator* allocator, at::DataPtr p, size_t nbytes) {
     {
-      Lock lock(busy_);
+      std::lock_guard<SpinLock> lock(lock_);
       if (stats_.cached_bytes + static_cast<int64_t>(nbytes) <= limit_.load(std::memory_order_relaxed)) {
         Bucket* b = find(allocator, nbytes);
         if (!b) b = &buckets_.emplace_back(Bucket{allocator, nbytes, {}});
@@ -78,7 +78,7 @@ class HostBufferCache {
   }
 
   HostBufferCacheStats stats() {
-    Lock lock(busy_);
+    std::lock_guard<SpinLock> lock(lock_);
     HostBufferCacheStats s = stats_;
     s.limit_bytes = limit_.load(std::memory_order_relaxed);
     return s;
@@ -89,7 +89,7 @@ class HostBufferCache {
   void set_limit(int64_t bytes) {
     if (bytes < 0) throw std::invalid_argument(fmt::format("host buffer cache limit {} is negative", bytes));
     std::vector<at::DataPtr> dropped;  // freed outside the lock
-    Lock lock(busy_);
+    std::lock_guard<SpinLock> lock(lock_);
     limit_.store(bytes, std::memory_order_relaxed);
     for (auto& b : buckets_)
       while (stats_.cached_bytes > bytes && !b.free.empty()) {
@@ -102,20 +102,6 @@ class HostBufferCache {
  private:
   HostBufferCache() : limit_(limit_from_env()) {}
 
-  class Lock {
-   public:
-    explicit Lock(std::atomic<bool>& busy) : busy_(busy) {
-      while (busy_.exchange(true, std::memory_order_acquire))
-        while (busy_.load(std::memory_order_relaxed)) std::this_thread::yield();
-    }
-    ~Lock() { busy_.store(false, std::memory_order_release); }
-    Lock(const Lock&) = delete;
-    Lock& operator=(const Lock&) = delete;
-
-   private:
-    std::atomic<bool>& busy_;
-  };
-
   // The free buffers of one size, most recently freed last.
   struct Bucket {
     c10::Allocator* allocator;
@@ -127,7 +113,7 @@ class HostBufferCache {
       if (b.nbytes == nbytes && b.allocator == allocator) return &b;
     return nullptr;
   }
-  std::atomic<bool> busy_{false};
+  SpinLock lock_;
   std::atomic<int64_t> limit_;  // read without the lock by host_buffer_cache_limit()
   std::vector<Bucket> buckets_;  // a model's units come in a few sizes
   HostBufferCacheStats stats_;   // limit_bytes filled in by stats()
@@ -142,7 +128,9 @@ void resize_storage_bytes(const at::Tensor& t, size_t nbytes) {
 }
 
 void* resize_storage_bytes_cached(const at::Tensor& t, size_t nbytes) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  // A plain strided tensor's storage, read without the virtual call of storage().
+  c10::StorageImpl* s = t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  if (!s) s = t.storage().unsafeGetStorageImpl();  // not a plain tensor: storage() says why
   const size_t had = s->nbytes();
   if (had != nbytes) {
     if (!s->device().is_cpu()) {

@@ -153,8 +153,12 @@ void Comm::check_consistency(int op, const at::Tensor* in, const at::Tensor* out
                                   rank(), size(), describe_fingerprint(m), r, describe_fingerprint(f + 5 * r)));
 }
 
-Work Comm::recorded(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, Work work) {
-  if (recorder_) recorder_->record(op, in, out, peer, work);
+template <typename Issue>
+Work Comm::recorded(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, Issue&& issue) {
+  if (!recorder_) return issue();
+  const auto issued = std::chrono::system_clock::now();
+  Work work = issue();
+  recorder_->record(op, in, out, peer, work, issued);
   return work;
 }
 
@@ -183,7 +187,7 @@ Work Comm::all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOpti
       c.fail("counts[{}] is {} but in has {} elements", rank(), opts.counts[rank()], in.numel());
   }
   check_consistency(0, &in, &out, 0);
-  return recorded("all_gather", &in, &out, -1, impl().all_gather(out, in, opts));
+  return recorded("all_gather", &in, &out, -1, [&] { return impl().all_gather(out, in, opts); });
 }
 
 Work Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceScatterOptions opts) {
@@ -196,7 +200,7 @@ Work Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceSca
     c.fail("in has {} elements, expected {} ranks x {} = {}", in.numel(), size(), out.numel(),
            size() * out.numel());
   check_consistency(1, &in, &out, static_cast<int64_t>(opts.op));
-  return recorded("reduce_scatter", &in, &out, -1, impl().reduce_scatter(out, in, opts));
+  return recorded("reduce_scatter", &in, &out, -1, [&] { return impl().reduce_scatter(out, in, opts); });
 }
 
 Work Comm::all_reduce(const at::Tensor& t, AllReduceOptions opts) {
@@ -204,7 +208,7 @@ Work Comm::all_reduce(const at::Tensor& t, AllReduceOptions opts) {
   c.tensor(t, "tensor");
   c.reduction(opts.op, t);
   check_consistency(2, &t, &t, static_cast<int64_t>(opts.op));
-  return recorded("all_reduce", &t, &t, -1, impl().all_reduce(t, opts));
+  return recorded("all_reduce", &t, &t, -1, [&] { return impl().all_reduce(t, opts); });
 }
 
 Work Comm::broadcast(const at::Tensor& t, BroadcastOptions opts) {
@@ -212,7 +216,7 @@ Work Comm::broadcast(const at::Tensor& t, BroadcastOptions opts) {
   c.tensor(t, "tensor");
   c.peer(opts.root, "root");
   check_consistency(3, &t, &t, opts.root);
-  return recorded("broadcast", &t, &t, -1, impl().broadcast(t, opts));
+  return recorded("broadcast", &t, &t, -1, [&] { return impl().broadcast(t, opts); });
 }
 
 Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptions opts) {
@@ -233,7 +237,7 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptio
     c.splits(opts.out_splits, out.numel(), "out_splits");
   }
   check_consistency(4, &in, &out, 0);
-  return recorded("all_to_all", &in, &out, -1, impl().all_to_all(out, in, opts));
+  return recorded("all_to_all", &in, &out, -1, [&] { return impl().all_to_all(out, in, opts); });
 }
 
 Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) {
@@ -241,7 +245,7 @@ Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) {
   c.tensor(t, "tensor");
   c.peer(dst, "destination");
   if (dst == rank()) c.fail("send to self (rank {}) is not supported", dst);
-  return recorded("send", &t, nullptr, dst, impl().send(t, dst, tag));
+  return recorded("send", &t, nullptr, dst, [&] { return impl().send(t, dst, tag); });
 }
 
 Work Comm::recv(const at::Tensor& t, int src, uint32_t tag) {
@@ -249,12 +253,12 @@ Work Comm::recv(const at::Tensor& t, int src, uint32_t tag) {
   c.tensor(t, "tensor");
   c.peer(src, "source");
   if (src == rank()) c.fail("receive from self (rank {}) is not supported", src);
-  return recorded("recv", nullptr, &t, src, impl().recv(t, src, tag));
+  return recorded("recv", nullptr, &t, src, [&] { return impl().recv(t, src, tag); });
 }
 
 Work Comm::barrier() {
   check_consistency(5, nullptr, nullptr, 0);
-  return recorded("barrier", nullptr, nullptr, -1, impl().barrier());
+  return recorded("barrier", nullptr, nullptr, -1, [&] { return impl().barrier(); });
 }
 
 Comm Comm::split(int color, int key) const {

@@ -22,7 +22,9 @@ namespace fsdpp::comm {
 namespace {
 
 const std::string kNoLabel;
-thread_local const std::string* t_label = &kNoLabel;
+// Read and set around every collective. libfsdpp is linked, not dlopen'ed, so the static TLS model
+// serves: a fixed offset from the thread pointer instead of a __tls_get_addr call.
+[[gnu::tls_model("initial-exec")]] thread_local const std::string* t_label = &kNoLabel;
 
 int64_t micros(std::chrono::system_clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
@@ -60,16 +62,19 @@ FlightRecorder::FlightRecorder(std::string name, int rank, int size, size_t capa
     : name_(std::move(name)), rank_(rank), size_(size), capacity_(capacity) {}
 
 std::string FlightRecorder::child_name(int color) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   return fmt::format("{}/split{}.{}", name_, splits_++, color);
 }
 
 void FlightRecorder::record(const char* op, const at::Tensor* in, const at::Tensor* out, int peer,
-                            const Work& work) {
+                            const Work& work, std::chrono::system_clock::time_point issued) {
   if (capacity_ == 0) return;
   const at::Tensor* t = in ? in : out;
-  const auto issued = std::chrono::system_clock::now();
-  std::lock_guard<std::mutex> lock(mu_);
+  using Clock = std::chrono::system_clock;
+  // An empty Work is an operation that had completed by now.
+  const Clock::time_point completed = work.state() ? Clock::time_point{} : Clock::now();
+  if (issued == Clock::time_point{}) issued = work.state() ? Clock::now() : completed;
+  std::lock_guard<SpinLock> lock(mu_);
   FlightEntry* e;
   if (entries_.size() < capacity_) {
     e = &entries_.emplace_back();
@@ -86,11 +91,12 @@ void FlightRecorder::record(const char* op, const at::Tensor* in, const at::Tens
   e->label.assign(OpLabel::current());
   e->issued = issued;
   e->work = work.state();
+  e->completed = completed;
 }
 
 std::string FlightRecorder::overdue(std::chrono::milliseconds timeout) const {
   const auto now = std::chrono::system_clock::now();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   std::string found;
   for_each_entry([&](const FlightEntry& e) {
     if (found.empty() && e.work && !Work(e.work).is_completed() && now - e.issued > timeout)
@@ -102,7 +108,7 @@ std::string FlightRecorder::overdue(std::chrono::milliseconds timeout) const {
 
 std::string FlightRecorder::to_json() const {
   nlohmann::json entries = nlohmann::json::array();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<SpinLock> lock(mu_);
   for_each_entry([&](const FlightEntry& e) {
     const bool done = !e.work || Work(e.work).is_completed();
     bool failed = false, started = !e.work;
@@ -121,6 +127,10 @@ std::string FlightRecorder::to_json() const {
                         {"issued_us", micros(e.issued)}};
     if (e.work && started && started_at.time_since_epoch().count() != 0) j["started_us"] = micros(started_at);
     if (done && e.work) j["completed_us"] = micros(e.work->finished_at);
+    if (!e.work && e.completed.time_since_epoch().count() != 0) {  // completed where it was issued
+      j["started_us"] = micros(e.issued);
+      j["completed_us"] = micros(e.completed);
+    }
     entries.push_back(std::move(j));
   });
   return nlohmann::json{{"comm", name_}, {"rank", rank_}, {"size", size_}, {"entries", entries}}.dump();

@@ -87,6 +87,20 @@ at::Tensor empty_like_plain(const at::Tensor& t) {
   return at::empty_like(t, at::MemoryFormat::Contiguous);
 }
 
+// Grad mode off from the first call on, for the rest of the scope. A gradient handled by memcpy
+// records nothing; turning grad mode off and on costs two thread-local lookups, for every unit in
+// every step, so it is turned off only before an ATen operation (one on gradients that require
+// grad themselves, from a backward that builds their graph, would otherwise be recorded).
+class NoGradFromHere {
+ public:
+  void operator()() {
+    if (!guard_) guard_.emplace();
+  }
+
+ private:
+  std::optional<at::NoGradGuard> guard_;
+};
+
 void zero_block(const at::Tensor& t) {
   if (!rows_view(t)) {
     t.zero_();
@@ -204,6 +218,8 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     q.param.set_data(q.unsharded);
   }
   host_ = device_.is_cpu();
+  for (auto& q : params_)
+    if (host_ && q.padded.scalar_type() == q.compute_dtype) q.padded_raw = bytes_of(q.padded);
   make_views();
   release(unsharded_buf_);
 }
@@ -321,7 +337,7 @@ void ParamGroup::check_plan_is_uniform() {
 
 void ParamGroup::unshard_async() {
   if (unsharded_ || gather_work_) return;
-  char* gathered = allocate(gather_buf_, gather_buf_.numel());
+  char* gathered = gathered_raw_ = allocate(gather_buf_, gather_buf_.numel());
   if (group_shard_.defined()) {
     // After reshard_to_group: the buffer is split in N contiguous pieces, one per group member.
     comm::OpLabel op_label("fsdp group all_gather " + label_);
@@ -332,8 +348,8 @@ void ParamGroup::unshard_async() {
   char* slot = host_ ? gathered + comm_rank_ * gather_slot_bytes_ : nullptr;
   for (const auto& q : params_) {
     if (q.padded_numel() == 0) continue;
-    if (slot && q.padded.scalar_type() == q.compute_dtype)  // Note [raw copies]
-      std::memcpy(slot + q.gather_offset, bytes_of(q.padded), q.gather_bytes);
+    if (slot && q.padded_raw)  // Note [raw copies]
+      std::memcpy(slot + q.gather_offset, q.padded_raw, q.gather_bytes);
     else
       copy_block(q.copy_in, q.padded);  // casts to the compute dtype
   }
@@ -346,7 +362,7 @@ void ParamGroup::wait_unshard() {
   unshard_async();
   gather_work_->wait();
   gather_work_.reset();
-  const char* gathered = host_ ? bytes_of(gather_buf_) : nullptr;
+  const char* gathered = host_ ? gathered_raw_ : nullptr;
   char* unsharded = allocate(unsharded_buf_, unsharded_buf_.numel());
   for (auto& q : params_) {
     const int64_t pn = q.padded_numel();
@@ -387,14 +403,19 @@ void ParamGroup::reshard() {
 }
 
 void ParamGroup::accumulate_grads() {
-  at::NoGradGuard no_grad;
+  NoGradFromHere no_grad;
   for (auto& q : params_) {
     at::Tensor& g = q.param.mutable_grad();
     if (!g.defined()) continue;
-    if (!q.grad_acc.defined())
-      q.grad_acc = g.scalar_type() == q.grad_dtype ? g : g.to(q.grad_dtype);
-    else
-      q.grad_acc.add_(g);
+    if (!q.grad_acc.defined() && g.scalar_type() == q.grad_dtype) {
+      q.grad_acc = std::move(g);
+    } else {
+      no_grad();
+      if (!q.grad_acc.defined())
+        q.grad_acc = g.to(q.grad_dtype);
+      else
+        q.grad_acc.add_(g);
+    }
     g = at::Tensor();
   }
 }
@@ -409,12 +430,13 @@ void ParamGroup::reduce_grads_async() {
   accumulate_grads();
   if (reduce_slot_numel_ == 0) return;
   TORCH_INTERNAL_ASSERT(!reduce_work_, "fsdp: reduce-scatter issued twice for ", label_);
-  char* reduce_in = allocate(reduce_buf_, reduce_buf_.numel() * reduce_buf_.element_size());
+  char* reduce_in = reduce_raw_ = allocate(reduce_buf_, reduce_buf_.numel() * reduce_buf_.element_size());
   {
-    at::NoGradGuard no_grad;
+    NoGradFromHere no_grad;
     for (auto& q : params_) {
       if (!q.reduce_all.defined()) continue;
       if (host_ && pack_raw(q, reduce_in)) continue;
+      no_grad();
       // A parameter that got no gradient here (an expert that saw no tokens) is reduced as zeros,
       // so every rank still issues the same collective.
       if (!q.grad_acc.defined()) {
@@ -443,23 +465,27 @@ void ParamGroup::finish_reduce() {
     comm::OpLabel op_label(&replicate_label_);
     replicate_->all_reduce(reduce_out_, {comm::ReduceOp::kAvg}).wait();
   }
-  at::NoGradGuard no_grad;
+  NoGradFromHere no_grad;
   const bool keep_spares = host_ && host_buffer_cache_limit() > 0;
-  const char* reduced = host_ ? bytes_of(reduce_out_) : nullptr;
+  // reduce_out_ follows the ranks' slots of the input
+  const char* reduced = host_ ? reduce_raw_ + comm_size_ * reduce_slot_numel_ * at::elementSize(reduce_dtype_) : nullptr;
   for (auto& q : params_) {
     if (q.reduce_offset < 0) continue;
     at::Tensor& g = q.sharded.mutable_grad();
     if (!q.reduce_piece.defined()) {  // a parameter with no rows anywhere
+      no_grad();
       if (!g.defined()) g = at::zeros_like(q.sharded);
       continue;
     }
     if (g.defined()) {
+      no_grad();
       g.add_(q.reduce_piece);
     } else if (host_ && q.sharded.scalar_type() == reduce_dtype_) {  // Note [raw copies]
       g = spare_or_new_grad(q, keep_spares);
       const int64_t es = at::elementSize(reduce_dtype_);
       std::memcpy(bytes_of(g), reduced + q.reduce_offset * es, q.local_rows * q.row_numel * es);
     } else {
+      no_grad();
       g = empty_like_plain(q.sharded);
       copy_block(g, q.reduce_piece);
     }

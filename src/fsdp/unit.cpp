@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <typeinfo>
 #include <unordered_map>
 
 namespace fsdpp::fsdp {
@@ -71,8 +72,8 @@ struct UnitHooks final : torch::autograd::FunctionPreHook {
 // `node`'s UnitHooks, added when it has none.
 UnitHooks& hooks_of(torch::autograd::Node& node) {
   auto& hooks = node.tensor_pre_hooks();
-  for (auto& h : hooks)
-    if (auto* mine = dynamic_cast<UnitHooks*>(h.get())) return *mine;
+  for (auto& h : hooks)  // UnitHooks is final: comparing the type is exact, and cheaper than a cast
+    if (typeid(*h) == typeid(UnitHooks)) return static_cast<UnitHooks&>(*h);
   hooks.push_back(std::make_unique<UnitHooks>());
   return static_cast<UnitHooks&>(*hooks.back());
 }
@@ -217,7 +218,7 @@ at::Tensor Unit::prepare_input(const at::Tensor& input) const {
   return input;
 }
 
-std::vector<at::Tensor> Unit::mark_for_post_backward(const std::vector<at::Tensor>& inputs) {
+std::vector<at::Tensor> Unit::mark_for_post_backward(at::TensorList inputs) {
   if (!group_ || inputs.empty() || !at::GradMode::is_enabled()) return {};
   // Note [post-backward hook]: one input with a producing node needs no marker.
   // Unless an earlier unit's input came from the same node, which then serves that one.
@@ -230,7 +231,7 @@ std::vector<at::Tensor> Unit::mark_for_post_backward(const std::vector<at::Tenso
   return mark_with_node(inputs);
 }
 
-std::vector<at::Tensor> Unit::mark_with_node(const std::vector<at::Tensor>& inputs) {
+std::vector<at::Tensor> Unit::mark_with_node(at::TensorList inputs) {
   NodeRef node = make_node<NodeRef, PostBackwardNode>(this);
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   std::vector<at::Tensor> marked;
@@ -277,15 +278,15 @@ void Unit::post_forward() {
 void Unit::pre_backward() {
   if (!group_ || pre_backward_done_) return;
   pre_backward_done_ = true;
-  auto tree = tree_;
-  if (!tree->backward_active) {
-    tree->backward_active = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([tree] { finish_backward(tree); });
+  detail::Tree& tree = *tree_;
+  if (!tree.backward_active) {
+    tree.backward_active = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([tree = tree_] { finish_backward(tree); });
   }
   group_->wait_unshard();
   if (!backward_prefetch_.empty()) {
     for (Unit* u : backward_prefetch_) u->group().unshard_async();
-  } else if (Unit* prev = neighbour(tree->forward_order, order_pos_, -1); prev && prev != tree->root) {
+  } else if (Unit* prev = neighbour(tree.forward_order, order_pos_, -1); prev && prev != tree.root) {
     prev->group_->unshard_async();
   }
 }

@@ -33,6 +33,37 @@ TEST_CASE("operations are recorded with sequence, sizes, label and state") {
   });
 }
 
+TEST_CASE("a one-rank collective completes as it is issued, with no state to allocate, and is recorded with its times") {
+  test::run_ranks(1, [](comm::Comm& comm) {
+    using namespace std::chrono;
+    auto micros_now = [] { return duration_cast<microseconds>(system_clock::now().time_since_epoch()).count(); };
+    const auto in = at::arange(6, at::kFloat);
+    auto out = at::zeros({6});
+    const int64_t before = micros_now();
+    comm::Work work;
+    {
+      comm::OpLabel label("fsdp reduce_scatter layers.0");
+      work = comm.reduce_scatter(out, in, {comm::ReduceOp::kSum});
+    }
+    const int64_t after = micros_now();
+    CHECK(work.state() == nullptr);  // an empty Work: completed, nothing allocated for it
+    CHECK(work.is_completed());
+    work.wait();
+    CHECK(out.equal(in));
+    const auto j = nlohmann::json::parse(comm.recorder()->to_json());
+    REQUIRE(j["entries"].size() == 1);
+    const auto& e = j["entries"][0];
+    CHECK(e["op"] == "reduce_scatter");
+    CHECK(e["label"] == "fsdp reduce_scatter layers.0");
+    CHECK(e["state"] == "completed");
+    REQUIRE(e.contains("completed_us"));
+    CHECK(e["started_us"] == e["issued_us"]);
+    CHECK(e["issued_us"].get<int64_t>() >= before);
+    CHECK(e["completed_us"].get<int64_t>() >= e["issued_us"].get<int64_t>());
+    CHECK(e["completed_us"].get<int64_t>() <= after);
+  });
+}
+
 TEST_CASE("a full recorder keeps its newest operations, oldest first") {
   comm::FlightRecorder recorder("ring", 0, 1, 3);
   const auto t = at::ones({2, 3}, at::kHalf);

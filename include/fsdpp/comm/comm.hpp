@@ -1,7 +1,8 @@
 #pragma once
 // Comm: one communicator. Every operation is asynchronous and returns a Work; operations on one
 // communicator run in the order they were issued, like a CUDA stream, so callers may issue many
-// and wait later. Collectives must be issued by every rank in the same order.
+// and wait later. Collectives must be issued by every rank in the same order. On a CPU
+// communicator of one rank, every operation completes where it is issued and returns an empty Work.
 //
 // Layouts are flat and rank-major: all_gather writes rank r's contribution at slot r of `out`
 // (and `in` may be a view of that slot, which avoids a copy), reduce_scatter reads slot r of `in`
@@ -98,7 +99,9 @@ class Comm {
   class Checker;  // argument checks (comm.cpp)
   detail::CommImpl& impl() const;
   [[noreturn]] static void throw_empty();
-  Work recorded(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, Work work);
+  // Issues the operation (`issue()` returns its Work) and records it, with the time it was issued.
+  template <typename Issue>
+  Work recorded(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, Issue&& issue);
   void check_consistency(int op, const at::Tensor* in, const at::Tensor* out, int64_t extra);
   std::shared_ptr<detail::CommImpl> impl_;
   std::shared_ptr<FlightRecorder> recorder_;

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdpp/base/spin_lock.hpp"
 #include "fsdpp/comm/work.hpp"
 
 namespace fsdpp::comm {
@@ -52,12 +53,18 @@ struct FlightEntry {
   int peer = -1;  // send/recv only
   std::chrono::system_clock::time_point issued;
   std::shared_ptr<detail::WorkState> work;  // state and completion time
+  // Of an operation that had completed by the time it was recorded (an empty Work: a one-rank
+  // collective, done where it was issued).
+  std::chrono::system_clock::time_point completed;
 };
 
 class FlightRecorder {
  public:
   FlightRecorder(std::string name, int rank, int size, size_t capacity);
-  void record(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, const Work& work);
+  // `issued`: when the caller issued the operation (default: now). An empty `work` is an operation
+  // already completed, now.
+  void record(const char* op, const at::Tensor* in, const at::Tensor* out, int peer, const Work& work,
+              std::chrono::system_clock::time_point issued = {});
   std::string to_json() const;  // the dump format read by `fsdpp fr analyze`
   // The oldest operation in flight for longer than `timeout`, or "".
   std::string overdue(std::chrono::milliseconds timeout) const;
@@ -71,7 +78,7 @@ class FlightRecorder {
   size_t capacity_;
   int64_t next_seq_ = 0;
   int splits_ = 0;
-  mutable std::mutex mu_;
+  mutable SpinLock mu_;  // record() runs for every operation; the watchdog reads too
   // A ring of at most capacity_ entries, the oldest at first_ once full. Entries are overwritten in
   // place, so recording reuses their label strings' storage instead of allocating.
   std::vector<FlightEntry> entries_;

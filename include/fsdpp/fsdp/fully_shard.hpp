@@ -18,6 +18,7 @@
 //       constructed from a Block, and call them as before; then shard the root as above.
 // Units are called through their forward(); M::forward must not be overloaded or a template.
 
+#include <c10/util/SmallVector.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
@@ -84,24 +85,25 @@ struct ForwardFor<Derived, Impl, false> {
   }
 };
 
-// The tensors among forward's arguments that need a gradient, for the post-backward hook.
-inline void collect_tensors(std::vector<at::Tensor>& out, const at::Tensor& t) {
+// The tensors among forward's arguments that need a gradient, for the post-backward hook (held
+// inline: a forward takes a few tensors, and this runs for every unit in every step).
+using Tensors = c10::SmallVector<at::Tensor, 4>;
+inline void collect_tensors(Tensors& out, const at::Tensor& t) {
   if (t.defined() && t.requires_grad()) out.push_back(t);
 }
 template <class T>
 concept NotTensor = !std::is_same_v<std::decay_t<T>, at::Tensor>;
 
 template <NotTensor T>
-void collect_tensors(std::vector<at::Tensor>&, const T&) {}
+void collect_tensors(Tensors&, const T&) {}
 
-inline at::Tensor substitute(const Unit& unit, const at::Tensor& t,
-                             const std::vector<at::Tensor>& from, const std::vector<at::Tensor>& to) {
+inline at::Tensor substitute(const Unit& unit, const at::Tensor& t, at::TensorList from, at::TensorList to) {
   for (size_t i = 0; i < to.size(); ++i)
     if (from[i].is_same(t)) return unit.prepare_input(to[i]);
   return unit.prepare_input(t);
 }
 template <NotTensor T>
-T&& substitute(const Unit&, T&& x, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&) {
+T&& substitute(const Unit&, T&& x, at::TensorList, at::TensorList) {
   return std::forward<T>(x);
 }
 
@@ -151,7 +153,7 @@ class FullyShardImpl
   template <class... A>
   decltype(auto) run_forward(A&&... args) {
     unit_.pre_forward();
-    std::vector<at::Tensor> inputs;
+    detail::Tensors inputs;
     (detail::collect_tensors(inputs, args), ...);
     const auto marked = unit_.mark_for_post_backward(inputs);
     auto out = inner_->forward(detail::substitute(unit_, std::forward<A>(args), inputs, marked)...);

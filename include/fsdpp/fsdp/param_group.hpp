@@ -109,6 +109,9 @@ class ParamGroup {
     at::Tensor unsharded;  // full-size compute-dtype view of the unit's unsharded buffer, as param is
     int64_t unsharded_offset = 0;  // bytes into the unsharded buffer
     at::Tensor padded;     // this rank's rows, zero-padded to padded_rows, original dtype
+    // padded's bytes, where Note [raw copies] reads them (on the CPU, in the compute dtype); null
+    // where they go through the views. padded's storage is made once and never resized.
+    const char* padded_raw = nullptr;
     at::Tensor sharded;    // leaf view of padded's real rows: what the optimizer updates
     at::Tensor grad_acc;   // unsharded gradient accumulated in grad_dtype
     std::vector<int64_t> shape;
@@ -172,6 +175,10 @@ class ParamGroup {
   at::Tensor gather_slot_;  // this rank's slot of gather_buf_
   at::Tensor reduce_buf_;              // likewise, in reduce_dtype: [ranks x slot] input, then a slot of output
   at::Tensor reduce_in_, reduce_out_;  // its two parts
+  // The starts of the gather and reduce buffers' bytes while allocated, as allocate returned them
+  // (Note [raw copies]).
+  char* gathered_raw_ = nullptr;
+  char* reduce_raw_ = nullptr;
   comm::Comm group_comm_;   // N consecutive ranks, for reshard_to_group
   at::Tensor group_shard_;  // this rank's 1/N of the gather buffer while resharded to the group
   std::optional<comm::Work> gather_work_;

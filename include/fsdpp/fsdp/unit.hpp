@@ -108,7 +108,7 @@ class Unit {
   // Arranges for post_backward once the gradient of `inputs` is computed. Returns the tensors to
   // call the module with instead of `inputs` (aliases behind an identity node), or nothing when
   // the inputs can be used as they are.
-  std::vector<at::Tensor> mark_for_post_backward(const std::vector<at::Tensor>& inputs);
+  std::vector<at::Tensor> mark_for_post_backward(at::TensorList inputs);
   at::Tensor finish_output(const at::Tensor& output);
   void post_forward();
 
@@ -143,7 +143,7 @@ class Unit {
  private:
   static void finish_backward(const std::shared_ptr<detail::Tree>& tree);
   // mark_for_post_backward's identity node (Note [post-backward hook]).
-  std::vector<at::Tensor> mark_with_node(const std::vector<at::Tensor>& inputs);
+  std::vector<at::Tensor> mark_with_node(at::TensorList inputs);
   // 0: keep unsharded after forward; 1: reshard fully; N > 1: keep 1/N (see the option).
   int post_forward_group() const;
   // The unit `step` places from this one in `order`, where this one sits at `pos` (null when it

@@ -177,7 +177,9 @@ class GlooComm : public CommImpl {
     return enqueue(what, {out, in}, [this, out, in, counts = opts.counts](uint32_t tag) {
       const size_t esize = out.element_size();
       if (size_ == 1) {  // contiguous CPU tensors of one dtype and size (Comm checked)
-        if (in.data_ptr() != out.data_ptr()) std::memcpy(out.data_ptr(), in.data_ptr(), out.nbytes());
+        void* to = out.data_ptr();
+        const void* from = in.const_data_ptr();
+        if (from != to) std::memcpy(to, from, out.nbytes());
         return;
       }
       if (counts.empty()) {
@@ -331,23 +333,23 @@ class GlooComm : public CommImpl {
 
   template <typename F>
   Work enqueue(const OpSummary& what, std::initializer_list<at::Tensor> tensors, F&& body) {
-    auto state = std::make_shared<WorkState>(what);
     if (size_ == 1) {
       // Alone in the group, every collective is a local copy: run it here rather than pay two
-      // thread hand-offs. Nothing else can be queued (send/recv to self are rejected). No other
-      // thread can see the state before it is returned, so it is filled in without its lock, and
-      // there is nobody to wake.
-      state->started = true;
-      state->started_at = std::chrono::system_clock::now();
+      // thread hand-offs. Nothing else can be queued (send/recv to self are rejected). What comes
+      // back is an empty Work, completed, which costs no allocation (the flight recorder notes
+      // the time). Only a failure needs a state, to carry it to wait().
       try {
         body(0);
+        return Work();
       } catch (...) {
+        auto state = std::make_shared<WorkState>(what);
         state->error = std::current_exception();
+        state->finished_at = std::chrono::system_clock::now();
+        state->done = true;
+        return Work(state);
       }
-      state->finished_at = std::chrono::system_clock::now();
-      state->done = true;
-      return Work(state);
     }
+    auto state = std::make_shared<WorkState>(what);
     state->tensors.assign(tensors);
     push({state, [body = std::forward<F>(body)](uint32_t tag) {
             body(tag);
@@ -451,7 +453,7 @@ class GlooComm : public CommImpl {
     const int64_t n = out.numel();
     if (n == 0) return;
     if (size_ == 1) {  // the sum or average over one rank is the input (same dtype, contiguous)
-      std::memcpy(out.data_ptr(), in.data_ptr(), out.nbytes());
+      std::memcpy(out.data_ptr(), in.const_data_ptr(), out.nbytes());
       return;
     }
     const auto acc_type = is_half(in.scalar_type()) ? at::kFloat : in.scalar_type();
