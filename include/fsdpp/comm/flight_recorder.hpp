@@ -69,6 +69,8 @@ class FlightRecorder {
   // The oldest operation in flight for longer than `timeout`, or "".
   std::string overdue(std::chrono::milliseconds timeout) const;
   const std::string& name() const { return name_; }
+  // False with a capacity of 0 (FSDPP_FR_SIZE=0): record() keeps nothing.
+  bool enabled() const { return capacity_ > 0; }
   // The name of the next sub-communicator split off this one.
   std::string child_name(int color);
 
