@@ -9,6 +9,7 @@
 
 #include "fsdpp/comm/flight_recorder.hpp"
 #include "fsdpp/models/kernels.hpp"
+#include "fsdpp/models/matmul.hpp"
 
 namespace fsdpp::models {
 
@@ -138,7 +139,7 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return fused ? rms_norm(x, weight, eps) : rms_norm_reference(x, weight, eps);
 }
 
-AttentionImpl::AttentionImpl(const MoEConfig& c) : heads(c.heads), rope_theta(c.rope_theta) {
+AttentionImpl::AttentionImpl(const MoEConfig& c) : heads(c.heads), rope_theta(c.rope_theta), onednn(c.onednn_matmul) {
   qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
   out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.dim).bias(false)));
   init_normal(qkv->weight, c.init_std);
@@ -157,15 +158,15 @@ const std::pair<at::Tensor, at::Tensor>& AttentionImpl::rope_tables(int64_t T, i
 at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
   const auto& [cos, sin] = rope_tables(T, hd, x);
-  const auto [q, k, v] = rotary_qkv(qkv(x).view({B, T, 3, heads, hd}), cos, sin);  // [B, H, T, hd] each
+  const auto [q, k, v] = rotary_qkv(linear(x, qkv->weight, onednn).view({B, T, 3, heads, hd}), cos, sin);  // [B, H, T, hd] each
   // Causal softmax(q k^T / sqrt(hd)) v in one fused kernel (flash attention on the CPU; on CUDA the
   // backend scaled_dot_product_attention picks): no
   // [B, H, T, T] score tensor is materialised, forward or backward.
   const auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
-  return out(y.transpose(1, 2).reshape({B, T, D}));
+  return linear(y.transpose(1, 2).reshape({B, T, D}), out->weight, onednn);
 }
 
-SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_) : fused(fused_) {
+SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_, bool onednn_) : fused(fused_), onednn(onednn_) {
   auto lin = [](int64_t i, int64_t o) { return torch::nn::Linear(torch::nn::LinearOptions(i, o).bias(false)); };
   w1 = register_module("w1", lin(dim, hidden));
   w3 = register_module("w3", lin(dim, hidden));
@@ -173,10 +174,11 @@ SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_) : fused(fused_)
 }
 
 at::Tensor SwiGLUImpl::forward(const at::Tensor& x) {
-  return w2(silu_gate(w1(x), w3(x), fused));
+  return linear(silu_gate(linear(x, w1->weight, onednn), linear(x, w3->weight, onednn), fused), w2->weight, onednn);
 }
 
-ExpertsImpl::ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden, bool fused_) : fused(fused_) {
+ExpertsImpl::ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden, bool fused_, bool onednn_)
+    : fused(fused_), onednn(onednn_) {
   w1 = register_parameter("w1", at::empty({experts, hidden, dim}));
   w3 = register_parameter("w3", at::empty({experts, hidden, dim}));
   w2 = register_parameter("w2", at::empty({experts, dim, hidden}));
@@ -193,8 +195,8 @@ at::Tensor ExpertsImpl::forward_batched(const at::Tensor& x) {
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& offsets) {
   if (!offsets.defined()) return forward_batched(x);
   if (x.is_cpu()) {
-    const auto h = silu_gate(at::_grouped_mm(x, w1.transpose(1, 2), offsets), at::_grouped_mm(x, w3.transpose(1, 2), offsets), fused);
-    return at::_grouped_mm(h, w2.transpose(1, 2), offsets);
+    const auto h = silu_gate(grouped_linear(x, w1, offsets, onednn), grouped_linear(x, w3, offsets, onednn), fused);
+    return grouped_linear(h, w2, offsets, onednn);
   }
   const auto ends = offsets.to(at::kCPU).to(at::kLong);
   const auto* end = ends.data_ptr<int64_t>();
@@ -210,13 +212,13 @@ RouterImpl::RouterImpl(int64_t dim, int64_t experts) {
 
 MoEImpl::MoEImpl(const MoEConfig& c, std::shared_ptr<RouterStats> s) : config(c), stats(std::move(s)) {
   router = register_module("router", Router(c.dim, c.experts));
-  experts = register_module("experts", Experts(c.experts, c.dim, c.expert_hidden, c.fused_kernels));
+  experts = register_module("experts", Experts(c.experts, c.dim, c.expert_hidden, c.fused_kernels, c.onednn_matmul));
   init_normal(router->gate->weight, c.init_std);
   init_normal(experts->w1, c.init_std);
   init_normal(experts->w3, c.init_std);
   init_normal(experts->w2, c.init_std / std::sqrt(2.0 * double(c.layers)));
   if (c.shared_expert) {
-    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden, c.fused_kernels));
+    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden, c.fused_kernels, c.onednn_matmul));
     init_normal(shared->w1->weight, c.init_std);
     init_normal(shared->w3->weight, c.init_std);
     init_normal(shared->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -358,7 +360,7 @@ BlockImpl::BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterSt
   if (c.is_moe_layer(index)) {
     moe = register_module("moe", MoE(c, std::move(stats)));
   } else {
-    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden, c.fused_kernels));
+    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden, c.fused_kernels, c.onednn_matmul));
     init_normal(mlp->w1->weight, c.init_std);
     init_normal(mlp->w3->weight, c.init_std);
     init_normal(mlp->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -415,7 +417,7 @@ at::Tensor MoETransformerImpl::forward(const at::Tensor& input) {
   }
   for (auto& b : calls_) h = b.forward(h);
   if (!has_head()) return h;
-  return head(norm(h)).to(at::kFloat);
+  return linear(norm(h), head->weight, config_.onednn_matmul).to(at::kFloat);
 }
 
 void MoETransformerImpl::set_expert_parallel(const comm::Comm& ep) {

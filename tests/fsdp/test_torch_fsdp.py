@@ -192,8 +192,9 @@ def main():
         torch_moe.exit_rank()
     fsdpp, steps_bin = sys.argv[1], sys.argv[2]
     # fsdpp's side computes RMSNorm and SwiGLU by the ATen compositions PyTorch's modules are
-    # written as (its single-pass kernels round differently: tests/train/test_model.cpp bounds that).
-    base = {**json.load(open(CONFIG)), "fused_kernels": False}
+    # written as, and its products by ATen's (its single-pass kernels and oneDNN's products round
+    # differently: tests/train/test_model.cpp and test_matmul.cpp bound that).
+    base = {**json.load(open(CONFIG)), "fused_kernels": False, "onednn_matmul": False}
     configs = {"moe": base, "dense": {**base, "experts": 0}}
     torch.manual_seed(1234)
     weights = {name: torch_moe.MoETransformer(c).state_dict() for name, c in configs.items()}

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <functional>
+#include <utility>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -423,27 +424,47 @@ TEST_CASE("swiglu: the fused CPU kernel agrees with silu(a) * b, values and grad
   check_thread_independent([&](const at::Tensor& x) { return models::swiglu(x, bb); }, at::randn({5000}) * 5);
 }
 
+namespace {
+
+// Two models of `c` with the same weights, the second with `off` applied to its config, on the same
+// tokens: the logits must agree within float32 rounding and every gradient nearly; returns both
+// logits.
+std::pair<at::Tensor, at::Tensor> only_rounding_apart(MoEConfig c, const std::function<void(MoEConfig&)>& off,
+                                                      std::vector<int64_t> tokens_shape) {
+  models::MoETransformer on(c);
+  off(c);
+  models::MoETransformer plain(c);
+  {
+    at::NoGradGuard ng;
+    const auto from = on->named_parameters(), to = plain->named_parameters();
+    for (const auto& p : from) to[p.key()].copy_(p.value());
+  }
+  const auto tokens = at::randint(0, c.vocab_size, tokens_shape);
+  const auto lo = on->forward(tokens), lp = plain->forward(tokens);
+  CHECK(worst(lo, lp, 1e-3) < 1e-5);
+  models::lm_loss(lo, tokens).backward();
+  models::lm_loss(lp, tokens).backward();
+  const auto po = on->named_parameters(), pp = plain->named_parameters();
+  for (const auto& p : po) {
+    CAPTURE(p.key());
+    CHECK(worst(p.value().grad(), pp[p.key()].grad(), 1e-4) < 1e-3);
+  }
+  return {lo, lp};
+}
+
+}  // namespace
+
 TEST_CASE("model: fused_kernels changes only the rounding (logits and gradients against the compositions)") {
   auto c = small_config();
   c.dense_layers = 1;
   at::manual_seed(12);
-  models::MoETransformer fused(c);
-  c.fused_kernels = false;
-  models::MoETransformer plain(c);
-  {
-    at::NoGradGuard ng;
-    const auto from = fused->named_parameters(), to = plain->named_parameters();
-    for (const auto& p : from) to[p.key()].copy_(p.value());
-  }
-  const auto tokens = at::randint(0, c.vocab_size, {3, 9});
-  const auto lf = fused->forward(tokens), lp = plain->forward(tokens);
-  CHECK(worst(lf, lp, 1e-3) < 1e-5);
-  CHECK_FALSE(at::equal(lf, lp));  // the kernels did run
-  models::lm_loss(lf, tokens).backward();
-  models::lm_loss(lp, tokens).backward();
-  const auto pf = fused->named_parameters(), pp = plain->named_parameters();
-  for (const auto& p : pf) {
-    CAPTURE(p.key());
-    CHECK(worst(p.value().grad(), pp[p.key()].grad(), 1e-4) < 1e-3);
-  }
+  const auto [fused, plain] = only_rounding_apart(c, [](MoEConfig& c) { c.fused_kernels = false; }, {3, 9});
+  CHECK_FALSE(at::equal(fused, plain));  // the kernels did run
+}
+
+TEST_CASE("model: onednn_matmul changes only the rounding (logits and gradients against ATen's products)") {
+  auto c = small_config();
+  c.dense_layers = 1;
+  at::manual_seed(13);
+  only_rounding_apart(c, [](MoEConfig& c) { c.onednn_matmul = false; }, {3, 40});
 }

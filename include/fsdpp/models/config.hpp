@@ -32,6 +32,10 @@ struct MoEConfig {
   // the ATen compositions, bit for bit what PyTorch's eager modules compute. How the model computes,
   // not what it is: not part of a checkpoint's model description.
   bool fused_kernels = true;
+  // Float32 matrix products on the CPU by oneDNN's kernels (models/matmul.hpp), where this LibTorch
+  // and CPU run them; false: ATen's (MKL's), bit for bit PyTorch's. How, not what: not part of a
+  // checkpoint's model description either.
+  bool onednn_matmul = true;
 
   bool is_moe_layer(int64_t i) const { return experts > 0 && i >= dense_layers; }
   int64_t parameter_count() const;

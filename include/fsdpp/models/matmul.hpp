@@ -1,0 +1,42 @@
+#pragma once
+// The model's float32 matrix products on the CPU, by the oneDNN that LibTorch carries.
+//
+// ATen multiplies float32 matrices on the CPU with its BLAS (MKL in PyTorch's wheels). MKL picks
+// its kernels by vendor: on AMD processors it runs its AVX2 kernels even where the CPU has full
+// AVX-512, and stays near the AVX2 peak (about 100 GFLOP/s a core on an EPYC of family 26).
+// oneDNN picks by instruction set and runs AVX-512 kernels there, about twice as fast on the
+// model's shapes (bench/results/matmul.md). These functions compute x W^T, and its gradients,
+// through oneDNN for float32 CPU tensors, and are ATen's own operations everywhere else (other
+// dtypes, other devices, or with `onednn` false), so a GPU or a bfloat16 model runs exactly as
+// before.
+//
+// oneDNN sums in another order than MKL, so the results are not MKL's bits (float32 rounding
+// apart: tests/train/test_matmul.cpp bounds it); MoEConfig::onednn_matmul = false gives ATen's,
+// bit for bit what PyTorch's eager modules compute. A row of a product does not depend on the
+// other rows computed with it (the same test checks it for the experts' groups), so expert
+// parallelism, which groups rows differently, gives the same outputs.
+//
+// oneDNN's matrix product is reached through ATen's `at::native::mkldnn_matmul`, which LibTorch
+// exports but does not declare in its installed headers. It is looked up at run time and tried
+// once on a small product; where it is missing, refuses float32 (a CPU without AVX-512, whose
+// oneDNN would run AVX2 kernels anyway), or gives a wrong result, ATen's product is used and
+// onednn_matmul_available() says so.
+
+#include <ATen/core/Tensor.h>
+
+namespace fsdpp::models {
+
+// Whether float32 CPU products can go through oneDNN in this process (found and checked once).
+bool onednn_matmul_available();
+
+// x W^T: x [..., in], weight [out, in] -> [..., out]; differentiable in both.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool onednn);
+
+// One product per group of rows: x [rows, in] sorted by group, weight [groups, out, in], `ends`
+// (int32 or int64 [groups] on the host, non-decreasing, the last at most rows) the cumulative row
+// counts, group g taking rows [ends[g-1], ends[g]). Row r of the result is x[r] W_g^T; rows past
+// the last end are zero. Differentiable in x and weight. Elsewhere than float32 on the CPU with
+// `onednn`: at::_grouped_mm(x, weight^T, ends).
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends, bool onednn);
+
+}  // namespace fsdpp::models
