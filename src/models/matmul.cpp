@@ -130,13 +130,12 @@ std::vector<int64_t> group_ends(const at::Tensor& ends, int64_t rows, int64_t gr
 }
 
 struct OneDnnGroupedLinear : torch::autograd::Function<OneDnnGroupedLinear> {
-  // Calls `each(group, first row, row count)` for every group with rows, and returns the first row
-  // past the groups.
+  // Calls `each(group, first row, row count)` for every group, empty ones too (product_rows does
+  // nothing on no rows, product_over_rows writes zeros), and returns the first row past the groups.
   template <typename Each>
   static int64_t for_groups(const std::vector<int64_t>& ends, Each each) {
     int64_t begin = 0;
-    for (size_t g = 0; g < ends.size(); begin = ends[g], ++g)
-      if (ends[g] > begin) each(static_cast<int64_t>(g), begin, ends[g] - begin);
+    for (size_t g = 0; g < ends.size(); begin = ends[g], ++g) each(static_cast<int64_t>(g), begin, ends[g] - begin);
     return begin;
   }
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -164,7 +163,7 @@ struct OneDnnGroupedLinear : torch::autograd::Function<OneDnnGroupedLinear> {
       dx.narrow(0, end, x.size(0) - end).zero_();
     }
     if (ctx->needs_input_grad(1)) {
-      dw = at::zeros(weight.sizes(), g.options());
+      dw = at::empty(weight.sizes(), g.options());
       for_groups(ends, [&](int64_t e, int64_t begin, int64_t n) {
         product_over_rows(g.narrow(0, begin, n), x.narrow(0, begin, n), dw.select(0, e));
       });
