@@ -46,21 +46,41 @@ void product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
 
 // oneDNN compiles a kernel for each new shape it meets (about a millisecond) and keeps the last
 // thousand or so, and each call costs about 25 us before any arithmetic (against about 10 us for
-// ATen's). The experts' row counts change every step, so their products run on row counts rounded
-// down to a multiple of kRowStep, in as few calls as that allows: a few dozen shapes per product,
-// all compiled within a run's first steps.
+// ATen's). The experts' row counts change every step, so their products run on row counts that are
+// multiples of kRowStep, in as few calls as that allows: a few dozen shapes per product, all
+// compiled within a run's first steps.
 constexpr int64_t kRowStep = 64;
 
-// out = a b for a varying row count n (a [n, K], out [n, N]): the first n rounded down to a
-// multiple of kRowStep rows in one call, and the last kRowStep rows in another, overlapping the
-// first. Fewer than kRowStep rows: one call of their own shape. A row's result does not depend on
-// how many rows the call has (tests/train/test_matmul.cpp), so the rows computed twice get one
-// value, and every row the value it would have in any other group.
+int64_t rounded_up(int64_t n) { return (n + kRowStep - 1) / kRowStep * kRowStep; }
+
+// out = a b for a row count n that may not be a multiple of kRowStep (a [n, K], out [n, N]), without
+// touching rows outside: the first n rounded down to a multiple of kRowStep rows in one call, and
+// the last kRowStep rows in another, overlapping the first. Fewer than kRowStep rows: one call of
+// their own shape. A row's result does not depend on how many rows the call has, nor on where in
+// the call it is (tests/train/test_matmul.cpp), so the rows computed twice get one value, and every
+// row the value it would have in any other call.
 void product_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
   const int64_t n = a.size(0), whole = n / kRowStep * kRowStep;
   if (whole == 0) return product(a, b, out);
   product(a.narrow(0, 0, whole), b, out.narrow(0, 0, whole));
   if (whole < n) product(a.narrow(0, n - kRowStep, kRowStep), b, out.narrow(0, n - kRowStep, kRowStep));
+}
+
+// out = a b_g on each group g's rows ([ends[g-1], ends[g]) of a and out; b_g = weight_of(g)), one
+// call per group where it can: the group's row count rounded up to a multiple of kRowStep, in a
+// window that ends where the group ends and so reaches back into earlier groups' rows. The groups
+// go last to first, so each group writes its own rows after any later group's window has passed
+// over them. A group with too few rows before its end for such a window takes product_rows.
+template <typename WeightOf>
+void grouped_products(const at::Tensor& a, WeightOf weight_of, const std::vector<int64_t>& ends, const at::Tensor& out) {
+  for (auto g = static_cast<int64_t>(ends.size()) - 1; g >= 0; --g) {
+    const int64_t begin = g > 0 ? ends[g - 1] : 0, end = ends[g], n = end - begin, window = rounded_up(n);
+    if (n == 0) continue;
+    if (window <= end)
+      product(a.narrow(0, end - window, window), weight_of(g), out.narrow(0, end - window, window));
+    else
+      product_rows(a.narrow(0, begin, n), weight_of(g), out.narrow(0, begin, n));
+  }
 }
 
 // out = a^T x summed over a varying row count n (a [n, M], x [n, N], out [M, N]): the first n
@@ -130,22 +150,17 @@ std::vector<int64_t> group_ends(const at::Tensor& ends, int64_t rows, int64_t gr
 }
 
 struct OneDnnGroupedLinear : torch::autograd::Function<OneDnnGroupedLinear> {
-  // Calls `each(group, first row, row count)` for every group, empty ones too (product_rows does
-  // nothing on no rows, product_over_rows writes zeros), and returns the first row past the groups.
-  template <typename Each>
-  static int64_t for_groups(const std::vector<int64_t>& ends, Each each) {
-    int64_t begin = 0;
-    for (size_t g = 0; g < ends.size(); begin = ends[g], ++g) each(static_cast<int64_t>(g), begin, ends[g] - begin);
-    return begin;
+  // Rows past the last group are zero, in the result and in x's gradient.
+  static void zero_past_groups(const at::Tensor& t, const std::vector<int64_t>& ends) {
+    const int64_t end = ends.empty() ? 0 : ends.back();
+    t.narrow(0, end, t.size(0) - end).zero_();
   }
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             std::vector<int64_t> ends) {
     ctx->save_for_backward({x, weight});
     auto out = at::empty({x.size(0), weight.size(1)}, x.options());
-    const int64_t end = for_groups(ends, [&](int64_t g, int64_t begin, int64_t n) {
-      product_rows(x.narrow(0, begin, n), weight.select(0, g).t(), out.narrow(0, begin, n));
-    });
-    out.narrow(0, end, x.size(0) - end).zero_();
+    grouped_products(x, [&](int64_t g) { return weight.select(0, g).t(); }, ends, out);
+    zero_past_groups(out, ends);
     ctx->saved_data["ends"] = std::move(ends);
     return out;
   }
@@ -157,16 +172,14 @@ struct OneDnnGroupedLinear : torch::autograd::Function<OneDnnGroupedLinear> {
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) {
       dx = at::empty(x.sizes(), g.options());
-      const int64_t end = for_groups(ends, [&](int64_t e, int64_t begin, int64_t n) {
-        product_rows(g.narrow(0, begin, n), weight.select(0, e), dx.narrow(0, begin, n));
-      });
-      dx.narrow(0, end, x.size(0) - end).zero_();
+      grouped_products(g, [&](int64_t e) { return weight.select(0, e); }, ends, dx);
+      zero_past_groups(dx, ends);
     }
     if (ctx->needs_input_grad(1)) {
+      // Every group, empty ones too: product_over_rows writes zeros for no rows.
       dw = at::empty(weight.sizes(), g.options());
-      for_groups(ends, [&](int64_t e, int64_t begin, int64_t n) {
-        product_over_rows(g.narrow(0, begin, n), x.narrow(0, begin, n), dw.select(0, e));
-      });
+      for (int64_t e = 0, begin = 0; e < weight.size(0); begin = ends[e], ++e)
+        product_over_rows(g.narrow(0, begin, ends[e] - begin), x.narrow(0, begin, ends[e] - begin), dw.select(0, e));
     }
     return {dx, dw, at::Tensor()};
   }

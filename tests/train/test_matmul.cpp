@@ -88,11 +88,12 @@ TEST_CASE("linear: float32 products agree with float64, values and both gradient
 
 TEST_CASE("grouped_linear: each group's rows by its own weight; empty groups, rows past the last end, every way rows are split") {
   at::manual_seed(4);
-  // Group sizes: fewer rows than one row step (one call of their own shape; ATen sums their
-  // weight gradient), an exact multiple of it, an empty group, and multiples with a remainder (a
-  // last call overlapping the first; the remainder's weight gradient added by ATen); then 9 rows
-  // past the last end.
-  const std::vector<int64_t> sizes = {7, 128, 0, 100, 700, 1030};
+  // Group sizes: fewer rows than one row step with no rows before them (one call of their own
+  // shape; ATen sums their weight gradient), more with too few rows before them to round up (a
+  // last call overlapping the first), an exact multiple of the step, an empty group, and
+  // multiples with a remainder (one call of the rows rounded up, reaching back into the groups
+  // before; the remainder's weight gradient added by ATen); then 9 rows past the last end.
+  const std::vector<int64_t> sizes = {7, 100, 128, 0, 100, 700, 1030};
   std::vector<int64_t> ends;
   int64_t rows = 0;
   for (auto s : sizes) ends.push_back(rows += s);
@@ -113,7 +114,7 @@ TEST_CASE("grouped_linear: each group's rows by its own weight; empty groups, ro
   ya.backward(g.to(at::kDouble).abs());
   CHECK(scaled_error(x.grad(), xd.grad(), xa.grad()) < 1e-5);
   CHECK(scaled_error(w.grad(), wd.grad(), wa.grad()) < 1e-5);
-  CHECK(at::equal(w.grad()[2], at::zeros({out, in})));  // the empty group
+  CHECK(at::equal(w.grad()[3], at::zeros({out, in})));  // the empty group
   CHECK(at::equal(x.grad().narrow(0, ends.back(), 9), at::zeros({9, in})));
 
   // ATen's grouped product agrees on the grouped rows.
@@ -123,9 +124,10 @@ TEST_CASE("grouped_linear: each group's rows by its own weight; empty groups, ro
   CHECK(scaled_error(aten.index({grouped}), yd.index({grouped}), ya.index({grouped})) < 1e-5);
 }
 
-TEST_CASE("grouped_linear: a row's result does not depend on how many rows its group has") {
+TEST_CASE("grouped_linear: a row's result does not depend on how many rows its group has, nor on the groups before it") {
   // Groups of different sizes run in calls of different row counts, overlapping differently at
-  // their ends; a row computed twice must get one value, and the same whatever surrounds it.
+  // their ends or reaching back into the group before; a row computed twice must get one value,
+  // and the same whatever surrounds it.
   at::manual_seed(5);
   const auto x = at::randn({1000, 64});
   const auto w = at::randn({1, 96, 64}) * 0.1;
@@ -134,6 +136,19 @@ TEST_CASE("grouped_linear: a row's result does not depend on how many rows its g
     CAPTURE(n);
     const auto part = models::grouped_linear(x.narrow(0, 0, n), w, ends_tensor({n}), true);
     CHECK(at::equal(part, all.narrow(0, 0, n)));
+  }
+  // The same rows as the second of two groups, after a first group of another weight.
+  const auto w2 = at::cat({at::randn({1, 96, 64}), w});
+  for (int64_t first : {5, 64, 100, 250}) {
+    for (int64_t n : {17, 300, 700}) {
+      CAPTURE(first);
+      CAPTURE(n);
+      const auto rows = at::cat({at::randn({first, 64}), x.narrow(0, 0, n)});
+      const auto y = models::grouped_linear(rows, w2, ends_tensor({first, first + n}), true);
+      CHECK(at::equal(y.narrow(0, first, n), all.narrow(0, 0, n)));
+      CHECK(at::equal(y.narrow(0, 0, first), models::grouped_linear(rows.narrow(0, 0, first), w2.narrow(0, 0, 1),
+                                                                    ends_tensor({first}), true)));
+    }
   }
 }
 
