@@ -25,11 +25,18 @@ avx512=$(grep -q avx512f /proc/cpuinfo && echo "with AVX-512" || echo "without A
   echo "(\`include/fsdpp/models/matmul.hpp\`). The ways alternate within each of $rounds rounds of 10 calls,"
   echo "each round starting one way further along; medians, and the median of the per-round ratios."
   echo
-  echo "| threads | way | fwd+bwd ms (median) | speedup over aten |"
-  echo "|---:|---|---:|---:|"
-  for t in 1 2; do
-    "$build/bench/fsdpp_matmul_bench" --threads "$t" --rounds "$rounds" |
-      sed -n 's/^RESULT matmul way=\([a-z0-9_-]*\) rows=[0-9]* threads=\([0-9]*\) fwd_bwd_ms=\([0-9.]*\) speedup_over_aten=\([0-9.]*\)$/| \2 | \1 | \3 | \4x |/p'
+  echo "MKL runs each way: \`vendor\` with \`FSDPP_MKL_VENDOR_CHECK=1\` (MKL's own choice of kernels, PyTorch's"
+  echo "on this CPU), \`isa\` as fsdpp runs it by default, told to pick its kernels by instruction set"
+  echo "(\`include/fsdpp/base/mkl_dispatch.hpp\`). oneDNN picks its own either way."
+  echo
+  echo "| MKL | threads | way | fwd+bwd ms (median) | speedup over aten |"
+  echo "|---|---:|---|---:|---:|"
+  for mkl in vendor isa; do
+    for t in 1 2; do
+      if [ "$mkl" = vendor ]; then check=1; else check=0; fi
+      FSDPP_MKL_VENDOR_CHECK=$check "$build/bench/fsdpp_matmul_bench" --threads "$t" --rounds "$rounds" |
+        sed -n "s/^RESULT matmul way=\([a-z0-9_-]*\) rows=[0-9]* threads=\([0-9]*\) fwd_bwd_ms=\([0-9.]*\) speedup_over_aten=\([0-9.]*\)\$/| $mkl | \2 | \1 | \3 | \4x |/p"
+    done
   done
 } > "$out.tmp"
 mv "$out.tmp" "$out"

@@ -13,6 +13,7 @@ build=${1:-build}
 rounds=${2:-3}
 python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 fsdpp=$build/fsdpp
+libfsdpp=$(realpath "$build/libfsdpp.so")
 out=bench/results/pytorch.md
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -50,9 +51,14 @@ for round in $(seq "$rounds"); do
   torch_run pytorch-fsdp-dp2 "$fsdpp" launch --nproc 2 -- $peer train --mode fsdp --accum 2 --warmup $warmup --steps $steps
   torch_run pytorch-ddp-dp2 "$fsdpp" launch --nproc 2 -- $peer train --mode ddp --accum 2 --warmup $warmup --steps $steps
   fsdpp_run fsdpp-dp1 recipes/moe-small.json parallel.dp=1
-  fsdpp_run fsdpp-dp1-aten recipes/moe-small.json parallel.dp=1 model.onednn_matmul=false
-  fsdpp_run fsdpp-dp2-aten recipes/moe-small.json model.onednn_matmul=false
+  FSDPP_MKL_VENDOR_CHECK=1 fsdpp_run fsdpp-dp1-torch-kernels recipes/moe-small.json parallel.dp=1 model.onednn_matmul=false
+  FSDPP_MKL_VENDOR_CHECK=1 fsdpp_run fsdpp-dp2-torch-kernels recipes/moe-small.json model.onednn_matmul=false
   torch_run pytorch-eager-dp1 $peer train --mode eager --threads 2 --accum 2 --warmup $warmup --steps $steps
+  # PyTorch given MKL's AVX-512 kernels too: libfsdpp.so preloaded answers MKL's vendor question.
+  torch_run pytorch-eager-dp1-isa env LD_PRELOAD="$libfsdpp" $peer train --mode eager --threads 2 --accum 2 \
+    --warmup $warmup --steps $steps
+  torch_run pytorch-ddp-dp2-isa "$fsdpp" launch --nproc 2 -- env LD_PRELOAD="$libfsdpp" $peer train --mode ddp \
+    --accum 2 --warmup $warmup --steps $steps
   torch_run pytorch-compile-dp1 $peer train --mode compile --threads 2 --accum 2 --warmup 10 --steps $steps
   fsdpp_run fsdpp-pp2 recipes/moe-small-pp.json
   torch_run pytorch-pp2 "$fsdpp" launch --nproc 2 -- $peer pp --microbatches 4 --warmup $warmup --steps $steps
@@ -89,11 +95,12 @@ print("recipes (metrics and progress included). PyTorch: `bench/torch_peer.py` o
 print("in PyTorch (`tests/fsdp/torch_moe.py`, the same operations, attention by scaled_dot_product_attention")
 print("on both sides; fsdpp rotates q and k in one fused pass whose results are bitwise those of the")
 print("operations PyTorch runs, and computes RMSNorm and SwiGLU's gate by single-pass kernels, the same")
-print("functions rounded differently, `include/fsdpp/models/kernels.hpp`, and its weight products by")
-print("oneDNN's AVX-512 kernels where PyTorch runs MKL's AVX2 ones on this AMD CPU,")
-print("`include/fsdpp/models/matmul.hpp`, `bench/results/matmul.md`; with those switched off,")
-print("`model.fused_kernels=false model.onednn_matmul=false`, bitwise the same training under FSDP2,")
-print("`tests/fsdp/test_torch_fsdp.py`),")
+print("functions rounded differently, `include/fsdpp/models/kernels.hpp`; its products run on MKL's AVX-512")
+print("kernels where PyTorch's run on MKL's AVX2 ones on this AMD CPU, because libfsdpp.so answers MKL's")
+print("vendor question, `include/fsdpp/base/mkl_dispatch.hpp`; with those switched off,")
+print("`FSDPP_MKL_VENDOR_CHECK=1 model.fused_kernels=false model.onednn_matmul=false`, bitwise the same")
+print("training under FSDP2, `tests/fsdp/test_torch_fsdp.py`; the rows marked `LD_PRELOAD=libfsdpp.so`")
+print("give PyTorch MKL's AVX-512 kernels the same way),")
 print("torch.optim.AdamW with its default CPU implementation,")
 print("torch.nn.utils.clip_grad_norm_. Threads: 1 per rank at world 2 (the launcher's OMP_NUM_THREADS=1),")
 print("2 in one process. Throughput: tokens of the global batch per second over 20 steps after 5 warm-up")
@@ -108,10 +115,12 @@ row("PyTorch `fully_shard(reshard_after_forward=False)` dp=2 (each block, then t
 row("fsdpp dp=2, `parallel.reshard_after_forward=true` (gathered again for backward and each microbatch)", "fsdpp-dp2-reshard")
 row("PyTorch `fully_shard` dp=2 (its default: reshard after forward)", "pytorch-fsdp-dp2")
 row("PyTorch DDP dp=2 (`no_sync` for the first microbatch)", "pytorch-ddp-dp2")
-row("fsdpp dp=2, `model.onednn_matmul=false` (ATen's products: MKL's kernels, as PyTorch)", "fsdpp-dp2-aten")
+row("PyTorch DDP dp=2, MKL's kernels by instruction set (`LD_PRELOAD=libfsdpp.so`)", "pytorch-ddp-dp2-isa")
+row("fsdpp dp=2 on PyTorch's kernels (`FSDPP_MKL_VENDOR_CHECK=1 model.onednn_matmul=false`: MKL's own choice, AVX2 here)", "fsdpp-dp2-torch-kernels")
 row("fsdpp dp=1 (`parallel.dp=1`: 2 microbatches of 16, 2 threads)", "fsdpp-dp1")
-row("fsdpp dp=1, `model.onednn_matmul=false`", "fsdpp-dp1-aten")
+row("fsdpp dp=1 on PyTorch's kernels", "fsdpp-dp1-torch-kernels")
 row("PyTorch eager, one process, 2 threads", "pytorch-eager-dp1")
+row("PyTorch eager, MKL's kernels by instruction set (`LD_PRELOAD=libfsdpp.so`)", "pytorch-eager-dp1-isa")
 row("PyTorch `torch.compile(model, dynamic=True)`, one process, 2 threads", "pytorch-compile-dp1")
 row("fsdpp pp=2 (`recipes/moe-small-pp.json`: 1F1B, 4 microbatches of 8)", "fsdpp-pp2")
 row("PyTorch pp=2 (`PipelineStage` + `Schedule1F1B`, the same split: embed + layers 0-1, then layers 2-3 + norm + head)", "pytorch-pp2")
@@ -122,8 +131,8 @@ print("Side-by-side ratios, median over rounds (target in brackets):")
 print()
 print(f"- fsdpp dp=2 / PyTorch fully_shard dp=2, both gathering once per step: **{ratio('fsdpp-dp2', 'pytorch-fsdp-dp2-kept'):.2f}x** (1.2x)")
 print(f"- fsdpp dp=2 / PyTorch fully_shard dp=2, both resharding after forward: **{ratio('fsdpp-dp2-reshard', 'pytorch-fsdp-dp2'):.2f}x** (1.2x)")
-print(f"- fsdpp dp=2 / PyTorch DDP dp=2: **{ratio('fsdpp-dp2', 'pytorch-ddp-dp2'):.2f}x** (1.2x); with ATen's products: {ratio('fsdpp-dp2-aten', 'pytorch-ddp-dp2'):.2f}x")
-print(f"- fsdpp dp=1 / PyTorch eager: **{ratio('fsdpp-dp1', 'pytorch-eager-dp1'):.2f}x** (2x); with ATen's products: {ratio('fsdpp-dp1-aten', 'pytorch-eager-dp1'):.2f}x")
+print(f"- fsdpp dp=2 / PyTorch DDP dp=2: **{ratio('fsdpp-dp2', 'pytorch-ddp-dp2'):.2f}x** (1.2x); both on PyTorch's kernels: {ratio('fsdpp-dp2-torch-kernels', 'pytorch-ddp-dp2'):.2f}x; both on MKL's AVX-512 kernels: {ratio('fsdpp-dp2', 'pytorch-ddp-dp2-isa'):.2f}x")
+print(f"- fsdpp dp=1 / PyTorch eager: **{ratio('fsdpp-dp1', 'pytorch-eager-dp1'):.2f}x** (2x); both on PyTorch's kernels: {ratio('fsdpp-dp1-torch-kernels', 'pytorch-eager-dp1'):.2f}x; both on MKL's AVX-512 kernels: {ratio('fsdpp-dp1', 'pytorch-eager-dp1-isa'):.2f}x")
 print(f"- fsdpp dp=1 / torch.compile: **{ratio('fsdpp-dp1', 'pytorch-compile-dp1'):.2f}x** (ahead)")
 print(f"- fsdpp pp=2 / PyTorch Schedule1F1B: **{ratio('fsdpp-pp2', 'pytorch-pp2'):.2f}x** (ahead)")
 print()
@@ -133,7 +142,7 @@ print(f"run above, 2 threads; self time per operation): a step of {prof['step_ms
       f"**{100 * prof['matmul_share']:.0f}%** in")
 print(f"matrix multiplies (mm, bmm, addmm) and {100 * prof['attention_share']:.0f}% in the fused attention kernel. Any implementation")
 print("running the same matrix-multiply kernels is at most 1 / that share faster than eager however well it")
-print(f"fuses the rest: **{prof['ceiling']:.2f}x**; fsdpp's products run on other kernels (oneDNN's), which this")
+print(f"fuses the rest: **{prof['ceiling']:.2f}x**; fsdpp's products run on MKL's AVX-512 kernels, which this")
 print("does not bound. Largest: " +
       ", ".join(f"{k.replace('aten::', '')} {100 * v:.0f}%" for k, v in prof["top"][:8]) + ".")
 print()

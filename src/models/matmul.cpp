@@ -1,5 +1,7 @@
 #include "fsdpp/models/matmul.hpp"
 
+#include "fsdpp/base/mkl_dispatch.hpp"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -191,6 +193,8 @@ bool onednn_matmul_available() {
   static const bool available = onednn_works();
   return available;
 }
+
+bool onednn_matmul_preferred() { return onednn_matmul_available() && !mkl_dispatch().by_instruction_set; }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool onednn) {
   TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1), "linear: x [..., in] and weight [out, in] expected, got x ",

@@ -15,6 +15,9 @@ namespace fsdpp::models {
 
 namespace {
 
+// MoEConfig::onednn_matmul: oneDNN's products where they beat ATen's (models/matmul.hpp).
+bool use_onednn(const MoEConfig& c) { return c.onednn_matmul && onednn_matmul_preferred(); }
+
 // Identity on x whose backward also gives `aux` the gradient `scale`: the auxiliary losses join
 // the training loss wherever the layer runs (see the top of moe.hpp).
 struct AttachAuxLoss : torch::autograd::Function<AttachAuxLoss> {
@@ -139,7 +142,7 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return fused ? rms_norm(x, weight, eps) : rms_norm_reference(x, weight, eps);
 }
 
-AttentionImpl::AttentionImpl(const MoEConfig& c) : heads(c.heads), rope_theta(c.rope_theta), onednn(c.onednn_matmul) {
+AttentionImpl::AttentionImpl(const MoEConfig& c) : heads(c.heads), rope_theta(c.rope_theta), onednn(use_onednn(c)) {
   qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
   out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.dim).bias(false)));
   init_normal(qkv->weight, c.init_std);
@@ -212,13 +215,13 @@ RouterImpl::RouterImpl(int64_t dim, int64_t experts) {
 
 MoEImpl::MoEImpl(const MoEConfig& c, std::shared_ptr<RouterStats> s) : config(c), stats(std::move(s)) {
   router = register_module("router", Router(c.dim, c.experts));
-  experts = register_module("experts", Experts(c.experts, c.dim, c.expert_hidden, c.fused_kernels, c.onednn_matmul));
+  experts = register_module("experts", Experts(c.experts, c.dim, c.expert_hidden, c.fused_kernels, use_onednn(c)));
   init_normal(router->gate->weight, c.init_std);
   init_normal(experts->w1, c.init_std);
   init_normal(experts->w3, c.init_std);
   init_normal(experts->w2, c.init_std / std::sqrt(2.0 * double(c.layers)));
   if (c.shared_expert) {
-    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden, c.fused_kernels, c.onednn_matmul));
+    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden, c.fused_kernels, use_onednn(c)));
     init_normal(shared->w1->weight, c.init_std);
     init_normal(shared->w3->weight, c.init_std);
     init_normal(shared->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -360,7 +363,7 @@ BlockImpl::BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterSt
   if (c.is_moe_layer(index)) {
     moe = register_module("moe", MoE(c, std::move(stats)));
   } else {
-    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden, c.fused_kernels, c.onednn_matmul));
+    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden, c.fused_kernels, use_onednn(c)));
     init_normal(mlp->w1->weight, c.init_std);
     init_normal(mlp->w3->weight, c.init_std);
     init_normal(mlp->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -417,7 +420,7 @@ at::Tensor MoETransformerImpl::forward(const at::Tensor& input) {
   }
   for (auto& b : calls_) h = b.forward(h);
   if (!has_head()) return h;
-  return linear(norm(h), head->weight, config_.onednn_matmul).to(at::kFloat);
+  return linear(norm(h), head->weight, use_onednn(config_)).to(at::kFloat);
 }
 
 void MoETransformerImpl::set_expert_parallel(const comm::Comm& ep) {

@@ -24,6 +24,7 @@
 #include "fsdpp/fsdp/adamw.hpp"
 #include "fsdpp/fsdp/checkpoint.hpp"
 #include "fsdpp/base/cpu_binding.hpp"
+#include "fsdpp/base/mkl_dispatch.hpp"
 #include "fsdpp/base/cuda_graph.hpp"
 #include "fsdpp/base/device_check.hpp"
 #include "fsdpp/base/files.hpp"
@@ -641,6 +642,7 @@ RunResult Trainer::run() {
       !bound.empty())
     log(fmt::format("cpu binding ({}): {}{}", recipe_.dist.cpu_binding, bound.rfind("not bound", 0) == 0 ? "" : "rank 0's ",
                     bound));
+  log("MKL: " + mkl_dispatch().detail);  // Note [MKL's kernels on other vendors' CPUs]
   prepare_output();
   build();
   if (options_.restart > 0)

@@ -161,7 +161,11 @@ def write_case(path, config, weights, batches, case):
 
 
 def launch(fsdpp, command, log):
-    r = subprocess.run([fsdpp, "launch", "--nproc", "2", "--"] + command, capture_output=True, text=True, timeout=600)
+    # MKL's own choice of kernels, as in this PyTorch process (Note [MKL's kernels on other vendors'
+    # CPUs], include/fsdpp/base/mkl_dispatch.hpp).
+    env = {**os.environ, "FSDPP_MKL_VENDOR_CHECK": "1"}
+    r = subprocess.run([fsdpp, "launch", "--nproc", "2", "--"] + command, capture_output=True, text=True, timeout=600,
+                       env=env)
     with open(log, "w") as f:
         f.write(r.stdout + r.stderr)
     if r.returncode != 0:

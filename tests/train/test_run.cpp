@@ -21,6 +21,7 @@
 #include <tuple>
 
 #include "fsdpp/fsdp/checkpoint.hpp"
+#include "fsdpp/base/mkl_dispatch.hpp"
 #include "fsdpp/base/safetensors.hpp"
 #include "fsdpp/train/checkpoints.hpp"
 #include "fsdpp/train/generate.hpp"
@@ -304,7 +305,7 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
 }
 
 TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per step, not 4 times, and trains "
-          "bitwise alike; dist.cpu_binding binds") {
+          "bitwise alike; dist.cpu_binding binds; the MKL decision is logged") {
   // Per rank-0 step: how many all-gathers of each unit, from the trace.
   const auto gathers_per_step = [](const std::string& dir) {
     const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
@@ -336,6 +337,8 @@ TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per
   const bool bound = out.find("cpu binding (compute): rank 0's compute thread on CPU") != std::string::npos ||
                      out.find("cpu binding (compute): not bound: 2 local ranks for 1 CPU") != std::string::npos;
   CHECK(bound);
+  // What MKL was told (Note [MKL's kernels on other vendors' CPUs]): the same decision as here.
+  CHECK(out.find("MKL: " + mkl_dispatch().detail) != std::string::npos);
   for (const auto& d : {freed, kept}) fs::remove_all(d);
 }
 

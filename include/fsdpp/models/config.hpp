@@ -32,8 +32,9 @@ struct MoEConfig {
   // the ATen compositions, bit for bit what PyTorch's eager modules compute. How the model computes,
   // not what it is: not part of a checkpoint's model description.
   bool fused_kernels = true;
-  // Float32 matrix products on the CPU by oneDNN's kernels (models/matmul.hpp), where this LibTorch
-  // and CPU run them; false: ATen's (MKL's), bit for bit PyTorch's. How, not what: not part of a
+  // Float32 matrix products on the CPU by oneDNN's kernels (models/matmul.hpp) where they beat
+  // ATen's BLAS: this LibTorch and CPU run them, and its MKL is not on AVX-512 kernels already
+  // (onednn_matmul_preferred()); false, or where they do not: ATen's. How, not what: not part of a
   // checkpoint's model description either.
   bool onednn_matmul = true;
 

@@ -8,7 +8,9 @@
 // model's shapes (bench/results/matmul.md). These functions compute x W^T, and its gradients,
 // through oneDNN for float32 CPU tensors, and are ATen's own operations everywhere else (other
 // dtypes, other devices, or with `onednn` false), so a GPU or a bfloat16 model runs exactly as
-// before.
+// before. libfsdpp.so also tells MKL to pick its kernels by instruction set (Note [MKL's kernels on
+// other vendors' CPUs], fsdpp/base/mkl_dispatch.hpp); ATen's products are then as fast or faster,
+// and the model uses these only where MKL stays on slower kernels (onednn_matmul_preferred()).
 //
 // oneDNN sums in another order than MKL, so the results are not MKL's bits (float32 rounding
 // apart: tests/train/test_matmul.cpp bounds it); MoEConfig::onednn_matmul = false gives ATen's,
@@ -28,6 +30,14 @@ namespace fsdpp::models {
 
 // Whether float32 CPU products can go through oneDNN in this process (found and checked once).
 bool onednn_matmul_available();
+
+// Whether they should: oneDNN is available and ATen's BLAS is not on kernels as fast already. MKL
+// picks its AVX-512 kernels on an Intel CPU, and on other vendors' CPUs once told to
+// (Note [MKL's kernels on other vendors' CPUs], fsdpp/base/mkl_dispatch.hpp); it then beats oneDNN
+// on the model's step, having no per-call set-up to speak of and no kernel to compile per row count
+// (bench/results/matmul.md). The model goes through oneDNN only where this holds:
+// MoEConfig::onednn_matmul asks for oneDNN where it is faster.
+bool onednn_matmul_preferred();
 
 // x W^T: x [..., in], weight [out, in] -> [..., out]; differentiable in both.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool onednn);

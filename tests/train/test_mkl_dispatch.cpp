@@ -1,0 +1,63 @@
+// Note [MKL's kernels on other vendors' CPUs] (fsdpp/base/mkl_dispatch.hpp), in fresh processes
+// (tests/train/mkl_probe.cpp): on a CPU with AVX-512 not made by Intel, MKL picks its kernels by
+// instruction set, newer than the ones it picks by itself there, and FSDPP_MKL_VENDOR_CHECK=1
+// leaves its own choice; elsewhere both are MKL's own.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <string>
+
+namespace {
+
+struct Probe {
+  std::string out;
+  int field(const std::string& name) const {
+    const auto at = out.find(name + "=");
+    REQUIRE(at != std::string::npos);
+    return std::stoi(out.substr(at + name.size() + 1));
+  }
+};
+
+Probe probe(const std::string& env) {
+  const std::string cmd = "env -u FSDPP_MKL_VENDOR_CHECK " + env + " " + FSDPP_MKL_PROBE_BIN + " 2>&1";
+  Probe p;
+  FILE* f = popen(cmd.c_str(), "r");
+  REQUIRE(f);
+  char buf[1024];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), f)) > 0;) p.out.append(buf, n);
+  const int status = pclose(f);
+  INFO(p.out);
+  REQUIRE((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  return p;
+}
+
+bool avx512_not_intel() {
+  __builtin_cpu_init();
+  return !__builtin_cpu_is("intel") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+}  // namespace
+
+TEST_CASE("mkl dispatch: MKL picks its kernels by instruction set on other vendors' AVX-512 CPUs, unless told not to") {
+  const auto chosen = probe(""), own = probe("FSDPP_MKL_VENDOR_CHECK=1");
+  INFO(chosen.out);
+  INFO(own.out);
+  CHECK(chosen.field("finite") == 1);
+  CHECK(own.field("finite") == 1);
+  if (chosen.field("detect") < 0) {
+    MESSAGE("this LibTorch has no MKL: " << chosen.out);
+    CHECK(chosen.out.find("no MKL in this LibTorch") != std::string::npos);
+    return;
+  }
+  if (avx512_not_intel()) {
+    CHECK(chosen.field("by_instruction_set") == 1);
+    CHECK(own.field("by_instruction_set") == 0);
+    CHECK(chosen.field("detect") > own.field("detect"));
+    CHECK(own.out.find("FSDPP_MKL_VENDOR_CHECK=1") != std::string::npos);
+  } else {
+    MESSAGE("an Intel CPU or one without AVX-512: MKL's own choice both ways");
+    CHECK(chosen.field("detect") == own.field("detect"));
+  }
+}
