@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 namespace fsdpp {
 
@@ -37,18 +38,24 @@ bool asked_here() {
 }
 
 bool has_avx512() {
-  __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 
 MklDispatch decide() {
+  // MKL may ask while LibTorch's static objects are constructed, before libgcc's CPU model is.
+  __builtin_cpu_init();
   if (!mkl_own()) return {false, "no MKL in this LibTorch"};
   if (!asked_here())
     return {mkl_own_answer() != 0, "MKL's own choice of kernels (this program finds libtorch_cpu.so's "
                                    "mkl_serv_intel_cpu_true before libfsdpp.so's: link fsdpp first)"};
-  if (const char* v = std::getenv("FSDPP_MKL_VENDOR_CHECK"); v && std::strcmp(v, "1") == 0)
-    return {mkl_own_answer() != 0, "MKL's own choice of kernels (FSDPP_MKL_VENDOR_CHECK=1)"};
+  // No exception can leave here (MKL's C code calls in), so a value that is neither 0 nor 1 keeps
+  // MKL's own choice, and the detail names it.
+  if (const char* v = std::getenv("FSDPP_MKL_VENDOR_CHECK"); v && *v && std::strcmp(v, "0") != 0) {
+    if (std::strcmp(v, "1") == 0) return {mkl_own_answer() != 0, "MKL's own choice of kernels (FSDPP_MKL_VENDOR_CHECK=1)"};
+    return {mkl_own_answer() != 0, std::string("MKL's own choice of kernels (FSDPP_MKL_VENDOR_CHECK='") + v +
+                                       "' is neither 0 nor 1)"};
+  }
   if (__builtin_cpu_is("intel")) return {mkl_own_answer() != 0, "MKL's own choice of kernels (an Intel CPU)"};
   if (!has_avx512()) return {mkl_own_answer() != 0, "MKL's own choice of kernels (no AVX-512 on this CPU)"};
   return {true, "MKL's kernels chosen by instruction set, AVX-512 on this CPU (FSDPP_MKL_VENDOR_CHECK=1 keeps MKL's own choice)"};

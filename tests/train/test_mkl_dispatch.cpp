@@ -60,4 +60,11 @@ TEST_CASE("mkl dispatch: MKL picks its kernels by instruction set on other vendo
     MESSAGE("an Intel CPU or one without AVX-512: MKL's own choice both ways");
     CHECK(chosen.field("detect") == own.field("detect"));
   }
+  // 0 is the default; another value keeps MKL's own choice, named in the detail.
+  const auto zero = probe("FSDPP_MKL_VENDOR_CHECK=0"), bad = probe("FSDPP_MKL_VENDOR_CHECK=maybe");
+  INFO(zero.out);
+  INFO(bad.out);
+  CHECK(zero.field("detect") == chosen.field("detect"));
+  CHECK(bad.field("detect") == own.field("detect"));
+  CHECK(bad.out.find("FSDPP_MKL_VENDOR_CHECK='maybe' is neither 0 nor 1") != std::string::npos);
 }

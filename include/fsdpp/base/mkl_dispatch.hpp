@@ -10,7 +10,8 @@
 // CPU reports, as it does on Intel's. Everywhere else the answer is MKL's own.
 //
 // FSDPP_MKL_VENDOR_CHECK=1 in the environment keeps MKL's own answer, which gives bit for bit the
-// products of a PyTorch process on the same machine (the parity tests against PyTorch set it). MKL
+// products of a PyTorch process on the same machine (the parity tests against PyTorch set it); 0 or
+// unset answers as above; any other value keeps MKL's own answer too, and the detail names it. MKL
 // asks once, at its first product, so the setting holds for the whole process.
 
 #include <string>
