@@ -1,9 +1,9 @@
-// The attention core of the MoE model at moe-small's shape, forward and backward, three ways side
+// The attention core of the MoE model at moe-small's shape, forward and backward, four ways side
 // by side (interleaved rounds, medians), one thread unless --threads says otherwise:
-//   composed  rotary by ATen operations, scores written out: softmax(q k^T / sqrt(hd) + mask) v
-//   sdpa      rotary by ATen operations, at::scaled_dot_product_attention(is_causal)
-//   fused     models::rotary_qkv (one pass over q, k and v) and scaled_dot_product_attention: the
-//             model's path
+//   composed    rotary by ATen operations, scores written out: softmax(q k^T / sqrt(hd) + mask) v
+//   sdpa        rotary by ATen operations, at::scaled_dot_product_attention(is_causal)
+//   fused-sdpa  models::rotary_qkv (one pass over q, k and v) and scaled_dot_product_attention
+//   fused       models::rotary_qkv and models::causal_attention: the model's path
 //   rotary-aten, rotary-fused   the rotation alone, each way
 //   fsdpp_attention_bench [--threads N] [--rounds R] [--batch B] [--seq T]
 #include <ATen/ATen.h>
@@ -72,13 +72,18 @@ int main(int argc, char** argv) {
          const auto [q, k, v] = models::rotary_qkv(qkv, cos, sin);
          return q + k;
        }},
-      {"fused",
+      {"fused-sdpa",
        [&] {
          const auto [q, k, v] = models::rotary_qkv(qkv, cos, sin);
          return at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
        }},
+      {"fused",
+       [&] {
+         const auto [q, k, v] = models::rotary_qkv(qkv, cos, sin);
+         return models::causal_attention(q, k, v);
+       }},
   };
-  const std::vector<std::string> order = {"composed", "sdpa", "fused", "rotary-aten", "rotary-fused"};
+  const std::vector<std::string> order = {"composed", "sdpa", "fused-sdpa", "fused", "rotary-aten", "rotary-fused"};
   auto step = [&](const std::string& way) {
     qkv.mutable_grad() = at::Tensor();
     ways[way]().backward(grad);
@@ -88,5 +93,6 @@ int main(int argc, char** argv) {
     fmt::print("RESULT attention way={} batch={} seq={} dim={} heads={} threads={} fwd_bwd_ms={:.2f} "
                "speedup_over_composed={:.2f}\n",
                w, B, T, D, H, threads, t.median_ms(w), t.ratio("composed", w));
+  fmt::print("RESULT attention_kernel threads={} speedup_over_sdpa={:.2f}\n", threads, t.ratio("fused-sdpa", "fused"));
   return 0;
 }

@@ -51,8 +51,10 @@ for round in $(seq "$rounds"); do
   torch_run pytorch-fsdp-dp2 "$fsdpp" launch --nproc 2 -- $peer train --mode fsdp --accum 2 --warmup $warmup --steps $steps
   torch_run pytorch-ddp-dp2 "$fsdpp" launch --nproc 2 -- $peer train --mode ddp --accum 2 --warmup $warmup --steps $steps
   fsdpp_run fsdpp-dp1 recipes/moe-small.json parallel.dp=1
-  FSDPP_MKL_VENDOR_CHECK=1 fsdpp_run fsdpp-dp1-torch-kernels recipes/moe-small.json parallel.dp=1 model.onednn_matmul=false
-  FSDPP_MKL_VENDOR_CHECK=1 fsdpp_run fsdpp-dp2-torch-kernels recipes/moe-small.json model.onednn_matmul=false
+  FSDPP_MKL_VENDOR_CHECK=1 fsdpp_run fsdpp-dp1-torch-kernels recipes/moe-small.json parallel.dp=1 \
+    model.onednn_matmul=false model.fused_attention=false
+  FSDPP_MKL_VENDOR_CHECK=1 fsdpp_run fsdpp-dp2-torch-kernels recipes/moe-small.json model.onednn_matmul=false \
+    model.fused_attention=false
   torch_run pytorch-eager-dp1 $peer train --mode eager --threads 2 --accum 2 --warmup $warmup --steps $steps
   # PyTorch given MKL's AVX-512 kernels too: libfsdpp.so preloaded answers MKL's vendor question.
   torch_run pytorch-eager-dp1-isa env LD_PRELOAD="$libfsdpp" $peer train --mode eager --threads 2 --accum 2 \
@@ -92,10 +94,10 @@ print("Same work on both sides: moe-small's model (4 layers, dim 128, 4 experts 
 print("parameters), global batch 32 x 128 tokens, AdamW (lr 3e-3, betas 0.9/0.95, weight decay 0.1 on")
 print("matrices), clipping at 1.0, windows of the fortunes corpus. fsdpp: `fsdpp run` on the bundled")
 print("recipes (metrics and progress included). PyTorch: `bench/torch_peer.py` on fsdpp's model written")
-print("in PyTorch (`tests/fsdp/torch_moe.py`, the same operations, attention by scaled_dot_product_attention")
-print("on both sides; fsdpp rotates q and k in one fused pass whose results are bitwise those of the")
-print("operations PyTorch runs, and computes RMSNorm and SwiGLU's gate by single-pass kernels, the same")
-print("functions rounded differently, `include/fsdpp/models/kernels.hpp`; its products run on MKL's AVX-512")
+print("in PyTorch (`tests/fsdp/torch_moe.py`, the same operations; fsdpp rotates q and k in one fused pass")
+print("whose results are bitwise those of the operations PyTorch runs, and computes RMSNorm, SwiGLU's gate")
+print("and causal attention by its own kernels, the same functions rounded differently, where PyTorch calls")
+print("scaled_dot_product_attention, `include/fsdpp/models/kernels.hpp`; its products run on MKL's AVX-512")
 print("kernels where PyTorch's run on MKL's AVX2 ones on this AMD CPU, because libfsdpp.so answers MKL's")
 print("vendor question, `include/fsdpp/base/mkl_dispatch.hpp`; with those switched off,")
 print("`FSDPP_MKL_VENDOR_CHECK=1 model.fused_kernels=false model.onednn_matmul=false`, bitwise the same")
@@ -116,7 +118,7 @@ row("fsdpp dp=2, `parallel.reshard_after_forward=true` (gathered again for backw
 row("PyTorch `fully_shard` dp=2 (its default: reshard after forward)", "pytorch-fsdp-dp2")
 row("PyTorch DDP dp=2 (`no_sync` for the first microbatch)", "pytorch-ddp-dp2")
 row("PyTorch DDP dp=2, MKL's kernels by instruction set (`LD_PRELOAD=libfsdpp.so`)", "pytorch-ddp-dp2-isa")
-row("fsdpp dp=2 on PyTorch's kernels (`FSDPP_MKL_VENDOR_CHECK=1 model.onednn_matmul=false`: MKL's own choice, AVX2 here)", "fsdpp-dp2-torch-kernels")
+row("fsdpp dp=2 on PyTorch's kernels (`FSDPP_MKL_VENDOR_CHECK=1 model.onednn_matmul=false model.fused_attention=false`: MKL's own choice, AVX2 here, and ATen's flash attention)", "fsdpp-dp2-torch-kernels")
 row("fsdpp dp=1 (`parallel.dp=1`: 2 microbatches of 16, 2 threads)", "fsdpp-dp1")
 row("fsdpp dp=1 on PyTorch's kernels", "fsdpp-dp1-torch-kernels")
 row("PyTorch eager, one process, 2 threads", "pytorch-eager-dp1")

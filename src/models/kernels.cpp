@@ -13,51 +13,39 @@
 #include <type_traits>
 #include <vector>
 
+#include "float_loops.hpp"
 #include "vector_clones.hpp"
 
 namespace fsdpp::models {
 
+// body(begin, end) over [0, count) in ranges of at least `grain`, on ATen's intra-op threads (a
+// TensorIterator over a [count] scratch tensor lays out the ranges; at::parallel_for would run them
+// on one thread here, where the OpenMP pragmas of its inline implementation are not compiled).
+void loops::parallel_ranges(int64_t count, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
+  if (count <= 0) return;
+  if (count <= grain) return body(0, count);
+  const auto marks = at::empty({count}, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  auto iter = at::TensorIteratorConfig().add_output(marks).resize_outputs(false).check_all_same_dtype(false).build();
+  const char* base = static_cast<const char*>(marks.data_ptr());
+  iter.for_each(
+      [&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {
+        for (int64_t j = 0; j < n1; ++j) {
+          const int64_t begin = (data[0] + j * strides[1]) - base;
+          body(begin, begin + n0);
+        }
+      },
+      grain);
+}
+
 namespace {
+
+using loops::dot;
+using loops::exp_poly;
+using loops::parallel_ranges;
 
 // ------------------------------------------------------------------ float loops
 
-constexpr int kLanes = 16;
-
-// exp(x) for float x: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial (Cephes'
-// expf coefficients), 2^n put into the exponent bits. Within 2 ulps of the correctly rounded value
-// over [-87, 88], the range clamped to (below it the result is 0 to float precision for our uses,
-// sigmoid and silu); NaN stays NaN. Branch-free, so the loops calling it vectorise.
-inline float exp_poly(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
-  const float t = x * 1.44269504088896341f + kShift;
-  const float n = t - kShift;
-  const int32_t ni = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(kShift);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float er = p * (r * r) + r + 1.0f;
-  return er * std::bit_cast<float>((ni + 127) << 23);
-}
-
 inline float sigmoid(float a) { return 1.0f / (1.0f + exp_poly(-a)); }
-
-// sum of x[i] * y[i], in kLanes partial sums (vectorisable without reassociating anything).
-inline float dot(const float* x, const float* y, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int k = 0; k < kLanes; ++k) acc[k] += x[i + k] * y[i + k];
-  float s = 0.0f;
-  for (; i < n; ++i) s += x[i] * y[i];
-  for (int k = 0; k < kLanes; ++k) s += acc[k];
-  return s;
-}
 
 // One row of RMSNorm: y = x * rstd * w, returns rstd.
 FSDPP_VECTOR_CLONES float rms_row(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t n, float eps) {
@@ -103,25 +91,6 @@ FSDPP_VECTOR_CLONES void swiglu_span_backward(const float* __restrict g, const f
 }
 
 // ------------------------------------------------------------------ dtypes and threads
-
-// body(begin, end) over [0, count) in ranges of at least `grain`, on ATen's intra-op threads (a
-// TensorIterator over a [count] scratch tensor lays out the ranges; at::parallel_for would run them
-// on one thread here, where the OpenMP pragmas of its inline implementation are not compiled).
-void parallel_ranges(int64_t count, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
-  if (count <= 0) return;
-  if (count <= grain) return body(0, count);
-  const auto marks = at::empty({count}, at::TensorOptions().dtype(at::kByte));
-  auto iter = at::TensorIteratorConfig().add_output(marks).resize_outputs(false).check_all_same_dtype(false).build();
-  const char* base = static_cast<const char*>(marks.data_ptr());
-  iter.for_each(
-      [&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {
-        for (int64_t j = 0; j < n1; ++j) {
-          const int64_t begin = (data[0] + j * strides[1]) - base;
-          body(begin, begin + n0);
-        }
-      },
-      grain);
-}
 
 // bfloat16 <-> float, written so that the loops vectorise: widening puts the 16 bits on top,
 // narrowing rounds to nearest even and keeps NaN a (quiet) NaN, as c10::BFloat16's conversion does.

@@ -142,7 +142,8 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return fused ? rms_norm(x, weight, eps) : rms_norm_reference(x, weight, eps);
 }
 
-AttentionImpl::AttentionImpl(const MoEConfig& c) : heads(c.heads), rope_theta(c.rope_theta), onednn(use_onednn(c)) {
+AttentionImpl::AttentionImpl(const MoEConfig& c)
+    : heads(c.heads), rope_theta(c.rope_theta), onednn(use_onednn(c)), fused(c.fused_kernels && c.fused_attention) {
   qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
   out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.dim).bias(false)));
   init_normal(qkv->weight, c.init_std);
@@ -162,10 +163,11 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
   const auto& [cos, sin] = rope_tables(T, hd, x);
   const auto [q, k, v] = rotary_qkv(linear(x, qkv->weight, onednn).view({B, T, 3, heads, hd}), cos, sin);  // [B, H, T, hd] each
-  // Causal softmax(q k^T / sqrt(hd)) v in one fused kernel (flash attention on the CPU; on CUDA the
-  // backend scaled_dot_product_attention picks): no
-  // [B, H, T, T] score tensor is materialised, forward or backward.
-  const auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+  // Causal softmax(q k^T / sqrt(hd)) v in one fused kernel (models::causal_attention's on the CPU,
+  // else the backend scaled_dot_product_attention picks: flash attention on the CPU): no
+  // [B, H, T, T] score tensor is materialised, forward or backward. The result is laid out
+  // [B, T, H, hd] in memory, so the reshape below is a view.
+  const auto y = fused ? causal_attention(q, k, v) : causal_attention_reference(q, k, v);
   return linear(y.transpose(1, 2).reshape({B, T, D}), out->weight, onednn);
 }
 

@@ -207,6 +207,7 @@ void read_model(Reader& r, models::MoEConfig& c) {
   r.number("norm_eps", c.norm_eps, 0, 1, true);
   r.number("init_std", c.init_std, 0, 10, true);
   r.boolean("fused_kernels", c.fused_kernels);
+  r.boolean("fused_attention", c.fused_attention);
   r.boolean("onednn_matmul", c.onednn_matmul);
   if (c.dim % c.heads != 0 || (c.dim / c.heads) % 2 != 0)
     r.fail("heads", fmt::format("dim {} must split into {} heads of even size (rotary embeddings rotate pairs)", c.dim, c.heads));

@@ -427,6 +427,100 @@ TEST_CASE("swiglu: the fused CPU kernel agrees with silu(a) * b, values and grad
 
 namespace {
 
+// softmax(q k^T / sqrt(d) + causal mask) v in float64, the scores written out.
+at::Tensor attention_f64(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t T = q.size(2);
+  const auto qd = q.to(at::kDouble), kd = k.to(at::kDouble), vd = v.to(at::kDouble);
+  auto s = at::matmul(qd, kd.transpose(-2, -1)) / std::sqrt(double(q.size(3)));
+  s = s.masked_fill(at::ones({T, T}, at::kBool).triu(1), -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(s, -1), vd);
+}
+
+// q, k, v [B, H, T, D] laid out three ways: [B, T, H, D] in memory (as the model's are),
+// contiguous, and with D not innermost.
+std::vector<at::Tensor> laid_out(const at::Tensor& x, int way) {
+  if (way == 0) return {x.permute({0, 2, 1, 3}).contiguous().permute({0, 2, 1, 3})};
+  if (way == 1) return {x.contiguous()};
+  return {x.transpose(2, 3).contiguous().transpose(2, 3)};
+}
+
+}  // namespace
+
+TEST_CASE("causal_attention: the CPU kernel equals the float64 composition, values and gradients") {
+  REQUIRE(models::causal_attention_available());
+  at::manual_seed(21);
+  // One block, a block and one row, several blocks with a partial last one; head sizes the BLAS
+  // and the row loops take whole and not.
+  for (const auto& [T, D] : std::vector<std::pair<int64_t, int64_t>>{{1, 8}, {7, 32}, {64, 32}, {65, 16}, {200, 24}}) {
+    for (int way = 0; way < 3; ++way) {
+      CAPTURE(T);
+      CAPTURE(D);
+      CAPTURE(way);
+      const int64_t B = 2, H = 3;
+      std::vector<at::Tensor> in, ref;
+      for (int i = 0; i < 3; ++i) {
+        const auto x = at::randn({B, H, T, D});
+        ref.push_back(x.to(at::kDouble).requires_grad_());
+        in.push_back(laid_out(x, way)[0].requires_grad_());
+      }
+      const auto y = models::causal_attention(in[0], in[1], in[2]);
+      const auto expected = attention_f64(ref[0], ref[1], ref[2]);
+      CHECK(bool(y.scalar_type() == at::kFloat));
+      CHECK(y.transpose(1, 2).is_contiguous());  // [B, T, H, D] in memory: the model's reshape is a view
+      // Relative to the outputs' root mean square: an output near zero is the sum of larger terms.
+      CHECK(worst(y, expected, expected.pow(2).mean().sqrt().item<double>()) < 1e-5);
+      const auto g = at::randn({B, H, T, D});
+      y.backward(g);
+      expected.backward(g.to(at::kDouble));
+      // Relative to the largest gradient of the three (with one key, T = 1, a query's and a key's
+      // are zero, and the kernel's their rounding).
+      double floor = 0;
+      for (int i = 0; i < 3; ++i) floor = std::max(floor, 1e-2 * ref[i].grad().abs().max().item<double>());
+      for (int i = 0; i < 3; ++i) {
+        CAPTURE(i);
+        REQUIRE(in[i].grad().defined());
+        CHECK(worst(in[i].grad(), ref[i].grad(), floor) < 1e-4);
+      }
+    }
+  }
+}
+
+TEST_CASE("causal_attention: large scores stay finite, rows see only earlier keys, threads do not change bits") {
+  at::manual_seed(22);
+  const int64_t B = 2, H = 2, T = 130, D = 32;
+  // Scores in the hundreds: softmax must subtract each row's maximum.
+  const auto q = at::randn({B, H, T, D}) * 30, k = at::randn({B, H, T, D}), v = at::randn({B, H, T, D});
+  const auto y = models::causal_attention(q, k, v);
+  CHECK(y.isfinite().all().item<bool>());
+  // Scores this large carry float32's rounding into the exponent: about 1e-3 of an output here, as
+  // for scaled_dot_product_attention.
+  CHECK(worst(y, attention_f64(q, k, v), 1e-3) < 1e-2);
+  // Changing key and value rows past position t leaves the outputs up to t unchanged, bit for bit.
+  const int64_t t = 70;
+  auto k2 = k.clone(), v2 = v.clone();
+  k2.narrow(2, t + 1, T - t - 1).normal_();
+  v2.narrow(2, t + 1, T - t - 1).normal_();
+  const auto y2 = models::causal_attention(q, k2, v2);
+  CHECK(at::equal(y.narrow(2, 0, t + 1), y2.narrow(2, 0, t + 1)));
+  CHECK_FALSE(at::equal(y.narrow(2, t + 1, T - t - 1), y2.narrow(2, t + 1, T - t - 1)));
+  // Heads are split between threads whole: 1 and 2 threads give the same bits, values and gradients.
+  const auto w = at::randn({B, H, T, D});
+  check_thread_independent(
+      [&](const at::Tensor& x) { return models::causal_attention(x[0], x[1], x[2]) * w; },
+      at::randn({3, B, H, T, D}));
+}
+
+TEST_CASE("causal_attention: other dtypes go to scaled_dot_product_attention; mismatched shapes are refused") {
+  at::manual_seed(23);
+  const auto q = at::randn({1, 2, 9, 8}, at::kDouble), k = at::randn({1, 2, 9, 8}, at::kDouble),
+             v = at::randn({1, 2, 9, 8}, at::kDouble);
+  CHECK(at::equal(models::causal_attention(q, k, v), models::causal_attention_reference(q, k, v)));
+  CHECK_THROWS_WITH_AS(models::causal_attention(at::zeros({1, 2, 9, 8}), at::zeros({1, 2, 8, 8}), at::zeros({1, 2, 9, 8})),
+                       doctest::Contains("one shape [B, H, T, D]"), c10::Error);
+}
+
+namespace {
+
 // Two models of `c` with the same weights, the second with `off` applied to its config, on the same
 // tokens: the logits must agree within float32 rounding of their size (their root mean square: a
 // logit near zero differs by as many ulps of the others as any) and every gradient nearly; returns
@@ -462,6 +556,14 @@ TEST_CASE("model: fused_kernels changes only the rounding (logits and gradients 
   at::manual_seed(12);
   const auto [fused, plain] = only_rounding_apart(c, [](MoEConfig& c) { c.fused_kernels = false; }, {3, 9});
   CHECK_FALSE(at::equal(fused, plain));  // the kernels did run
+}
+
+TEST_CASE("model: fused_attention changes only the rounding (logits and gradients against scaled_dot_product_attention)") {
+  auto c = small_config();
+  c.dense_layers = 1;
+  at::manual_seed(14);
+  const auto [own, sdpa] = only_rounding_apart(c, [](MoEConfig& c) { c.fused_attention = false; }, {3, 20});
+  CHECK_FALSE(at::equal(own, sdpa));  // the kernel did run
 }
 
 TEST_CASE("model: onednn_matmul changes only the rounding (logits and gradients against ATen's products)") {

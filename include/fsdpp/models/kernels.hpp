@@ -16,6 +16,10 @@
 // depend on how many there are.
 //
 // The rotary embedding's kernel is the composition's bits (below).
+//
+// Causal attention's kernel computes what scaled_dot_product_attention(is_causal) computes, in
+// fewer and larger matrix products than ATen's CPU flash attention (bench/results/attention.md),
+// and is not its bits either (another summation order; exp from the same polynomial).
 
 #include <ATen/core/Tensor.h>
 
@@ -52,5 +56,16 @@ at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at
 // elsewhere it is the composition.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos,
                                                           const at::Tensor& sin);
+
+// softmax(q k^T / sqrt(D) + causal mask) v for q, k, v [B, H, T, D] (query i sees keys 0..i), the
+// result [B, H, T, D] laid out [B, T, H, D] in memory. On the CPU in float32 (any strides) a kernel
+// of row blocks of whole heads whose products go to LibTorch's BLAS (src/models/attention.cpp), and
+// differentiable in q, k and v; elsewhere, or where LibTorch has no BLAS, causal_attention_reference:
+// at::scaled_dot_product_attention(q, k, v, is_causal = true).
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// Whether causal_attention has its CPU kernel in this process (LibTorch's BLAS found).
+bool causal_attention_available();
 
 }  // namespace fsdpp::models

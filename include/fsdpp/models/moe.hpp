@@ -93,6 +93,7 @@ struct AttentionImpl : torch::nn::Module {
   int64_t heads;
   double rope_theta;
   bool onednn;  // models::linear's oneDNN products for float32 on the CPU
+  bool fused;   // models::causal_attention's kernel, else scaled_dot_product_attention
   torch::nn::Linear qkv{nullptr}, out{nullptr};
 
  private:

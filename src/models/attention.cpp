@@ -1,0 +1,223 @@
+// Causal self-attention on the CPU in row blocks of whole heads (models/kernels.hpp).
+//
+// For each head, and each block of kBlockRows query rows [r0, r1), the keys the block can see are
+// [0, r1). Forward:
+//   S = scale Q[r0:r1] K[0:r1]^T                     one BLAS product
+//   P = softmax(S) by rows, zero above the diagonal, and lse = log sum exp of each row's S
+//   O[r0:r1] = P V[0:r1]                             one BLAS product
+// Backward, with D_i = dO_i . O_i, blocks taken last to first (the last sees every key, so its
+// products start dK and dV and the others add to them):
+//   P = exp(S - lse) recomputed from one product, zero above the diagonal
+//   dV[0:r1] += P^T dO[r0:r1],   dP = dO[r0:r1] V[0:r1]^T,   dS = scale P (dP - D)
+//   dQ[r0:r1] = dS K[0:r1],      dK[0:r1] += dS^T Q[r0:r1]
+// A block's S and dP stay in a thread's cache; nothing [T, T] is kept between forward and backward.
+// Heads run on ATen's intra-op threads, each head on one thread, so the results do not depend on
+// how many there are. The products go to ATen's BLAS (MKL in PyTorch's wheels), called once per
+// block where ATen's flash attention calls it per 32 x 32 tile.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "fsdpp/models/kernels.hpp"
+#include "float_loops.hpp"
+#include "vector_clones.hpp"
+
+namespace fsdpp::models {
+
+namespace {
+
+using loops::exp_poly;
+using loops::kLanes;
+
+// Query rows per block. With causal masking a head of T rows computes (T / rows + 1) / (2 T / rows)
+// of the full T x T products: 3/4 at 64 rows and T = 128, where 64 x 128 x 32 products run near the
+// BLAS's speed and 32-row ones do not (bench/results/attention.md).
+constexpr int64_t kBlockRows = 64;
+
+// The Fortran BLAS's sgemm_, from the library that holds ATen (LibTorch's own BLAS, the one ATen's
+// products use; null where LibTorch has none).
+using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                       const int*, const float*, const int*, const float*, float*, const int*);
+
+Sgemm blas_sgemm() {
+  static const Sgemm f = []() -> Sgemm {
+    Dl_info info{};
+    if (!dladdr(reinterpret_cast<void*>(&at::_ops::empty_memory_format::call), &info) || !info.dli_fname)
+      return nullptr;
+    void* lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+    if (!lib) return nullptr;
+    auto sgemm = reinterpret_cast<Sgemm>(dlsym(lib, "sgemm_"));
+    dlclose(lib);  // the reference RTLD_NOLOAD took; the library stays loaded
+    return sgemm;
+  }();
+  return f;
+}
+
+// Row-major C[m, n] = alpha op(A) op(B) + beta C, op(X) = X^T where asked; each matrix row-major
+// with its leading dimension. A row-major matrix is its transpose in the BLAS's column-major
+// terms, so this is C^T = op(B)^T op(A)^T there.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+  const int M = int(n), N = int(m), K = int(k), la = int(ldb), lb = int(lda), lc = int(ldc);
+  blas_sgemm()(&ta, &tb, &M, &N, &K, &alpha, b, &la, a, &lb, &beta, c, &lc);
+}
+
+// One row of scores s[0, len) whose first n are visible: s becomes the softmax over those n and
+// zero past them; returns log sum exp of the visible scores.
+FSDPP_VECTOR_CLONES float softmax_row(float* __restrict s, int64_t n, int64_t len) {
+  float mx[kLanes];
+  for (int k = 0; k < kLanes; ++k) mx[k] = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) mx[k] = s[j + k] > mx[k] ? s[j + k] : mx[k];
+  float m = -std::numeric_limits<float>::infinity();
+  for (; j < n; ++j) m = s[j] > m ? s[j] : m;
+  for (int k = 0; k < kLanes; ++k) m = mx[k] > m ? mx[k] : m;
+  float acc[kLanes] = {};
+  j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) acc[k] += (s[j + k] = exp_poly(s[j + k] - m));
+  float l = 0.0f;
+  for (; j < n; ++j) l += (s[j] = exp_poly(s[j] - m));
+  for (int k = 0; k < kLanes; ++k) l += acc[k];
+  const float inv = 1.0f / l;
+  for (j = 0; j < n; ++j) s[j] *= inv;
+  for (j = n; j < len; ++j) s[j] = 0.0f;
+  return m + std::log(l);
+}
+
+// The backward's probabilities again: s[j] = exp(s[j] - lse) for the n visible, zero past them.
+FSDPP_VECTOR_CLONES void probs_row(float* __restrict s, float lse, int64_t n, int64_t len) {
+  for (int64_t j = 0; j < n; ++j) s[j] = exp_poly(s[j] - lse);
+  for (int64_t j = n; j < len; ++j) s[j] = 0.0f;
+}
+
+// dS = scale P (dP - D) in place of dP.
+FSDPP_VECTOR_CLONES void dscores_row(const float* __restrict p, float* __restrict dp, float d, float scale,
+                                     int64_t len) {
+  for (int64_t j = 0; j < len; ++j) dp[j] = scale * p[j] * (dp[j] - d);
+}
+
+// One head of a [B, H, T, D] tensor: rows of D floats, `ld` apart.
+struct Head {
+  float* p;
+  int64_t ld;
+};
+
+Head head(const at::Tensor& x, int64_t bh) {
+  const int64_t H = x.size(1);
+  return {const_cast<float*>(x.const_data_ptr<float>()) + (bh / H) * x.stride(0) + (bh % H) * x.stride(1),
+          x.stride(2)};
+}
+
+// [B, H, T, D] laid out [B, T, H, D] in memory, as the model's tensors around attention are.
+at::Tensor like_heads(const at::Tensor& x) {
+  return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).permute({0, 2, 1, 3});
+}
+
+std::vector<float>& scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf;
+}
+
+void forward_head(Head q, Head k, Head v, Head o, float* lse, int64_t T, int64_t D, float scale) {
+  float* s = scratch(size_t(kBlockRows * T)).data();
+  for (int64_t r0 = 0; r0 < T; r0 += kBlockRows) {
+    const int64_t r1 = std::min(T, r0 + kBlockRows), rows = r1 - r0, keys = r1;
+    gemm(false, true, rows, keys, D, scale, q.p + r0 * q.ld, q.ld, k.p, k.ld, 0.0f, s, keys);
+    for (int64_t i = 0; i < rows; ++i) lse[r0 + i] = softmax_row(s + i * keys, r0 + i + 1, keys);
+    gemm(false, false, rows, D, keys, 1.0f, s, keys, v.p, v.ld, 0.0f, o.p + r0 * o.ld, o.ld);
+  }
+}
+
+void backward_head(Head q, Head k, Head v, Head o, Head dout, const float* lse, Head dq, Head dk, Head dv, int64_t T,
+                   int64_t D, float scale) {
+  float* buf = scratch(size_t(2 * kBlockRows * T + T)).data();
+  float *p = buf, *dp = buf + kBlockRows * T, *delta = buf + 2 * kBlockRows * T;
+  for (int64_t i = 0; i < T; ++i) delta[i] = loops::dot(dout.p + i * dout.ld, o.p + i * o.ld, D);
+  const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
+  for (int64_t b = blocks - 1; b >= 0; --b) {
+    const int64_t r0 = b * kBlockRows, r1 = std::min(T, r0 + kBlockRows), rows = r1 - r0, keys = r1;
+    const float beta = b == blocks - 1 ? 0.0f : 1.0f;  // the last block sees every key: it starts dK and dV
+    const float *qb = q.p + r0 * q.ld, *gb = dout.p + r0 * dout.ld;
+    gemm(false, true, rows, keys, D, scale, qb, q.ld, k.p, k.ld, 0.0f, p, keys);
+    for (int64_t i = 0; i < rows; ++i) probs_row(p + i * keys, lse[r0 + i], r0 + i + 1, keys);
+    gemm(true, false, keys, D, rows, 1.0f, p, keys, gb, dout.ld, beta, dv.p, dv.ld);
+    gemm(false, true, rows, keys, D, 1.0f, gb, dout.ld, v.p, v.ld, 0.0f, dp, keys);
+    for (int64_t i = 0; i < rows; ++i) dscores_row(p + i * keys, dp + i * keys, delta[r0 + i], scale, keys);
+    gemm(false, false, rows, D, keys, 1.0f, dp, keys, k.p, k.ld, 0.0f, dq.p + r0 * dq.ld, dq.ld);
+    gemm(true, false, keys, D, rows, 1.0f, dp, keys, qb, q.ld, beta, dk.p, dk.ld);
+  }
+}
+
+// Rows of D floats one after another, a leading dimension the BLAS's int holds (the kernel reads
+// rows through it).
+at::Tensor rows_dense(const at::Tensor& x) {
+  return x.stride(3) == 1 && x.stride(2) <= std::numeric_limits<int>::max() ? x : x.contiguous();
+}
+
+struct CausalAttention : torch::autograd::Function<CausalAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
+                            const at::Tensor& v_in) {
+    const auto q = rows_dense(q_in), k = rows_dense(k_in), v = rows_dense(v_in);
+    const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+    const float scale = 1.0f / std::sqrt(float(D));
+    auto o = like_heads(q);
+    auto lse = at::empty({B, H, T}, q.options());
+    float* lp = lse.mutable_data_ptr<float>();
+    loops::parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t bh = h0; bh < h1; ++bh)
+        forward_head(head(q, bh), head(k, bh), head(v, bh), head(o, bh), lp + bh * T, T, D, scale);
+    });
+    ctx->save_for_backward({q, k, v, o, lse});
+    return o;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
+    if (!grads[0].defined()) return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
+    const auto dout = rows_dense(grads[0]);
+    const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+    const float scale = 1.0f / std::sqrt(float(D));
+    auto dq = like_heads(q), dk = like_heads(k), dv = like_heads(v);
+    const float* lp = lse.const_data_ptr<float>();
+    loops::parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t bh = h0; bh < h1; ++bh)
+        backward_head(head(q, bh), head(k, bh), head(v, bh), head(o, bh), head(dout, bh), lp + bh * T, head(dq, bh),
+                      head(dk, bh), head(dv, bh), T, D, scale);
+    });
+    return {dq, dk, dv};
+  }
+};
+
+}  // namespace
+
+bool causal_attention_available() { return blas_sgemm() != nullptr; }
+
+at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+}
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+              "causal_attention: expected q, k and v of one shape [B, H, T, D], got ", q.sizes(), ", ", k.sizes(),
+              " and ", v.sizes());
+  const bool own = q.is_cpu() && k.is_cpu() && v.is_cpu() && q.scalar_type() == at::kFloat &&
+                   k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && q.numel() > 0 &&
+                   q.size(2) <= std::numeric_limits<int>::max() / kBlockRows && causal_attention_available();
+  if (!own) return causal_attention_reference(q, k, v);
+  return CausalAttention::apply(q, k, v);
+}
+
+}  // namespace fsdpp::models
