@@ -37,8 +37,10 @@ using loops::exp_poly;
 using loops::kLanes;
 
 // Query rows per block. With causal masking a head of T rows computes (T / rows + 1) / (2 T / rows)
-// of the full T x T products: 3/4 at 64 rows and T = 128, where 64 x 128 x 32 products run near the
-// BLAS's speed and 32-row ones do not (bench/results/attention.md).
+// of the full T x T products: 5/8 at 32 rows and T = 128, 3/4 at 64, all of them at 128; smaller
+// blocks make smaller, slower products. At moe-small's shape (T = 128, 32 per head) 64 rows took
+// 0.72-0.74 of ATen's flash attention's time at 1 and 2 threads, 32 rows 0.75-0.81, 128 rows
+// 0.79-0.90 (bench/attention_bench.cpp, each block size in turn).
 constexpr int64_t kBlockRows = 64;
 
 // The Fortran BLAS's sgemm_, from the library that holds ATen (LibTorch's own BLAS, the one ATen's
