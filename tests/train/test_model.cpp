@@ -34,6 +34,15 @@ MoEConfig small_config() {
   return c;
 }
 
+// softmax(q k^T / sqrt(d) + causal mask) v in float64, the scores written out.
+at::Tensor attention_f64(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t T = q.size(2);
+  const auto qd = q.to(at::kDouble), kd = k.to(at::kDouble), vd = v.to(at::kDouble);
+  auto s = at::matmul(qd, kd.transpose(-2, -1)) / std::sqrt(double(q.size(3)));
+  s = s.masked_fill(at::ones({T, T}, at::kBool).triu(1), -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(s, -1), vd);
+}
+
 double softmax_at(std::vector<double> l, size_t i) {
   double m = *std::max_element(l.begin(), l.end()), s = 0;
   for (double v : l) s += std::exp(v - m);
@@ -305,9 +314,7 @@ TEST_CASE("attention: the fused causal kernel equals softmax(q k^T / sqrt(d) + c
   const auto qkv = attn->qkv(x2).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
   const auto [cos, sin] = models::rotary_tables(T, hd, c.rope_theta, at::TensorOptions().dtype(at::kFloat));
   const auto q = models::rotary_reference(qkv[0], cos, sin), k = models::rotary_reference(qkv[1], cos, sin);
-  auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(hd));
-  scores = scores.masked_fill(at::ones({T, T}, at::kBool).triu(1), -std::numeric_limits<double>::infinity());
-  const auto expected = attn->out(at::matmul(at::softmax(scores, -1), qkv[2]).transpose(1, 2).reshape({B, T, D}));
+  const auto expected = attn->out(attention_f64(q, k, qkv[2]).to(at::kFloat).transpose(1, 2).reshape({B, T, D}));
   CHECK(at::allclose(y, expected, 1e-5, 1e-6));
 
   y.pow(2).sum().backward();
@@ -427,21 +434,12 @@ TEST_CASE("swiglu: the fused CPU kernel agrees with silu(a) * b, values and grad
 
 namespace {
 
-// softmax(q k^T / sqrt(d) + causal mask) v in float64, the scores written out.
-at::Tensor attention_f64(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const int64_t T = q.size(2);
-  const auto qd = q.to(at::kDouble), kd = k.to(at::kDouble), vd = v.to(at::kDouble);
-  auto s = at::matmul(qd, kd.transpose(-2, -1)) / std::sqrt(double(q.size(3)));
-  s = s.masked_fill(at::ones({T, T}, at::kBool).triu(1), -std::numeric_limits<double>::infinity());
-  return at::matmul(at::softmax(s, -1), vd);
-}
-
 // q, k, v [B, H, T, D] laid out three ways: [B, T, H, D] in memory (as the model's are),
 // contiguous, and with D not innermost.
-std::vector<at::Tensor> laid_out(const at::Tensor& x, int way) {
-  if (way == 0) return {x.permute({0, 2, 1, 3}).contiguous().permute({0, 2, 1, 3})};
-  if (way == 1) return {x.contiguous()};
-  return {x.transpose(2, 3).contiguous().transpose(2, 3)};
+at::Tensor laid_out(const at::Tensor& x, int way) {
+  if (way == 0) return x.permute({0, 2, 1, 3}).contiguous().permute({0, 2, 1, 3});
+  if (way == 1) return x.contiguous();
+  return x.transpose(2, 3).contiguous().transpose(2, 3);
 }
 
 }  // namespace
@@ -461,7 +459,7 @@ TEST_CASE("causal_attention: the CPU kernel equals the float64 composition, valu
       for (int i = 0; i < 3; ++i) {
         const auto x = at::randn({B, H, T, D});
         ref.push_back(x.to(at::kDouble).requires_grad_());
-        in.push_back(laid_out(x, way)[0].requires_grad_());
+        in.push_back(laid_out(x, way).requires_grad_());
       }
       const auto y = models::causal_attention(in[0], in[1], in[2]);
       const auto expected = attention_f64(ref[0], ref[1], ref[2]);
