@@ -27,23 +27,40 @@ rate() {  # tokens/s of one run directory between the warm-up and the last step
   "$python" bench/metrics_tokens_per_s.py "$1/metrics/rank0.jsonl" $warmup $((warmup + steps)) "$2" | cut -d' ' -f1
 }
 
-# dp = 2: `fsdpp run` with recipe overrides.
+# dp = 2: `fsdpp run` with recipe overrides, each rank's threads watched by bench/thread_cpu.py.
 dp2() {
   local name=$1; shift
   local dir=$work/$name
-  "$fsdpp" run recipes/moe-small.json "${common[@]}" "$@" logging.output_dir="$dir" > "$dir.log" 2>&1 ||
-    { cat "$dir.log"; exit 1; }
-  echo "$name $(rate "$dir" $((32 * 128)))" >> "$results"
+  "$python" bench/thread_cpu.py "$dir.threads.json" "$fsdpp" run recipes/moe-small.json "${common[@]}" "$@" \
+    logging.output_dir="$dir" > "$dir.log" 2>&1 || { cat "$dir.log"; exit 1; }
+  echo "$name $(rate "$dir" $((32 * 128))) $(threads "$dir.threads.json")" >> "$results"
+}
+
+# The computing thread's time (each rank's first thread; both ranks together), as fractions of the
+# time it was seen: running, waiting for a CPU, blocked; and the share of the ranks' CPU time that
+# went to their other threads (communication and the runtime's).
+threads() {
+  "$python" - "$1" <<'PY'
+import json, sys
+ranks = json.load(open(sys.argv[1])).values()
+main = [min(r, key=lambda t: t["tid"]) for r in ranks]
+seen = sum(t["seen_s"] for t in main)
+run, runq = sum(t["run_s"] for t in main), sum(t["runq_s"] for t in main)
+cpu = sum(t["cpu_s"] for r in ranks for t in r)
+print(f"{run / seen:.4f} {runq / seen:.4f} {(seen - run - runq) / seen:.4f} {(cpu - sum(t['cpu_s'] for t in main)) / cpu:.4f}")
+PY
 }
 
 # Two one-rank runs of half the batch each, started together, one thread each; their rates add
-# up. $2 = pin: each on its own CPU (taskset).
+# up. $2 = pin: each on its own CPU (taskset); nice: each at nice 19, as dist.compute_nice=19 puts
+# a dp = 2 rank's computing thread.
 comm_free() {
   local name=$1 pin=$2
   local pids=()
   for r in 0 1; do
     local wrap=""
     [ "$pin" = pin ] && wrap="taskset -c $r"
+    [ "$pin" = nice ] && wrap="nice -n 19"
     OMP_NUM_THREADS=1 $wrap "$fsdpp" run recipes/moe-small.json parallel.dp=1 train.global_batch=16 "${common[@]}" \
       logging.output_dir="$work/$name-$r" > "$work/$name-$r.log" 2>&1 &
     pids+=($!)
@@ -53,31 +70,36 @@ comm_free() {
     "$(rate "$work/$name-0" $((16 * 128)))" "$(rate "$work/$name-1" $((16 * 128)))")" >> "$results"
 }
 
-gathers=(true false)
-bindings=(none rank compute)
+# Placements: dist.cpu_binding / dist.compute_nice.
+once=(none/0 rank/0 compute/0 none/19 compute/19)  # gathered once per step
+again=(none/0 compute/0 compute/19)                # reshard after forward
 for round in $(seq "$rounds"); do
   echo "round $round of $rounds" >&2
   comm_free comm-free-none ""
   comm_free comm-free-pinned pin
-  for g in "${gathers[@]}"; do
-    for b in "${bindings[@]}"; do
-      dp2 "dp2-$g-$b" parallel.reshard_after_forward=$g dist.cpu_binding=$b
-    done
+  comm_free comm-free-nice nice
+  for p in "${once[@]}"; do
+    dp2 "dp2-false-${p%/*}-${p#*/}" parallel.reshard_after_forward=false dist.cpu_binding=${p%/*} dist.compute_nice=${p#*/}
   done
-  OMP_NUM_THREADS=2 dp2 dp2-false-omp2 parallel.reshard_after_forward=false
+  for p in "${again[@]}"; do
+    dp2 "dp2-true-${p%/*}-${p#*/}" parallel.reshard_after_forward=true dist.cpu_binding=${p%/*} dist.compute_nice=${p#*/}
+  done
+  OMP_NUM_THREADS=2 dp2 dp2-false-omp2 parallel.reshard_after_forward=false dist.compute_nice=0
 done
 
 "$python" - "$results" "$build" "$rounds" > "$out.tmp" <<'PY'
 import datetime, statistics, sys
 from collections import defaultdict
-runs = defaultdict(list)
+runs, split = defaultdict(list), defaultdict(list)
 for line in open(sys.argv[1]):
-    name, value = line.split()
+    name, value, *threads = line.split()
     runs[name].append(float(value))
+    if threads:
+        split[name].append([float(x) for x in threads])
 med = {k: statistics.median(v) for k, v in runs.items()}
 build, rounds = sys.argv[2], sys.argv[3]
-# Each run against the same round's limit (the better communication-free placement), side by side.
-limits = [max(a, b) for a, b in zip(runs["comm-free-none"], runs["comm-free-pinned"])]
+# Each run against the same round's limit (the best communication-free placement), side by side.
+limits = [max(a, b, c) for a, b, c in zip(runs["comm-free-none"], runs["comm-free-pinned"], runs["comm-free-nice"])]
 share = {k: statistics.median(x / l for x, l in zip(v, limits)) for k, v in runs.items()}
 print("# dp = 2 on 2 cores: where the threads run, and the communication-free limit")
 print()
@@ -90,28 +112,45 @@ print("thread per rank (the launcher's OMP_NUM_THREADS=1). Beside it, the commun
 print("independent one-rank runs of half the batch each (`parallel.dp=1 train.global_batch=16`, one")
 print("thread each), started together, their rates added: the same compute with no collectives at all.")
 print("Tokens/s over steps 6-25, median over interleaved rounds. \"Of the limit\": each run divided by its")
-print("round's limit (the better of the two communication-free placements), median over rounds.")
+print("round's limit (the best of the three communication-free placements), median over rounds.")
 print()
 print("Each rank has three kinds of threads: the one that computes (forward, backward, optimizer; no")
 print("OpenMP pool at one thread), one worker per communicator that runs its collectives in order, and")
 print("Gloo's event loop that moves the bytes. `dist.cpu_binding` decides where they run:")
 print("`none` leaves them to the kernel, `rank` binds all of a rank's threads to its CPU, `compute`")
 print("binds only the computing thread, so a rank's communication threads can run on the other CPU")
-print("while its own CPU computes. `parallel.reshard_after_forward` decides how often blocks are")
-print("gathered: `true` frees them after forward and gathers again for backward (4 all-gathers per")
-print("block per step with 2 microbatches), `false` gathers each block once per step and keeps it")
-print("through both microbatches (1 all-gather per block per step, as much traffic as DDP's all-reduce).")
+print("while its own CPU computes. `dist.compute_nice` adds to the computing thread's nice value (0:")
+print("off); the communication threads keep nice 0, so they run as soon as bytes arrive or can leave")
+print("instead of when a computing thread's time slice ends. `parallel.reshard_after_forward` decides")
+print("how often blocks are gathered: `true` frees them after forward and gathers again for backward")
+print("(4 all-gathers per block per step with 2 microbatches), `false` gathers each block once per step")
+print("and keeps it through both microbatches (1 all-gather per block per step, as much traffic as")
+print("DDP's all-reduce).")
 print()
-print("| run | tokens/s (median) | of the limit | rounds |")
-print("|---|---:|---:|---|")
+print("Each dp = 2 run's threads are watched from /proc (`bench/thread_cpu.py`, a reading every 0.2 s,")
+print("the whole run: start-up, 25 steps, the end). The computing threads' time, both ranks together,")
+print("is split into running, waiting for a CPU (runnable, another thread on it) and blocked (waiting")
+print("for a collective or a lock); \"others' CPU\" is the share of the ranks' CPU time that their other")
+print("threads took (communication, the runtime's). Each a median over rounds.")
+print()
+print("| run | tokens/s (median) | of the limit | computing: running | waiting for a CPU | blocked | others' CPU | rounds (tokens/s) |")
+print("|---|---:|---:|---:|---:|---:|---:|---|")
 def row(label, name):
-    print(f"| {label} | {med[name]:.0f} | {share[name]:.2f}x | {' '.join(f'{x:.0f}' for x in runs[name])} |")
+    cells = ["", "", "", ""]
+    if split[name]:
+        cells = [f"{100 * statistics.median(s[i] for s in split[name]):.1f}%" for i in range(4)]
+    print(f"| {label} | {med[name]:.0f} | {share[name]:.2f}x | {' | '.join(cells)} | {' '.join(f'{x:.0f}' for x in runs[name])} |")
 row("communication-free, unbound", "comm-free-none")
 row("communication-free, each run on its own CPU", "comm-free-pinned")
-for g, what in (("true", "reshard after forward"), ("false", "gathered once per step")):
-    for b in ("none", "rank", "compute"):
-        row(f"dp = 2, {what}, cpu_binding {b}", f"dp2-{g}-{b}")
+row("communication-free, each run at nice 19", "comm-free-nice")
+for g, what in (("false", "gathered once per step"), ("true", "reshard after forward")):
+    for name in sorted((n for n in runs if n.startswith(f"dp2-{g}-") and n != "dp2-false-omp2"),
+                       key=lambda n: (int(n.rsplit("-", 1)[1]), ("none", "rank", "compute").index(n.split("-")[2]))):
+        _, _, b, nice = name.split("-")
+        row(f"dp = 2, {what}, cpu_binding {b}, compute_nice {nice}", name)
 row("dp = 2, gathered once per step, 2 OpenMP threads per rank, unbound", "dp2-false-omp2")
+print()
+print("With 2 OpenMP threads per rank, the second one's time counts among the others'.")
 PY
 mv "$out.tmp" "$out"
 cat "$out"

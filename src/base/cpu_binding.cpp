@@ -2,14 +2,20 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <ATen/Parallel.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
+
+#include "fsdpp/base/parallel.hpp"
 
 namespace fsdpp {
 
@@ -82,6 +88,29 @@ std::string bind_cpus(CpuBinding binding, int local_rank, int local_world) {
   }
   set_thread_cpus(static_cast<pid_t>(syscall(SYS_gettid)), share);
   return fmt::format("compute thread on {}", describe(share));
+}
+
+std::string lower_compute_priority(int increment) {
+  if (increment < 0 || increment > 19)
+    throw std::invalid_argument(fmt::format("compute nice {}: expected 0 to 19", increment));
+  if (increment == 0) return "";
+  const auto self = [] { return static_cast<id_t>(syscall(SYS_gettid)); };
+  errno = 0;
+  const int before = getpriority(PRIO_PROCESS, self());
+  if (before == -1 && errno != 0)
+    throw std::runtime_error(fmt::format("compute nice: getpriority failed: {}", std::strerror(errno)));
+  const int target = std::min(19, before + increment);
+  // Every thread that computes sets its own: a thread's nice value is its own on Linux.
+  std::atomic<int> failed{0};
+  auto apply = [&] {
+    if (getpriority(PRIO_PROCESS, self()) < target && setpriority(PRIO_PROCESS, self(), target) != 0) failed = errno;
+  };
+  apply();
+  // One index per intra-op thread: ATen hands each thread one when the grain is 1.
+  parallel_ranges(at::get_num_threads(), 1, [&](int64_t, int64_t) { apply(); });
+  if (const int e = failed.load())
+    throw std::runtime_error(fmt::format("compute nice: setpriority to {} failed: {}", target, std::strerror(e)));
+  return fmt::format("computing thread{} at nice {} (was {})", at::get_num_threads() > 1 ? "s" : "", target, before);
 }
 
 }  // namespace fsdpp

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <functional>
 
+#include "fsdpp/base/parallel.hpp"
+
 namespace fsdpp::models::loops {
 
 constexpr int kLanes = 16;
@@ -43,7 +45,6 @@ inline float dot(const float* x, const float* y, int64_t n) {
   return s;
 }
 
-// body(begin, end) over [0, count) in ranges of at least `grain`, on ATen's intra-op threads.
-void parallel_ranges(int64_t count, int64_t grain, const std::function<void(int64_t, int64_t)>& body);
+using fsdpp::parallel_ranges;
 
 }  // namespace fsdpp::models::loops

@@ -546,6 +546,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       d.number("watchdog_timeout_s", rc.dist.watchdog_timeout_s, 0, 1e7);
       d.boolean("check_collectives", rc.dist.check_collectives);
       d.string("cpu_binding", rc.dist.cpu_binding, {"none", "rank", "compute"});
+      d.integer("compute_nice", rc.dist.compute_nice, 0, 19);
     }
 
     // Layout: the rules that tie sections together.

@@ -645,6 +645,9 @@ RunResult Trainer::run() {
   log("MKL: " + mkl_dispatch().detail);  // Note [MKL's kernels on other vendors' CPUs]
   prepare_output();
   build();
+  // After build: every communicator (the expert-parallel ones are made there) has its threads.
+  if (const auto niced = lower_compute_priority(recipe_.dist.compute_nice); !niced.empty())
+    log(fmt::format("compute nice ({}): rank 0's {}", recipe_.dist.compute_nice, niced));
   if (options_.restart > 0)
     log(fmt::format("restart {}: {}", options_.restart,
                     options_.resume ? "continuing from the latest checkpoint that verifies" : "no checkpoint yet, starting afresh"));

@@ -1,7 +1,11 @@
 // Binding a rank's threads to its share of the CPUs: the shares, and the masks the kernel reports
-// for the calling thread and for threads that existed before.
+// for the calling thread and for threads that existed before. Lowering the computing threads'
+// priority: the nice values the kernel reports for each.
+#include <ATen/Parallel.h>
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -10,9 +14,11 @@
 #include <filesystem>
 #include <future>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "fsdpp/base/cpu_binding.hpp"
+#include "fsdpp/base/parallel.hpp"
 
 using namespace fsdpp;
 
@@ -97,4 +103,52 @@ TEST_CASE("cpu binding: compute binds the calling thread only; rank binds every 
   CHECK(thread_cpus(before_tid) == std::vector<int>{all.back()});
   for (const auto& [tid, mask] : masks) set_mask(tid, mask);
   CHECK(thread_cpus(before_tid) == before_mask);
+}
+
+TEST_CASE("compute nice: the calling thread and its intra-op threads yield; threads made before keep theirs") {
+  const auto nice_of = [](int tid) {
+    errno = 0;
+    const int n = getpriority(PRIO_PROCESS, static_cast<id_t>(tid));
+    REQUIRE(errno == 0);
+    return n;
+  };
+  CHECK_THROWS_WITH_AS(lower_compute_priority(20), "compute nice 20: expected 0 to 19", std::invalid_argument);
+  CHECK_THROWS_AS(lower_compute_priority(-1), std::invalid_argument);
+
+  Idle before;  // like a communicator's worker: it exists before the computing thread yields
+  const int before_tid = before.tid.get_future().get();
+  const int before_nice = nice_of(before_tid);
+  const int threads = at::get_num_threads();
+  // In a thread of its own, which owns its intra-op threads (OpenMP gives each thread that starts
+  // a parallel region its own team), so that the test's other threads keep their priority.
+  std::string said, unchanged;
+  int own_before = 0, own_after = 0;
+  std::map<int, int> pool;  // intra-op thread -> nice, read in a parallel region after the change
+  std::mutex mu;
+  std::thread([&] {
+    at::set_num_threads(2);  // OpenMP's thread count is the calling thread's own setting
+    own_before = nice_of(gettid_());
+    // The intra-op threads exist before the change, as they do in a trainer that built its model.
+    parallel_ranges(2, 1, [](int64_t, int64_t) {});
+    unchanged = lower_compute_priority(0);
+    said = lower_compute_priority(1);
+    own_after = nice_of(gettid_());
+    parallel_ranges(2, 1, [&](int64_t, int64_t) {
+      const int tid = gettid_();
+      const int n = nice_of(tid);
+      std::lock_guard<std::mutex> lock(mu);
+      pool[tid] = n;
+    });
+  }).join();
+  at::set_num_threads(threads);
+  CHECK(unchanged.empty());
+  const int target = std::min(19, own_before + 1);
+  CHECK(said == fmt::format("computing threads at nice {} (was {})", target, own_before));
+  CHECK(own_after == target);
+  CHECK(pool.size() == 2);  // the calling thread and one intra-op thread
+  for (const auto& [tid, n] : pool) {
+    CAPTURE(tid);
+    CHECK(n == target);
+  }
+  CHECK(nice_of(before_tid) == before_nice);
 }

@@ -180,11 +180,14 @@ TEST_CASE("recipe: parallel.unshard_window goes into the plan, with pp > 1 only"
          "parallel.unshard_window: must be in [1, 64], got 0");
 }
 
-TEST_CASE("recipe: parallel.reshard_after_forward and dist.cpu_binding") {
+TEST_CASE("recipe: parallel.reshard_after_forward, dist.cpu_binding and dist.compute_nice") {
   const auto r = train::parse_recipe(base(), "test.json", kSource + "/recipes",
-                                     {"parallel.reshard_after_forward=false", "dist.cpu_binding=compute"});
+                                     {"parallel.reshard_after_forward=false", "dist.cpu_binding=compute", "dist.compute_nice=7"});
   CHECK(!r.parallel.reshard_after_forward);
   CHECK(r.dist.cpu_binding == "compute");
+  CHECK(r.dist.compute_nice == 7);
+  expect(problems(base(), {"dist.compute_nice=20"}), "dist.compute_nice: must be in [0, 19], got 20");
+  expect(problems(base(), {"dist.compute_nice=-1"}), "dist.compute_nice: must be in [0, 19], got -1");
   CHECK(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.reshard_after_forward=false"}) ==
         "valid");  // what a pipeline's plan does anyway
   expect(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.reshard_after_forward=false",

@@ -305,7 +305,7 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
 }
 
 TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per step, not 4 times, and trains "
-          "bitwise alike; dist.cpu_binding binds; the MKL decision is logged") {
+          "bitwise alike; dist.cpu_binding binds; dist.compute_nice yields; the MKL decision is logged") {
   // Per rank-0 step: how many all-gathers of each unit, from the trace.
   const auto gathers_per_step = [](const std::string& dir) {
     const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
@@ -328,7 +328,8 @@ TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per
   const std::string common = "train.steps=10 logging.interval=1 eval.interval=0 parallel.dp=2 train.grad_accum=2 --trace";
   const auto freed = fresh_dir("reshard-true"), kept = fresh_dir("reshard-false");
   train_run(freed, common);
-  const auto out = train_run(kept, common + " parallel.reshard_after_forward=false dist.cpu_binding=compute");
+  const auto out =
+      train_run(kept, common + " parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=1");
   const auto a = gathers_per_step(freed), b = gathers_per_step(kept);
   CHECK(a == std::map<std::string, int>{{"layers.0", 4}, {"layers.1", 4}, {"root", 2}});
   CHECK(b == std::map<std::string, int>{{"layers.0", 1}, {"layers.1", 1}, {"root", 1}});
@@ -337,6 +338,7 @@ TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per
   const bool bound = out.find("cpu binding (compute): rank 0's compute thread on CPU") != std::string::npos ||
                      out.find("cpu binding (compute): not bound: 2 local ranks for 1 CPU") != std::string::npos;
   CHECK(bound);
+  CHECK(out.find("compute nice (1): rank 0's computing thread") != std::string::npos);
   // What MKL was told (Note [MKL's kernels on other vendors' CPUs]): the same decision as here.
   CHECK(out.find("MKL: " + mkl_dispatch().detail) != std::string::npos);
   for (const auto& d : {freed, kept}) fs::remove_all(d);

@@ -32,4 +32,14 @@ std::vector<int> thread_cpus(int tid = 0);
 // 3 local ranks for 2 CPUs", "" for kNone. Throws std::runtime_error when the system refuses.
 std::string bind_cpus(CpuBinding binding, int local_rank, int local_world);
 
+// Lowers the computing threads' priority: adds `increment` (0 to 19) to the nice value of the
+// calling thread and of each thread of ATen's intra-op pool, up to 19. The threads that exist
+// already and are not these (the communicators' workers, Gloo's event loops) keep theirs, so on
+// CPUs that the computing threads keep busy they run as soon as a transfer needs them rather than
+// when a time slice ends. Call it once every communicator exists: threads the computing thread
+// starts later inherit its nice value. Returns what was done, for the log ("" for 0). Throws
+// std::invalid_argument outside 0..19 and std::runtime_error when the system refuses.
+// bench/results/dp2_threads.md measures it at dp = 2 on 2 cores.
+std::string lower_compute_priority(int increment);
+
 }  // namespace fsdpp

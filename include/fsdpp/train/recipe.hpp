@@ -18,7 +18,8 @@
 //     "eval": {"interval": 100, "batches": 8},
 //     "checkpoint": {"interval": 0, "keep": 2, "storage": "shared"},
 //     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"},
-//     "dist": {"watchdog_timeout_s": 300, "check_collectives": false, "cpu_binding": "none"}
+//     "dist": {"watchdog_timeout_s": 300, "check_collectives": false, "cpu_binding": "none",
+//              "compute_nice": 0}
 //   }
 //
 // Every key has a default (the values above, from the option structs below). Validation reports
@@ -155,6 +156,10 @@ struct DistOptions {
   // them), "rank" (all of a rank's threads on its share of the CPUs) or "compute" (only the
   // computing thread there; communication threads run wherever a CPU is idle).
   std::string cpu_binding = "none";
+  // Added to the computing threads' nice value, 0 to 19 (fsdpp/base/cpu_binding.hpp): above 0, a
+  // rank's communication threads, which keep the process's priority, run as soon as they have work
+  // instead of waiting for the computing threads' time slices to end.
+  int compute_nice = 0;
 };
 
 struct Recipe {
