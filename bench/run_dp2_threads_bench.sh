@@ -52,17 +52,17 @@ PY
 }
 
 # Two one-rank runs of half the batch each, started together, one thread each; their rates add
-# up. $2 = pin: each on its own CPU (taskset); nice: each at nice 19, as dist.compute_nice=19 puts
-# a dp = 2 rank's computing thread.
+# up. $2 = pin: each on its own CPU (taskset); nice: each at dist.compute_nice=19. Every run here
+# names its placement: the recipe's own (dist) would apply otherwise.
 comm_free() {
   local name=$1 pin=$2
   local pids=()
   for r in 0 1; do
-    local wrap=""
+    local wrap="" nice=0
     [ "$pin" = pin ] && wrap="taskset -c $r"
-    [ "$pin" = nice ] && wrap="nice -n 19"
+    [ "$pin" = nice ] && nice=19
     OMP_NUM_THREADS=1 $wrap "$fsdpp" run recipes/moe-small.json parallel.dp=1 train.global_batch=16 "${common[@]}" \
-      logging.output_dir="$work/$name-$r" > "$work/$name-$r.log" 2>&1 &
+      dist.cpu_binding=none dist.compute_nice=$nice logging.output_dir="$work/$name-$r" > "$work/$name-$r.log" 2>&1 &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || { cat "$work/$name"-*.log; exit 1; }; done
@@ -84,7 +84,7 @@ for round in $(seq "$rounds"); do
   for p in "${again[@]}"; do
     dp2 "dp2-true-${p%/*}-${p#*/}" parallel.reshard_after_forward=true dist.cpu_binding=${p%/*} dist.compute_nice=${p#*/}
   done
-  OMP_NUM_THREADS=2 dp2 dp2-false-omp2 parallel.reshard_after_forward=false dist.compute_nice=0
+  OMP_NUM_THREADS=2 dp2 dp2-false-omp2 parallel.reshard_after_forward=false dist.cpu_binding=none dist.compute_nice=0
 done
 
 "$python" - "$results" "$build" "$rounds" > "$out.tmp" <<'PY'
@@ -142,7 +142,7 @@ def row(label, name):
     print(f"| {label} | {med[name]:.0f} | {share[name]:.2f}x | {' | '.join(cells)} | {' '.join(f'{x:.0f}' for x in runs[name])} |")
 row("communication-free, unbound", "comm-free-none")
 row("communication-free, each run on its own CPU", "comm-free-pinned")
-row("communication-free, each run at nice 19", "comm-free-nice")
+row("communication-free, each run at compute_nice 19", "comm-free-nice")
 for g, what in (("false", "gathered once per step"), ("true", "reshard after forward")):
     for name in sorted((n for n in runs if n.startswith(f"dp2-{g}-") and n != "dp2-false-omp2"),
                        key=lambda n: (int(n.rsplit("-", 1)[1]), ("none", "rank", "compute").index(n.split("-")[2]))):

@@ -3,7 +3,6 @@
 // vectoriser takes them without reassociating anything, and a way onto ATen's intra-op threads.
 #include <bit>
 #include <cstdint>
-#include <functional>
 
 #include "fsdpp/base/parallel.hpp"
 
