@@ -273,7 +273,7 @@ void ParamGroup::make_views() {
     // and at elements [r * pn, (r + 1) * pn) of the unsharded parameter, the last ones cut short.
     const auto src = rows.narrow(1, q.gather_offset, q.gather_bytes).view(q.compute_dtype);
     const auto dst = q.unsharded.view(-1);
-    const int64_t full = q.numel() / pn, rest = q.numel() % pn;
+    const int64_t full = q.full_pieces(), rest = q.last_piece();
     if (full > 0) q.copy_out.emplace_back(dst.narrow(0, 0, full * pn).view({full, pn}), src.narrow(0, 0, full));
     if (rest > 0) q.copy_out.emplace_back(dst.narrow(0, full * pn, rest), src[full].narrow(0, 0, rest));
     if (q.reduce_offset < 0) continue;
@@ -369,7 +369,7 @@ void ParamGroup::wait_unshard() {
     if (!gathered) {
       for (auto& [dst, src] : q.copy_out) copy_block(dst, src);
     } else if (pn > 0) {  // Note [raw copies]: rank r's rows, then the last rank's partial ones
-      const int64_t es = at::elementSize(q.compute_dtype), full = q.numel() / pn, rest = q.numel() % pn;
+      const int64_t es = at::elementSize(q.compute_dtype), full = q.full_pieces(), rest = q.last_piece();
       char* dst = unsharded + q.unsharded_offset;
       const char* src = gathered + q.gather_offset;
       copy_strided(dst, pn * es, src, gather_slot_bytes_, full, pn * es);
@@ -532,7 +532,7 @@ bool ParamGroup::pack_raw(Param& q, char* reduce_in) {
   char* dst = reduce_in + q.reduce_offset * es;
   int64_t used = 0;
   if (g.defined()) {
-    const int64_t full = q.numel() / pn, rest = q.numel() % pn;
+    const int64_t full = q.full_pieces(), rest = q.last_piece();
     const char* src = bytes_of(g);
     copy_strided(dst, row_stride, src, pn * es, full, pn * es);
     used = full;

@@ -326,6 +326,13 @@ void Unit::finish_backward(const std::shared_ptr<detail::Tree>& tree) {
 }
 
 void Unit::unshard(bool async) {
+  if (!tree_) return;
+  // In the order the last forward used the units (the root's first, as its forward starts
+  // first), so that the gathers land in the order the next forward waits for them. Units it did
+  // not reach, or all of them before any forward, follow in sharding order; unshard_async passes
+  // over a unit already gathered or in flight.
+  for (Unit* u : tree_->forward_order) u->group().unshard_async();
+  tree_->root->group().unshard_async();
   for (Unit* u : tree_units()) u->group().unshard_async();
   if (!async)
     for (Unit* u : tree_units()) u->group().wait_unshard();

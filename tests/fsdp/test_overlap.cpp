@@ -54,11 +54,13 @@ struct LoggedNetImpl : torch::nn::Module {
     head = register_module("head", torch::nn::Linear(d, 1));
   }
   at::Tensor forward(at::Tensor x) {
-    for (auto& b : *blocks) x = b->as<fsdp::FullyShardImpl<LoggedBlock>>()->forward(x);
+    for (size_t i = 0; i < blocks->size(); ++i)
+      x = blocks[reversed ? blocks->size() - 1 - i : i]->as<fsdp::FullyShardImpl<LoggedBlock>>()->forward(x);
     return head(x);
   }
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::Linear head{nullptr};
+  bool reversed = false;  // run the blocks last to first
 };
 TORCH_MODULE(LoggedNet);
 
@@ -102,6 +104,48 @@ TEST_CASE("overlap by order: gathers run ahead of compute, each reduce-scatter i
         CHECK(reduce < log.find("bwd_done " + std::to_string(i - 1)));
       }
     });
+}
+
+// An explicit asynchronous unshard issues the gathers in the order the next forward waits for
+// them: the root's first, then the blocks in the last forward's order (sharding order before any
+// forward).
+TEST_CASE("unshard(async) gathers the root first, then in the last forward's order") {
+  constexpr int kLayers = 4;
+  test::run_ranks(2, [&](comm::Comm& world) {
+    EventLog log;
+    comm::Comm comm(std::make_shared<LoggingComm>(world.impl_ptr(), log));
+    comm.set_consistency_check(false);
+    LoggedNet net(8, kLayers, log);
+    net->reversed = true;
+    auto model = fsdp::fully_shard(net, comm);
+    auto gathers = [&] {
+      std::lock_guard<std::mutex> lock(log.mu);
+      std::vector<std::string> out;
+      for (const auto& e : log.events)
+        if (e.rfind("AG ", 0) == 0) out.push_back(e.substr(3));
+      log.events.clear();
+      return out;
+    };
+    auto block = [](int i) { return "blocks." + std::to_string(i); };
+    gathers();
+    model->unshard(/*async=*/true);
+    model->reshard();
+    std::vector<std::string> want = {"root"};
+    for (int i = 0; i < kLayers; ++i) want.push_back(block(i));
+    CHECK(gathers() == want);
+
+    model->forward(at::randn({4, 8})).sum().backward();  // records blocks 3, 2, 1, 0
+    gathers();
+    model->unshard(/*async=*/true);
+    model->reshard();
+    want = {"root"};
+    for (int i = kLayers - 1; i >= 0; --i) want.push_back(block(i));
+    CHECK(gathers() == want);
+    // The forward that follows waits for those gathers and issues none of its own.
+    model->unshard(/*async=*/true);
+    model->forward(at::randn({4, 8}));
+    CHECK(gathers() == want);
+  });
 }
 
 namespace {

@@ -133,6 +133,11 @@ class ParamGroup {
     at::Tensor spare_grad;        // the last sharded gradient handed out (Note [spare gradients])
     int64_t padded_numel() const { return padded_rows * row_numel; }
     int64_t numel() const { return rows * row_numel; }
+    // Rank r holds elements [r * padded_numel(), (r + 1) * padded_numel()) of the flattened
+    // parameter: the first full_pieces() ranks a whole piece, the next one last_piece() elements
+    // when that is not 0, and any after it none. Both need padded_numel() > 0.
+    int64_t full_pieces() const { return numel() / padded_numel(); }
+    int64_t last_piece() const { return numel() % padded_numel(); }
   };
 
   void check_plan_is_uniform();

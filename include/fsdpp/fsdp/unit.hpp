@@ -117,7 +117,7 @@ class Unit {
 
   // User controls. On the root they apply to the whole tree.
   // Gathers the parameters; with `async`, only issues the all-gathers, which the next forward (or
-  // unshard()) waits for.
+  // unshard()) waits for. They go out in the order of the last forward, the root's first.
   void unshard(bool async = false);
   void reshard();
   // Issues one asynchronous reduce-scatter per unit for the gradients accumulated unsharded while
