@@ -81,33 +81,28 @@ std::shared_ptr<gloo::transport::Device> device_for(const std::string& address) 
 
 bool is_half(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
-template <typename T>
-gloo::AllreduceOptions::Func reduce_fn(ReduceOp op) {
+// z[i] = op(x[i], y[i]) in Acc, x and y read as their own types (a 16-bit input read into float32).
+template <typename Acc, typename X, typename Y>
+void combine(ReduceOp op, Acc* z, const X* x, const Y* y, size_t n) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAvg:
-      return [](void* c, const void* a, const void* b, size_t n) {
-        auto* z = static_cast<T*>(c);
-        auto* x = static_cast<const T*>(a);
-        auto* y = static_cast<const T*>(b);
-        for (size_t i = 0; i < n; ++i) z[i] = static_cast<T>(x[i] + y[i]);
-      };
+      for (size_t i = 0; i < n; ++i) z[i] = static_cast<Acc>(static_cast<Acc>(x[i]) + static_cast<Acc>(y[i]));
+      return;
     case ReduceOp::kMax:
-      return [](void* c, const void* a, const void* b, size_t n) {
-        auto* z = static_cast<T*>(c);
-        auto* x = static_cast<const T*>(a);
-        auto* y = static_cast<const T*>(b);
-        for (size_t i = 0; i < n; ++i) z[i] = std::max(x[i], y[i]);
-      };
+      for (size_t i = 0; i < n; ++i) z[i] = std::max(static_cast<Acc>(x[i]), static_cast<Acc>(y[i]));
+      return;
     case ReduceOp::kMin:
-      return [](void* c, const void* a, const void* b, size_t n) {
-        auto* z = static_cast<T*>(c);
-        auto* x = static_cast<const T*>(a);
-        auto* y = static_cast<const T*>(b);
-        for (size_t i = 0; i < n; ++i) z[i] = std::min(x[i], y[i]);
-      };
+      for (size_t i = 0; i < n; ++i) z[i] = std::min(static_cast<Acc>(x[i]), static_cast<Acc>(y[i]));
+      return;
   }
-  return {};
+}
+
+template <typename T>
+gloo::AllreduceOptions::Func reduce_fn(ReduceOp op) {
+  return [op](void* c, const void* a, const void* b, size_t n) {
+    combine(op, static_cast<T*>(c), static_cast<const T*>(a), static_cast<const T*>(b), n);
+  };
 }
 
 // Calls f.template operator()<T>() with T the C++ type of a (non-16-bit) dtype.
@@ -121,6 +116,14 @@ void dispatch(at::ScalarType t, F&& f) {
     case at::kByte: return f.template operator()<uint8_t>();
     default: throw CommError(fmt::format("internal: no reduction for {}", c10::toString(t)));
   }
+}
+
+// dispatch, and the 16-bit floats as c10::BFloat16 and c10::Half.
+template <typename F>
+void dispatch_input(at::ScalarType t, F&& f) {
+  if (t == at::kBFloat16) return f.template operator()<c10::BFloat16>();
+  if (t == at::kHalf) return f.template operator()<c10::Half>();
+  dispatch(t, std::forward<F>(f));
 }
 
 struct P2p {
@@ -448,6 +451,9 @@ class GlooComm : public CommImpl {
   // (r - s - 1) to rank r + 1 and adds its own contribution to the partial of chunk (r - s - 2)
   // that arrives from rank r - 1; after size - 1 steps it holds the full sum of chunk r. Each
   // chunk is reduced in one fixed order, so the result does not depend on timing.
+  // 16-bit dtypes accumulate in float32, and their partial sums travel in float32. The first hop
+  // carries a rank's own values, which the input's dtype holds exactly, so it travels in that
+  // dtype: half the bytes, the same result (at 2 ranks, the only hop).
   void ring_reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op,
                            uint32_t tag) {
     const int64_t n = out.numel();
@@ -456,31 +462,43 @@ class GlooComm : public CommImpl {
       std::memcpy(out.data_ptr(), in.const_data_ptr(), out.nbytes());
       return;
     }
-    const auto acc_type = is_half(in.scalar_type()) ? at::kFloat : in.scalar_type();
-    const at::Tensor src = in.scalar_type() == acc_type ? in : in.to(acc_type);
-    auto chunk = [&](int c) { return src.narrow(0, ((c % size_) + size_) % size_ * n, n); };
+    const bool widened = is_half(in.scalar_type());
+    const auto acc_type = widened ? at::kFloat : in.scalar_type();
     const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
     const auto slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
-    const size_t bytes = n * src.element_size();
+    const auto chunk = [&](int c) { return in.narrow(0, ((c % size_) + size_) % size_ * n, n); };
     // Two partial-sum buffers: one is being sent while the other receives.
-    at::Tensor bufs[2] = {at::empty({n}, src.options()), at::empty({n}, src.options())};
+    const size_t bytes = n * c10::elementSize(acc_type);
+    at::Tensor bufs[2] = {at::empty({n}, in.options().dtype(acc_type)), at::empty({n}, in.options().dtype(acc_type))};
     std::unique_ptr<gloo::transport::UnboundBuffer> ub[2] = {
         context_->createUnboundBuffer(bufs[0].data_ptr(), bytes),
         context_->createUnboundBuffer(bufs[1].data_ptr(), bytes)};
-    at::Tensor first = chunk(rank_ - 1);
-    auto first_ub = context_->createUnboundBuffer(first.data_ptr(), bytes);
-    first_ub->send(right, slot, 0, bytes);
+    // The first hop, in the input's dtype: this rank's chunk out, the left neighbour's in.
+    const at::Tensor first = chunk(rank_ - 1);
+    const at::Tensor first_in = widened ? at::empty({n}, in.options()) : at::Tensor();
+    const size_t first_bytes = first.nbytes();
+    auto first_ub = context_->createUnboundBuffer(first.data_ptr(), first_bytes);
+    auto first_in_ub = widened ? context_->createUnboundBuffer(first_in.data_ptr(), first_bytes) : nullptr;
+    first_ub->send(right, slot, 0, first_bytes);
     bool send_pending[2] = {false, false};
-    dispatch(acc_type, [&]<typename T>() {
-      auto add = reduce_fn<T>(op);
+    dispatch_input(in.scalar_type(), [&]<typename In>() {
+      using Acc = std::conditional_t<std::is_same_v<In, c10::BFloat16> || std::is_same_v<In, c10::Half>, float, In>;
       for (int s = 0; s < size_ - 1; ++s) {
         const int b = s % 2;
+        auto* sum = bufs[b].data_ptr<Acc>();
+        const In* mine = chunk(rank_ - s - 2).const_data_ptr<In>();
         // A gloo buffer takes one operation at a time: the send it started two steps ago must
         // have left before it receives again.
         if (send_pending[b]) ub[b]->waitSend(config_.timeout);
-        ub[b]->recv(left, slot, 0, bytes);
-        ub[b]->waitRecv(config_.timeout);
-        add(bufs[b].data_ptr<T>(), bufs[b].data_ptr<T>(), chunk(rank_ - s - 2).data_ptr<T>(), n);
+        if (s == 0 && widened) {
+          first_in_ub->recv(left, slot, 0, first_bytes);
+          first_in_ub->waitRecv(config_.timeout);
+          combine(op, sum, first_in.const_data_ptr<In>(), mine, n);
+        } else {
+          ub[b]->recv(left, slot, 0, bytes);
+          ub[b]->waitRecv(config_.timeout);
+          combine(op, sum, sum, mine, n);
+        }
         send_pending[b] = s < size_ - 2;
         if (send_pending[b]) ub[b]->send(right, slot, 0, bytes);
       }
