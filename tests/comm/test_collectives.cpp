@@ -102,13 +102,13 @@ TEST_CASE("all_gather: rank-major output, in-place input, uneven and zero counts
     });
 }
 
-TEST_CASE("reduce_scatter: sum and avg, chunk sizes 0..1000, world 1..4") {
+TEST_CASE("reduce_scatter: sum, avg, max and min, chunk sizes 0..1000, world 1..4") {
   for (int n = 1; n <= 4; ++n)
     test::run_ranks(n, [n](comm::Comm& comm) {
       const int r = comm.rank();
       for (auto dtype : test::all_dtypes())
         for (int64_t c : {0, 1, 6, 1000})
-          for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+          for (auto op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
             if (op == ReduceOp::kAvg && !at::isFloatingType(dtype)) continue;
             // Rank s puts (s + 1) * (j + 1) + i % 3 into chunk j.
             std::vector<at::Tensor> chunks;
@@ -117,8 +117,13 @@ TEST_CASE("reduce_scatter: sum and avg, chunk sizes 0..1000, world 1..4") {
             auto out = at::empty({c}, dtype);
             comm.reduce_scatter(out, in, {op}).wait();
             const double ranks_sum = n * (n + 1) / 2.0;
-            auto want = op == ReduceOp::kSum ? pattern(c, 3) * n + (r + 1) * ranks_sum
-                                             : pattern(c, 3) + (r + 1) * ranks_sum / n;
+            at::Tensor want;
+            switch (op) {
+              case ReduceOp::kSum: want = pattern(c, 3) * n + (r + 1) * ranks_sum; break;
+              case ReduceOp::kAvg: want = pattern(c, 3) + (r + 1) * ranks_sum / n; break;
+              case ReduceOp::kMax: want = pattern(c, 3) + (r + 1) * n; break;  // rank n - 1's
+              case ReduceOp::kMin: want = pattern(c, 3) + (r + 1); break;      // rank 0's
+            }
             check_equal(out, want.to(dtype),
                         std::string("reduce_scatter ") + c10::toString(dtype) + " c=" +
                             std::to_string(c) + " " + comm::to_string(op));
