@@ -64,6 +64,31 @@ TEST_CASE("16-bit reductions accumulate in float32: 256 + 1 + 1 stays 258 in bfl
   });
 }
 
+TEST_CASE("16-bit all_reduce and reduce_scatter: the exact sum rounded once, the same bits on every rank") {
+  // Rank s's values: magnitudes in [0.01, 4], so that the sum of four of them in 16 bits is exact
+  // in float32. Partial sums rounded to 16 bits at each hop (from world 3 on) would differ.
+  constexpr int64_t kLen = 1003;  // not a multiple of the world size: all_reduce pads
+  auto values = [](int s) {
+    const auto x = at::sin(at::arange(kLen, at::kDouble) * 0.7 + s * 1.3) * 4;
+    return x.sign() * x.abs().clamp_min(0.01);
+  };
+  for (int n = 2; n <= 4; ++n)
+    test::run_ranks(n, [&](comm::Comm& comm) {
+      for (auto dtype : {at::kBFloat16, at::kHalf}) {
+        auto exact = at::zeros({kLen}, at::kDouble);
+        for (int s = 0; s < n; ++s) exact += values(s).to(dtype).to(at::kDouble);
+        auto t = values(comm.rank()).to(dtype);
+        comm.all_reduce(t).wait();
+        check_equal(t, exact.to(dtype), std::string("all_reduce ") + c10::toString(dtype));
+        const int64_t c = kLen / n;
+        auto in = values(comm.rank()).narrow(0, 0, c * n).to(dtype), out = at::empty({c}, dtype);
+        comm.reduce_scatter(out, in).wait();
+        check_equal(out, exact.narrow(0, comm.rank() * c, c).to(dtype),
+                    std::string("reduce_scatter ") + c10::toString(dtype));
+      }
+    });
+}
+
 TEST_CASE("all_gather: rank-major output, in-place input, uneven and zero counts") {
   for (int n = 1; n <= 4; ++n)
     test::run_ranks(n, [n](comm::Comm& comm) {

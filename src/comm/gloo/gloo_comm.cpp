@@ -10,7 +10,6 @@
 // posted receive never blocks the collectives behind it.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <gloo/allgather.h>
 #include <gloo/allgatherv.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
@@ -45,6 +44,7 @@ std::shared_ptr<CommImpl> make_comm(std::shared_ptr<Store> store, int rank, int 
 
 constexpr uint8_t kReduceScatterSlotPrefix = 0x41;  // gloo's own prefixes are 0x01-0x0f
 constexpr uint8_t kPointToPointSlotPrefix = 0x42;
+constexpr uint8_t kAllGatherSlotPrefix = 0x43;
 
 class GlooStoreAdapter : public gloo::rendezvous::Store {
  public:
@@ -98,32 +98,19 @@ void combine(ReduceOp op, Acc* z, const X* x, const Y* y, size_t n) {
   }
 }
 
-template <typename T>
-gloo::AllreduceOptions::Func reduce_fn(ReduceOp op) {
-  return [op](void* c, const void* a, const void* b, size_t n) {
-    combine(op, static_cast<T*>(c), static_cast<const T*>(a), static_cast<const T*>(b), n);
-  };
-}
-
-// Calls f.template operator()<T>() with T the C++ type of a (non-16-bit) dtype.
+// Calls f.template operator()<T>() with T the C++ type of the dtype.
 template <typename F>
 void dispatch(at::ScalarType t, F&& f) {
   switch (t) {
     case at::kFloat: return f.template operator()<float>();
     case at::kDouble: return f.template operator()<double>();
+    case at::kBFloat16: return f.template operator()<c10::BFloat16>();
+    case at::kHalf: return f.template operator()<c10::Half>();
     case at::kInt: return f.template operator()<int32_t>();
     case at::kLong: return f.template operator()<int64_t>();
     case at::kByte: return f.template operator()<uint8_t>();
     default: throw CommError(fmt::format("internal: no reduction for {}", c10::toString(t)));
   }
-}
-
-// dispatch, and the 16-bit floats as c10::BFloat16 and c10::Half.
-template <typename F>
-void dispatch_input(at::ScalarType t, F&& f) {
-  if (t == at::kBFloat16) return f.template operator()<c10::BFloat16>();
-  if (t == at::kHalf) return f.template operator()<c10::Half>();
-  dispatch(t, std::forward<F>(f));
 }
 
 struct P2p {
@@ -187,14 +174,10 @@ class GlooComm : public CommImpl {
       }
       if (counts.empty()) {
         if (in.numel() == 0) return;
-        gloo::AllgatherOptions o(context_);
         auto* slot = static_cast<uint8_t*>(out.data_ptr()) + rank_ * in.numel() * esize;
-        // The input may already sit in this rank's slot of the output; gloo then skips the copy.
-        if (in.data_ptr() != slot) o.setInput(static_cast<uint8_t*>(in.data_ptr()), in.nbytes());
-        o.setOutput(static_cast<uint8_t*>(out.data_ptr()), out.nbytes());
-        o.setTag(tag);
-        o.setTimeout(config_.timeout);
-        gloo::allgather(o);
+        // The input may already sit in this rank's slot of the output.
+        if (in.data_ptr() != slot) std::memcpy(slot, in.const_data_ptr(), in.nbytes());
+        ring_all_gather(out, in.nbytes(), tag);
       } else {
         if (out.numel() == 0) return;
         std::vector<size_t> bytes(counts.size());
@@ -222,20 +205,25 @@ class GlooComm : public CommImpl {
     what.reduce = to_string(opts.op), what.n = t.numel();
     return enqueue(what, {t}, [this, t, op = opts.op](uint32_t tag) {
       if (t.numel() == 0 || size_ == 1) return;
-      // 16-bit floats are reduced in float32: the ring gives every rank the same bits, and the
-      // sum does not lose precision at each hop.
-      at::Tensor buf = is_half(t.scalar_type()) ? t.to(at::kFloat) : t;
-      dispatch(buf.scalar_type(), [&]<typename T>() {
-        gloo::AllreduceOptions o(context_);
-        o.setOutput(buf.data_ptr<T>(), buf.numel());
-        o.setReduceFunction(reduce_fn<T>(op));
-        o.setTag(tag);
-        o.setTimeout(config_.timeout);
-        gloo::allreduce(o);
-      });
-      if (op == ReduceOp::kAvg) buf.div_(size_);
-      if (!buf.is_same(t)) t.copy_(buf);
+      ring_all_reduce(t, op, tag);
     });
+  }
+
+  // The ring reduce-scatter, then the ring all-gather of the reduced chunks (16-bit floats: partial
+  // sums in float32, each chunk rounded once by the rank that reduced it, and gathered in its own
+  // dtype). Every rank receives the same bits.
+  void ring_all_reduce(const at::Tensor& t, ReduceOp op, uint32_t tag) {
+    const int64_t numel = t.numel(), chunk = (numel + size_ - 1) / size_;
+    const bool padded = chunk * size_ != numel;
+    at::Tensor flat = t.view(-1);
+    if (padded) {  // zero-padded to whole chunks; the padding is dropped after
+      flat = at::zeros({chunk * size_}, t.options());
+      flat.narrow(0, 0, numel).copy_(t.view(-1));
+    }
+    // The reduced chunk lands in this rank's slot: the ring writes its output after its last read.
+    ring_reduce_scatter(flat.narrow(0, rank_ * chunk, chunk), flat, op, tag);
+    ring_all_gather(flat, chunk * flat.element_size(), tag);
+    if (padded) t.view(-1).copy_(flat.narrow(0, 0, numel));
   }
 
   Work broadcast(const at::Tensor& t, const BroadcastOptions& opts) override {
@@ -447,6 +435,22 @@ class GlooComm : public CommImpl {
     waiters_.push_back({std::move(thread), std::move(done)});
   }
 
+  // Ring all-gather over gloo's transport, in place: this rank's piece already sits at its slot of
+  // `out`. At step s rank r forwards piece (r - s) to rank r + 1 and receives piece (r - s - 1)
+  // from rank r - 1, which it forwards at the next step.
+  void ring_all_gather(const at::Tensor& out, size_t piece, uint32_t tag) {
+    const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
+    const auto slot = gloo::Slot::build(kAllGatherSlotPrefix, tag);
+    auto buf = context_->createUnboundBuffer(out.data_ptr(), out.nbytes());
+    auto at = [&](int p) { return static_cast<size_t>(((p % size_) + size_) % size_) * piece; };
+    for (int s = 0; s < size_ - 1; ++s) {
+      buf->send(right, slot, at(rank_ - s), piece);
+      buf->recv(left, slot, at(rank_ - s - 1), piece);
+      buf->waitRecv(config_.timeout);
+      buf->waitSend(config_.timeout);
+    }
+  }
+
   // Ring reduce-scatter over gloo's transport. At step s rank r sends its partial sum of chunk
   // (r - s - 1) to rank r + 1 and adds its own contribution to the partial of chunk (r - s - 2)
   // that arrives from rank r - 1; after size - 1 steps it holds the full sum of chunk r. Each
@@ -481,7 +485,7 @@ class GlooComm : public CommImpl {
     auto first_in_ub = widened ? context_->createUnboundBuffer(first_in.data_ptr(), first_bytes) : nullptr;
     first_ub->send(right, slot, 0, first_bytes);
     bool send_pending[2] = {false, false};
-    dispatch_input(in.scalar_type(), [&]<typename In>() {
+    dispatch(in.scalar_type(), [&]<typename In>() {
       using Acc = std::conditional_t<std::is_same_v<In, c10::BFloat16> || std::is_same_v<In, c10::Half>, float, In>;
       for (int s = 0; s < size_ - 1; ++s) {
         const int b = s % 2;
