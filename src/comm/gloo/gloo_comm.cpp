@@ -442,10 +442,10 @@ class GlooComm : public CommImpl {
     const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
     const auto slot = gloo::Slot::build(kAllGatherSlotPrefix, tag);
     auto buf = context_->createUnboundBuffer(out.data_ptr(), out.nbytes());
-    auto at = [&](int p) { return static_cast<size_t>(((p % size_) + size_) % size_) * piece; };
+    auto offset = [&](int p) { return static_cast<size_t>(((p % size_) + size_) % size_) * piece; };
     for (int s = 0; s < size_ - 1; ++s) {
-      buf->send(right, slot, at(rank_ - s), piece);
-      buf->recv(left, slot, at(rank_ - s - 1), piece);
+      buf->send(right, slot, offset(rank_ - s), piece);
+      buf->recv(left, slot, offset(rank_ - s - 1), piece);
       buf->waitRecv(config_.timeout);
       buf->waitSend(config_.timeout);
     }
