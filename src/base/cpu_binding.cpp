@@ -21,6 +21,8 @@ namespace fsdpp {
 
 namespace {
 
+pid_t current_tid() { return static_cast<pid_t>(syscall(SYS_gettid)); }
+
 std::vector<int> cpus_of(const cpu_set_t& set) {
   std::vector<int> out;
   for (int c = 0; c < CPU_SETSIZE; ++c)
@@ -86,7 +88,7 @@ std::string bind_cpus(CpuBinding binding, int local_rank, int local_world) {
       set_thread_cpus(std::stoi(entry.path().filename().string()), share);
     return fmt::format("every thread on {}", describe(share));
   }
-  set_thread_cpus(static_cast<pid_t>(syscall(SYS_gettid)), share);
+  set_thread_cpus(current_tid(), share);
   return fmt::format("compute thread on {}", describe(share));
 }
 
@@ -94,16 +96,16 @@ std::string lower_compute_priority(int increment) {
   if (increment < 0 || increment > 19)
     throw std::invalid_argument(fmt::format("compute nice {}: expected 0 to 19", increment));
   if (increment == 0) return "";
-  const auto self = [] { return static_cast<id_t>(syscall(SYS_gettid)); };
   errno = 0;
-  const int before = getpriority(PRIO_PROCESS, self());
+  const int before = getpriority(PRIO_PROCESS, current_tid());
   if (before == -1 && errno != 0)
     throw std::runtime_error(fmt::format("compute nice: getpriority failed: {}", std::strerror(errno)));
   const int target = std::min(19, before + increment);
   // Every thread that computes sets its own: a thread's nice value is its own on Linux.
   std::atomic<int> failed{0};
   auto apply = [&] {
-    if (getpriority(PRIO_PROCESS, self()) < target && setpriority(PRIO_PROCESS, self(), target) != 0) failed = errno;
+    const id_t tid = current_tid();
+    if (getpriority(PRIO_PROCESS, tid) < target && setpriority(PRIO_PROCESS, tid, target) != 0) failed = errno;
   };
   apply();
   // One index per intra-op thread: ATen hands each thread one when the grain is 1.

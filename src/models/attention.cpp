@@ -25,6 +25,7 @@
 #include <limits>
 #include <vector>
 
+#include "fsdpp/base/parallel.hpp"
 #include "fsdpp/models/kernels.hpp"
 #include "float_loops.hpp"
 #include "vector_clones.hpp"
@@ -176,7 +177,7 @@ struct CausalAttention : torch::autograd::Function<CausalAttention> {
     auto o = like_heads(q);
     auto lse = at::empty({B, H, T}, q.options());
     float* lp = lse.mutable_data_ptr<float>();
-    loops::parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
+    parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
       for (int64_t bh = h0; bh < h1; ++bh)
         forward_head(head(q, bh), head(k, bh), head(v, bh), head(o, bh), lp + bh * T, T, D, scale);
     });
@@ -194,7 +195,7 @@ struct CausalAttention : torch::autograd::Function<CausalAttention> {
     const float scale = 1.0f / std::sqrt(float(D));
     auto dq = like_heads(q), dk = like_heads(k), dv = like_heads(v);
     const float* lp = lse.const_data_ptr<float>();
-    loops::parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
+    parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
       for (int64_t bh = h0; bh < h1; ++bh)
         backward_head(head(q, bh), head(k, bh), head(v, bh), head(o, bh), head(dout, bh), lp + bh * T, head(dq, bh),
                       head(dk, bh), head(dv, bh), T, D, scale);

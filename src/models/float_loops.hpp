@@ -1,10 +1,8 @@
 #pragma once
 // Loops shared by the model's CPU kernels (kernels.cpp, attention.cpp): written so that gcc's -O3
-// vectoriser takes them without reassociating anything, and a way onto ATen's intra-op threads.
+// vectoriser takes them without reassociating anything.
 #include <bit>
 #include <cstdint>
-
-#include "fsdpp/base/parallel.hpp"
 
 namespace fsdpp::models::loops {
 
@@ -43,7 +41,5 @@ inline float dot(const float* x, const float* y, int64_t n) {
   for (int k = 0; k < kLanes; ++k) s += acc[k];
   return s;
 }
-
-using fsdpp::parallel_ranges;
 
 }  // namespace fsdpp::models::loops

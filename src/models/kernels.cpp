@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fsdpp/base/parallel.hpp"
 #include "float_loops.hpp"
 #include "vector_clones.hpp"
 
@@ -21,7 +22,6 @@ namespace {
 
 using loops::dot;
 using loops::exp_poly;
-using loops::parallel_ranges;
 
 // ------------------------------------------------------------------ float loops
 
