@@ -81,19 +81,27 @@ std::shared_ptr<gloo::transport::Device> device_for(const std::string& address) 
 
 bool is_half(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
-// z[i] = op(x[i], y[i]) in Acc, x and y read as their own types (a 16-bit input read into float32).
-template <typename Acc, typename X, typename Y>
-void combine(ReduceOp op, Acc* z, const X* x, const Y* y, size_t n) {
+// z[i] = op(x[i], y[i]) computed in Acc, x and y read as their own types (a 16-bit input read
+// into float32), stored as Z. `divisor` > 0 divides each sum by it before the store: an average's
+// last hop, which writes the result in place of a separate division and copy.
+template <typename Acc, typename Z, typename X, typename Y>
+void combine(ReduceOp op, Z* z, const X* x, const Y* y, size_t n, int divisor = 0) {
+  auto sum = [&](size_t i) { return static_cast<Acc>(static_cast<Acc>(x[i]) + static_cast<Acc>(y[i])); };
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAvg:
-      for (size_t i = 0; i < n; ++i) z[i] = static_cast<Acc>(static_cast<Acc>(x[i]) + static_cast<Acc>(y[i]));
+      if (divisor > 0) {
+        const Acc d = static_cast<Acc>(divisor);
+        for (size_t i = 0; i < n; ++i) z[i] = static_cast<Z>(static_cast<Acc>(sum(i) / d));
+      } else {
+        for (size_t i = 0; i < n; ++i) z[i] = static_cast<Z>(sum(i));
+      }
       return;
     case ReduceOp::kMax:
-      for (size_t i = 0; i < n; ++i) z[i] = std::max(static_cast<Acc>(x[i]), static_cast<Acc>(y[i]));
+      for (size_t i = 0; i < n; ++i) z[i] = static_cast<Z>(std::max(static_cast<Acc>(x[i]), static_cast<Acc>(y[i])));
       return;
     case ReduceOp::kMin:
-      for (size_t i = 0; i < n; ++i) z[i] = std::min(static_cast<Acc>(x[i]), static_cast<Acc>(y[i]));
+      for (size_t i = 0; i < n; ++i) z[i] = static_cast<Z>(std::min(static_cast<Acc>(x[i]), static_cast<Acc>(y[i])));
       return;
   }
 }
@@ -453,8 +461,8 @@ class GlooComm : public CommImpl {
 
   // Ring reduce-scatter over gloo's transport. At step s rank r sends its partial sum of chunk
   // (r - s - 1) to rank r + 1 and adds its own contribution to the partial of chunk (r - s - 2)
-  // that arrives from rank r - 1; after size - 1 steps it holds the full sum of chunk r. Each
-  // chunk is reduced in one fixed order, so the result does not depend on timing.
+  // that arrives from rank r - 1; its last addition, the full sum of chunk r, goes straight into
+  // `out`. Each chunk is reduced in one fixed order, so the result does not depend on timing.
   // 16-bit dtypes accumulate in float32, and their partial sums travel in float32. The first hop
   // carries a rank's own values, which the input's dtype holds exactly, so it travels in that
   // dtype: half the bytes, the same result (at 2 ranks, the only hop).
@@ -494,14 +502,21 @@ class GlooComm : public CommImpl {
         // A gloo buffer takes one operation at a time: the send it started two steps ago must
         // have left before it receives again.
         if (send_pending[b]) ub[b]->waitSend(config_.timeout);
+        // The last hop writes the result into `out`, an average divided there. `out` may be this
+        // rank's own chunk of `in` (all_reduce): each element is read before it is written.
+        const bool last = s == size_ - 2;
+        auto add = [&](const auto* arrived) {
+          if (last) combine<Acc>(op, out.data_ptr<In>(), arrived, mine, n, op == ReduceOp::kAvg ? size_ : 0);
+          else combine<Acc>(op, sum, arrived, mine, n);
+        };
         if (s == 0 && widened) {
           first_in_ub->recv(left, slot, 0, first_bytes);
           first_in_ub->waitRecv(config_.timeout);
-          combine(op, sum, first_in.const_data_ptr<In>(), mine, n);
+          add(first_in.const_data_ptr<In>());
         } else {
           ub[b]->recv(left, slot, 0, bytes);
           ub[b]->waitRecv(config_.timeout);
-          combine(op, sum, sum, mine, n);
+          add(sum);
         }
         send_pending[b] = s < size_ - 2;
         if (send_pending[b]) ub[b]->send(right, slot, 0, bytes);
@@ -510,9 +525,6 @@ class GlooComm : public CommImpl {
     first_ub->waitSend(config_.timeout);
     for (int b = 0; b < 2; ++b)
       if (send_pending[b]) ub[b]->waitSend(config_.timeout);
-    at::Tensor result = bufs[(size_ - 2) % 2];
-    if (op == ReduceOp::kAvg) result.div_(size_);
-    out.copy_(result);
   }
 
   std::shared_ptr<Store> store_;
