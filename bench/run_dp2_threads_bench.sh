@@ -4,6 +4,8 @@
 # beside the communication-free limit: two independent one-rank runs of half the batch each
 # (parallel.dp=1, global batch 16, the same microbatches), started together, no collectives at all.
 # Rounds alternate the placements so that a busy machine slows all alike; figures are medians.
+# Beside them, the bound left by the communication threads' CPU time and by a barrier per step
+# under the machine's step-to-step jitter (the communication-free runs' step times, paired).
 # Writes bench/results/dp2_threads.md.
 #   bash bench/run_dp2_threads_bench.sh [build-dir] [rounds]
 # Runs with the machine's OPENBLAS_* settings as they are.
@@ -20,7 +22,8 @@ warmup=5
 steps=20
 results=$work/results.txt
 : > "$results"
-common=(eval.interval=0 checkpoint.interval=0 logging.interval=$warmup logging.plot=false --overwrite
+# Every step logged: the communication-free runs' step times are paired step by step below.
+common=(eval.interval=0 checkpoint.interval=0 logging.interval=1 logging.plot=false --overwrite
         --stop-after $((warmup + steps)))
 
 rate() {  # tokens/s of one run directory between the warm-up and the last step
@@ -67,7 +70,22 @@ comm_free() {
   done
   for p in "${pids[@]}"; do wait "$p" || { cat "$work/$name"-*.log; exit 1; }; done
   echo "$name $("$python" -c 'import sys; print(sum(map(float, sys.argv[1:])))' \
-    "$(rate "$work/$name-0" $((16 * 128)))" "$(rate "$work/$name-1" $((16 * 128)))")" >> "$results"
+    "$(rate "$work/$name-0" $((16 * 128)))" "$(rate "$work/$name-1" $((16 * 128)))") $(barrier "$work/$name")" >> "$results"
+}
+
+# What a barrier at the end of every step would have cost these two independent runs: their step
+# times (steps 6-25) paired by step, the mean of the slower of each pair over the mean of both.
+# dp = 2 ranks cannot run ahead of each other by more than a step; each waits for the slower.
+barrier() {
+  "$python" - "$1-0/metrics/rank0.jsonl" "$1-1/metrics/rank0.jsonl" $warmup $((warmup + steps)) <<'PY'
+import json, sys
+a, b = int(sys.argv[3]), int(sys.argv[4])
+def steps(path):
+    t = {r["step"]: r["time_s"] for r in map(json.loads, open(path)) if "time_s" in r}
+    return [t[i + 1] - t[i] for i in range(a, b)]
+x, y = steps(sys.argv[1]), steps(sys.argv[2])
+print(f"{sum(map(max, x, y)) / ((sum(x) + sum(y)) / 2):.4f}")
+PY
 }
 
 # Placements: dist.cpu_binding / dist.compute_nice.
@@ -84,6 +102,8 @@ for round in $(seq "$rounds"); do
   for p in "${again[@]}"; do
     dp2 "dp2-true-${p%/*}-${p#*/}" parallel.reshard_after_forward=true dist.cpu_binding=${p%/*} dist.compute_nice=${p#*/}
   done
+  dp2 dp2-false-bf16 parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=19 \
+    precision.reduce_dtype=bfloat16
   OMP_NUM_THREADS=2 dp2 dp2-false-omp2 parallel.reshard_after_forward=false dist.cpu_binding=none dist.compute_nice=0
 done
 
@@ -91,11 +111,14 @@ done
 import datetime, statistics, sys
 from collections import defaultdict
 runs, split = defaultdict(list), defaultdict(list)
+barrier = defaultdict(list)
 for line in open(sys.argv[1]):
-    name, value, *threads = line.split()
+    name, value, *extra = line.split()
     runs[name].append(float(value))
-    if threads:
-        split[name].append([float(x) for x in threads])
+    if len(extra) == 1:
+        barrier[name].append(float(extra[0]))
+    elif extra:
+        split[name].append([float(x) for x in extra])
 med = {k: statistics.median(v) for k, v in runs.items()}
 build, rounds = sys.argv[2], sys.argv[3]
 # Each run against the same round's limit (the best communication-free placement), side by side.
@@ -133,24 +156,45 @@ print("is split into running, waiting for a CPU (runnable, another thread on it)
 print("for a collective or a lock); \"others' CPU\" is the share of the ranks' CPU time that their other")
 print("threads took (communication, the runtime's). Each a median over rounds.")
 print()
-print("| run | tokens/s (median) | of the limit | computing: running | waiting for a CPU | blocked | others' CPU | rounds (tokens/s) |")
-print("|---|---:|---:|---:|---:|---:|---:|---|")
+print("\"Others' CPU\" bounds a run: if both CPUs never idled, the computing threads would get at most")
+print("1 - (others' share) of them, against all of them in the communication-free runs. \"A barrier")
+print("per step\" (communication-free rows) is what waiting at the end of every step for the slower of")
+print("the two runs would have cost them: their step times paired by step, the mean of the slower over")
+print("the mean of both, as a loss (median over rounds). A dp = 2 step waits so at least once, for")
+print("its gradients; it cannot avoid the machine's step-to-step jitter that this measures.")
+print()
+print("| run | tokens/s (median) | of the limit | computing: running | waiting for a CPU | blocked | others' CPU | bound: 1 - others' CPU | a barrier per step | rounds (tokens/s) |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 def row(label, name):
-    cells = ["", "", "", ""]
+    cells = ["", "", "", "", "", ""]
     if split[name]:
         cells = [f"{100 * statistics.median(s[i] for s in split[name]):.1f}%" for i in range(4)]
+        cells += [f"{1 - statistics.median(s[3] for s in split[name]):.2f}x", ""]
+    if barrier[name]:
+        cells[5] = f"{100 * (1 - 1 / statistics.median(barrier[name])):.1f}%"
     print(f"| {label} | {med[name]:.0f} | {share[name]:.2f}x | {' | '.join(cells)} | {' '.join(f'{x:.0f}' for x in runs[name])} |")
 row("communication-free, unbound", "comm-free-none")
 row("communication-free, each run on its own CPU", "comm-free-pinned")
 row("communication-free, each run at compute_nice 19", "comm-free-nice")
 for g, what in (("false", "gathered once per step"), ("true", "reshard after forward")):
-    for name in sorted((n for n in runs if n.startswith(f"dp2-{g}-") and n != "dp2-false-omp2"),
+    for name in sorted((n for n in runs if n.startswith(f"dp2-{g}-") and n not in ("dp2-false-omp2", "dp2-false-bf16")),
                        key=lambda n: (int(n.rsplit("-", 1)[1]), ("none", "rank", "compute").index(n.split("-")[2]))):
         _, _, b, nice = name.split("-")
         row(f"dp = 2, {what}, cpu_binding {b}, compute_nice {nice}", name)
+row("dp = 2, gathered once per step, cpu_binding compute, compute_nice 19, gradients reduced in bfloat16", "dp2-false-bf16")
 row("dp = 2, gathered once per step, 2 OpenMP threads per rank, unbound", "dp2-false-omp2")
 print()
-print("With 2 OpenMP threads per rank, the second one's time counts among the others'.")
+print("With 2 OpenMP threads per rank, the second one's time counts among the others'. Gradients reduced")
+print("in bfloat16 (`precision.reduce_dtype=bfloat16`; parameters, gradients and the optimizer stay in")
+print("float32): the reduce-scatter carries half the bytes at 2 ranks, and each gradient is rounded to")
+print("bfloat16 before the sum and after it; a different computation, shown for what the bytes cost.")
+name = "dp2-false-compute-19"  # moe-small's placement
+bound = 1 - statistics.median(s[3] for s in split[name])
+cost = 1 - 1 / statistics.median(x for k in ("comm-free-none", "comm-free-pinned", "comm-free-nice") for x in barrier[k])
+print()
+print(f"moe-small's placement (gathered once, `compute`, nice 19): the others' CPU bounds it at {bound:.3f}x;")
+print(f"a barrier per step with this machine's jitter costs {100 * cost:.1f}% (median over every")
+print(f"communication-free pair); both together leave {bound * (1 - cost):.3f}x. Measured: {share[name]:.3f}x.")
 PY
 mv "$out.tmp" "$out"
 cat "$out"
