@@ -81,14 +81,43 @@ void shard_tree(UnitHolder& top, const comm::Comm& comm, const FullyShardOptions
 
 }  // namespace detail
 
+namespace {
+
+// Four running sums, so that one addition need not wait for the one before.
+template <typename T>
+double sum_of_squares(const T* x, int64_t n) {
+  double s[4] = {0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int k = 0; k < 4; ++k) s[k] += static_cast<double>(x[i + k]) * static_cast<double>(x[i + k]);
+  for (; i < n; ++i) s[0] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+}  // namespace
+
+at::Tensor squared_sum(const std::vector<at::Tensor>& tensors, at::Device device) {
+  double host = 0;
+  auto total = at::zeros({}, at::TensorOptions(device).dtype(at::kDouble));
+  for (const auto& g : tensors) {
+    if (g.device().is_cpu() && g.is_contiguous() && g.scalar_type() == at::kFloat)
+      host += sum_of_squares(g.const_data_ptr<float>(), g.numel());
+    else if (g.device().is_cpu() && g.is_contiguous() && g.scalar_type() == at::kDouble)
+      host += sum_of_squares(g.const_data_ptr<double>(), g.numel());
+    else
+      total.add_(g.to(at::kDouble).pow(2).sum());
+  }
+  if (host != 0) total.add_(host);
+  return total;
+}
+
 double clip_grad_norm(UnitHolder& root, double max_norm) {
   std::vector<at::Tensor> grads;
   for (Unit* u : root.fsdp_unit().tree_units())
     for (auto& p : u->group().sharded_parameters())
       if (p.grad().defined()) grads.push_back(p.grad());
   // Padding rows are not part of any shard, so local squares sum to this rank's share exactly.
-  auto total = at::zeros({1}, at::TensorOptions(grads.empty() ? at::Device(at::kCPU) : grads.front().device()).dtype(at::kDouble));
-  for (const auto& g : grads) total += g.to(at::kDouble).pow(2).sum();
+  auto total = squared_sum(grads, grads.empty() ? at::Device(at::kCPU) : grads.front().device()).view({1});
   root.fsdp_unit().comm().all_reduce(total).wait();
   const double norm = std::sqrt(total.item<double>());
   const double coef = max_norm / (norm + 1e-6);

@@ -406,13 +406,14 @@ at::Tensor Trainer::step_body() {
   // Clip by the norm over every shard of every rank; the squared norm travels in the same
   // all-reduce as the figures the step reports.
   auto c0 = std::chrono::system_clock::now();
-  auto sq = at::zeros({}, f64);
+  std::vector<at::Tensor> grads;
+  if (first_replica())
+    for (auto& p : params_)
+      if (p.grad().defined()) grads.push_back(p.grad());
+  auto sq = fsdp::squared_sum(grads, device_);
   auto router = at::zeros({5}, f64);  // aux loss, z-loss, dropped, assignments, forwards
   {
     at::NoGradGuard g;
-    if (first_replica())
-      for (auto& p : params_)
-        if (p.grad().defined()) sq.add_(p.grad().to(at::kDouble).pow(2).sum());
     for (auto& root : roots_)
       if (const auto& st = root->inner().router_stats(); st.sums.defined()) router.add_(st.sums);
   }

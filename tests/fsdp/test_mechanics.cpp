@@ -108,6 +108,34 @@ TEST_CASE("one all-gather per unit per unshard and one reduce-scatter per unit p
     });
 }
 
+TEST_CASE("squared_sum: float32 and float64 read in place, other dtypes and strided views through ATen") {
+  at::manual_seed(3);
+  const auto f32 = at::randn({1003});                   // not a multiple of the 4 running sums
+  const auto f64 = at::randn({7}, at::kDouble) * 1e3;
+  const auto bf16 = at::randn({5}).to(at::kBFloat16);
+  const auto strided = at::randn({3, 4}).t();          // not contiguous
+  const std::vector<at::Tensor> all = {f32, f64, bf16, strided, at::empty({0})};
+  // The oracle: every element widened to long double, squared and added in order.
+  auto oracle = [](const std::vector<at::Tensor>& ts) {
+    long double sum = 0;
+    for (const auto& t : ts) {
+      const auto d = t.to(at::kDouble).contiguous();
+      for (int64_t i = 0; i < d.numel(); ++i) sum += static_cast<long double>(d.data_ptr<double>()[i]) * d.data_ptr<double>()[i];
+    }
+    return static_cast<double>(sum);
+  };
+  const auto got = fsdp::squared_sum(all, at::kCPU);
+  CHECK(got.dim() == 0);
+  CHECK(std::string(c10::toString(got.scalar_type())) == "Double");
+  CHECK(got.item<double>() == doctest::Approx(oracle(all)).epsilon(1e-14));
+  for (const auto& t : all) {  // each alone too: the in-place paths and the ATen one
+    const std::string dtype = c10::toString(t.scalar_type());
+    CAPTURE(dtype);
+    CHECK(fsdp::squared_sum({t}, at::kCPU).item<double>() == doctest::Approx(oracle({t})).epsilon(1e-14));
+  }
+  CHECK(fsdp::squared_sum({}, at::kCPU).item<double>() == 0);
+}
+
 namespace {
 
 // ATen operators (and autograd nodes) run on this thread while `f` runs, counted by name.

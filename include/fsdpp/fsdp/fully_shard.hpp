@@ -255,6 +255,12 @@ void load_full_state_dict(UnitHolder& root,
 // max_norm, the gradients are scaled down to it. Returns the norm before clipping.
 double clip_grad_norm(UnitHolder& root, double max_norm);
 
+// The sum of the squares of every element of `tensors`, accumulated in float64, as a 0-dim float64
+// tensor on `device` (where the tensors are). Contiguous CPU float32 and float64 tensors are read
+// once, in place; others go through g.to(kDouble).pow(2).sum(), which writes two float64
+// temporaries of their size first.
+at::Tensor squared_sum(const std::vector<at::Tensor>& tensors, at::Device device);
+
 // A FullyShard unit around `module`, not sharded yet: fully_shard on a root above it shards it.
 template <class Impl>
 FullyShard<Impl> wrap(const torch::nn::ModuleHolder<Impl>& module) {
