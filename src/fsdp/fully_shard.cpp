@@ -97,6 +97,7 @@ double sum_of_squares(const T* x, int64_t n) {
 }  // namespace
 
 at::Tensor squared_sum(const std::vector<at::Tensor>& tensors, at::Device device) {
+  at::NoGradGuard no_grad;  // a gradient built with create_graph requires grad itself
   double host = 0;
   auto total = at::zeros({}, at::TensorOptions(device).dtype(at::kDouble));
   for (const auto& g : tensors) {
