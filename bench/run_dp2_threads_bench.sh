@@ -122,7 +122,12 @@ for line in open(sys.argv[1]):
 med = {k: statistics.median(v) for k, v in runs.items()}
 build, rounds = sys.argv[2], sys.argv[3]
 # Each run against the same round's limit (the best communication-free placement), side by side.
-limits = [max(a, b, c) for a, b, c in zip(runs["comm-free-none"], runs["comm-free-pinned"], runs["comm-free-nice"])]
+comm_free = ("comm-free-none", "comm-free-pinned", "comm-free-nice")
+limits = [max(r) for r in zip(*(runs[k] for k in comm_free))]
+def bound(name):  # 1 - the others' share of the ranks' CPU, median over rounds
+    return 1 - statistics.median(s[3] for s in split[name])
+def barrier_cost(factors):  # the slower-over-mean factors of paired step times, as a loss
+    return 1 - 1 / statistics.median(factors)
 share = {k: statistics.median(x / l for x, l in zip(v, limits)) for k, v in runs.items()}
 print("# dp = 2 on 2 cores: where the threads run, and the communication-free limit")
 print()
@@ -169,9 +174,9 @@ def row(label, name):
     cells = ["", "", "", "", "", ""]
     if split[name]:
         cells = [f"{100 * statistics.median(s[i] for s in split[name]):.1f}%" for i in range(4)]
-        cells += [f"{1 - statistics.median(s[3] for s in split[name]):.2f}x", ""]
+        cells += [f"{bound(name):.2f}x", ""]
     if barrier[name]:
-        cells[5] = f"{100 * (1 - 1 / statistics.median(barrier[name])):.1f}%"
+        cells[5] = f"{100 * barrier_cost(barrier[name]):.1f}%"
     print(f"| {label} | {med[name]:.0f} | {share[name]:.2f}x | {' | '.join(cells)} | {' '.join(f'{x:.0f}' for x in runs[name])} |")
 row("communication-free, unbound", "comm-free-none")
 row("communication-free, each run on its own CPU", "comm-free-pinned")
@@ -189,12 +194,11 @@ print("in bfloat16 (`precision.reduce_dtype=bfloat16`; parameters, gradients and
 print("float32): the reduce-scatter carries half the bytes at 2 ranks, and each gradient is rounded to")
 print("bfloat16 before the sum and after it; a different computation, shown for what the bytes cost.")
 name = "dp2-false-compute-19"  # moe-small's placement
-bound = 1 - statistics.median(s[3] for s in split[name])
-cost = 1 - 1 / statistics.median(x for k in ("comm-free-none", "comm-free-pinned", "comm-free-nice") for x in barrier[k])
+cost = barrier_cost([x for k in comm_free for x in barrier[k]])
 print()
-print(f"moe-small's placement (gathered once, `compute`, nice 19): the others' CPU bounds it at {bound:.3f}x;")
+print(f"moe-small's placement (gathered once, `compute`, nice 19): the others' CPU bounds it at {bound(name):.3f}x;")
 print(f"a barrier per step with this machine's jitter costs {100 * cost:.1f}% (median over every")
-print(f"communication-free pair); both together leave {bound * (1 - cost):.3f}x. Measured: {share[name]:.3f}x.")
+print(f"communication-free pair); both together leave {bound(name) * (1 - cost):.3f}x. Measured: {share[name]:.3f}x.")
 PY
 mv "$out.tmp" "$out"
 cat "$out"

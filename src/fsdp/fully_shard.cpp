@@ -101,9 +101,10 @@ at::Tensor squared_sum(const std::vector<at::Tensor>& tensors, at::Device device
   double host = 0;
   auto total = at::zeros({}, at::TensorOptions(device).dtype(at::kDouble));
   for (const auto& g : tensors) {
-    if (g.device().is_cpu() && g.is_contiguous() && g.scalar_type() == at::kFloat)
+    const bool in_place = g.device().is_cpu() && g.is_contiguous();
+    if (in_place && g.scalar_type() == at::kFloat)
       host += sum_of_squares(g.const_data_ptr<float>(), g.numel());
-    else if (g.device().is_cpu() && g.is_contiguous() && g.scalar_type() == at::kDouble)
+    else if (in_place && g.scalar_type() == at::kDouble)
       host += sum_of_squares(g.const_data_ptr<double>(), g.numel());
     else
       total.add_(g.to(at::kDouble).pow(2).sum());

@@ -443,6 +443,9 @@ class GlooComm : public CommImpl {
     waiters_.push_back({std::move(thread), std::move(done)});
   }
 
+  // Position p on the ring, taken modulo the size into [0, size): the rings count back from a rank.
+  int ring_pos(int p) const { return ((p % size_) + size_) % size_; }
+
   // Ring all-gather over gloo's transport, in place: this rank's piece already sits at its slot of
   // `out`. At step s rank r forwards piece (r - s) to rank r + 1 and receives piece (r - s - 1)
   // from rank r - 1, which it forwards at the next step.
@@ -450,7 +453,7 @@ class GlooComm : public CommImpl {
     const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
     const auto slot = gloo::Slot::build(kAllGatherSlotPrefix, tag);
     auto buf = context_->createUnboundBuffer(out.data_ptr(), out.nbytes());
-    auto offset = [&](int p) { return static_cast<size_t>(((p % size_) + size_) % size_) * piece; };
+    auto offset = [&](int p) { return static_cast<size_t>(ring_pos(p)) * piece; };
     for (int s = 0; s < size_ - 1; ++s) {
       buf->send(right, slot, offset(rank_ - s), piece);
       buf->recv(left, slot, offset(rank_ - s - 1), piece);
@@ -478,7 +481,7 @@ class GlooComm : public CommImpl {
     const auto acc_type = widened ? at::kFloat : in.scalar_type();
     const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
     const auto slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
-    const auto chunk = [&](int c) { return in.narrow(0, ((c % size_) + size_) % size_ * n, n); };
+    const auto chunk = [&](int c) { return in.narrow(0, ring_pos(c) * n, n); };
     // Two partial-sum buffers: one is being sent while the other receives.
     const size_t bytes = n * c10::elementSize(acc_type);
     at::Tensor bufs[2] = {at::empty({n}, in.options().dtype(acc_type)), at::empty({n}, in.options().dtype(acc_type))};
