@@ -8,10 +8,11 @@ cd "$(dirname "$0")/.."
 build=${1:-build}
 rounds=${2:-7}
 out=bench/results/kernels.md
+cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
 {
   echo "# RMSNorm and SwiGLU's gate: single-pass kernels against the ATen compositions"
   echo
-  echo "Command: \`bash bench/run_kernels_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores, OPENBLAS_* as set by the machine."
+  echo "Command: \`bash bench/run_kernels_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores of $cpu, OPENBLAS_* as set by the machine."
   echo
   echo "Forward and backward at moe-small's shapes for one dp 1 step (32 x 128 = 4096 rows): RMSNorm over"
   echo "dim 128 (gain in float32), SwiGLU's \`silu(a) * b\` over hidden 384. \`aten\` is the composition"

@@ -4,10 +4,12 @@
 #include <ATen/Parallel.h>
 #include <doctest/doctest.h>
 
+#include <cfenv>
 #include <cmath>
 #include <functional>
 #include <utility>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -430,6 +432,43 @@ TEST_CASE("swiglu: the fused CPU kernel agrees with silu(a) * b, values and grad
   CHECK(nan.isnan().all().item<bool>());
   const auto bb = at::randn({5000});
   check_thread_independent([&](const at::Tensor& x) { return models::swiglu(x, bb); }, at::randn({5000}) * 5);
+}
+
+// The kernels clamp exp's argument; compiled so that a clamped path ran on every lane, SwiGLU
+// multiplied each element by 1 / (1 + e^88), a subnormal float, and Intel CPUs take a microcode
+// assist for each such product (CMakeLists.txt, -fno-thread-jumps). Ordinary inputs must raise no
+// underflow, forward or backward; a product that does underflow shows the flag is read.
+TEST_CASE("fused kernels: ordinary inputs make no subnormal floats, forward or backward") {
+  const int before = at::get_num_threads();
+  at::set_num_threads(1);  // the floating-point flags are the calling thread's
+  at::manual_seed(9);
+  auto underflows = [](const std::function<void()>& f) {
+    std::feclearexcept(FE_ALL_EXCEPT);
+    f();
+    return std::fetestexcept(FE_UNDERFLOW) != 0;
+  };
+  {
+    const auto tiny = at::full({64}, 1e-30f);
+    CHECK(underflows([&] { (void)(tiny * tiny); }));  // the control: 1e-60 underflows
+  }
+  auto check = [&](const std::string& kernel, const std::function<at::Tensor(const std::vector<at::Tensor>&)>& f,
+                   std::vector<at::Tensor> in) {
+    CAPTURE(kernel);
+    for (auto& t : in) t.requires_grad_();
+    at::Tensor y;
+    CHECK_FALSE(underflows([&] { y = f(in); }));
+    const auto g = at::randn(y.sizes());
+    CHECK_FALSE(underflows([&] { y.backward(g); }));
+    for (const auto& t : in) CHECK(t.grad().defined());
+  };
+  check("swiglu", [](const auto& in) { return models::swiglu(in[0], in[1]); },
+        {at::randn({512, 384}) * 3, at::randn({512, 384})});
+  check("rms_norm", [](const auto& in) { return models::rms_norm(in[0], in[1], 1e-5); },
+        {at::randn({512, 128}), 1 + 0.1 * at::randn({128})});
+  REQUIRE(models::causal_attention_available());
+  check("causal_attention", [](const auto& in) { return models::causal_attention(in[0], in[1], in[2]); },
+        {at::randn({2, 4, 128, 32}), at::randn({2, 4, 128, 32}), at::randn({2, 4, 128, 32})});
+  at::set_num_threads(before);
 }
 
 namespace {
