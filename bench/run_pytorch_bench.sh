@@ -3,7 +3,9 @@
 # batch 32 x 128 tokens, AdamW (lr 3e-3, betas 0.9/0.95, weight decay 0.1 on matrices), gradient
 # clipping at 1.0, the fortunes corpus. Rounds alternate the implementations so that a busy machine
 # slows all alike; each figure is the median over rounds. Writes bench/results/pytorch.md.
-#   bash bench/run_pytorch_bench.sh [build-dir] [rounds]
+#   bash bench/run_pytorch_bench.sh [build-dir] [rounds] [output]
+# output defaults to bench/results/pytorch.md; the report names the CPU it ran on, since how far
+# fsdpp's kernels are ahead depends on it (on AMD CPUs MKL gives PyTorch its AVX2 kernels).
 # fsdpp runs through `fsdpp run` (the product path: data loading, metrics and progress included);
 # PyTorch through bench/torch_peer.py, which says what PyTorch is given. Runs with the machine's
 # OPENBLAS_* settings as they are.
@@ -14,7 +16,7 @@ rounds=${2:-3}
 python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 fsdpp=$build/fsdpp
 libfsdpp=$(realpath "$build/libfsdpp.so")
-out=bench/results/pytorch.md
+out=${3:-bench/results/pytorch.md}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 warmup=5
@@ -73,7 +75,7 @@ done
 # Where eager PyTorch's step goes, once, after the rounds.
 $peer profile --mode eager --threads 2 --accum 2 --warmup 3 --steps 5 2>/dev/null | grep '^{' > "$work/profile.json"
 
-"$python" - "$results" "$build" "$rounds" "$work/profile.json" > "$out.tmp" <<'PY'
+"$python" - "$results" "$build" "$rounds" "$work/profile.json" "${3:-}" > "$out.tmp" <<'PY'
 import datetime, json, statistics, sys
 from collections import defaultdict
 import torch
@@ -83,11 +85,20 @@ for line in open(sys.argv[1]):
     runs[name].append(float(value))
 med = {k: statistics.median(v) for k, v in runs.items()}
 build, rounds = sys.argv[2], sys.argv[3]
+cpu = {}
+for line in open("/proc/cpuinfo"):
+    key, _, value = line.partition(":")
+    cpu.setdefault(key.strip(), value.strip())
+intel = cpu.get("vendor_id") == "GenuineIntel"
+# MKL's own choice of kernels: by instruction set on Intel CPUs, its AVX2 ones on others.
+own_choice = "AVX-512 here too, as on any Intel CPU" if intel else "AVX2 here"
 def row(label, name, unit="tokens/s"):
     print(f"| {label} | {med[name]:.0f} | {' '.join(f'{x:.0f}' for x in runs[name])} |")
 print("# fsdpp beside PyTorch 2.15")
 print()
-print(f"Command: `bash bench/run_pytorch_bench.sh {build} {rounds}` ({datetime.date.today()}), 2 cores, "
+extra = f" {sys.argv[5]}" if sys.argv[5] else ""
+print(f"Command: `bash bench/run_pytorch_bench.sh {build} {rounds}{extra}` ({datetime.date.today()}), 2 cores "
+      f"of {cpu.get('model name', 'an unknown CPU')} ({cpu.get('vendor_id', 'vendor unknown')}), "
       f"PyTorch {torch.__version__}, OPENBLAS_* as set by the machine.")
 print()
 print("Same work on both sides: moe-small's model (4 layers, dim 128, 4 experts top-2, dropless, 1.36M")
@@ -98,11 +109,19 @@ print("in PyTorch (`tests/fsdp/torch_moe.py`, the same operations; fsdpp rotates
 print("whose results are bitwise those of the operations PyTorch runs, and computes RMSNorm, SwiGLU's gate")
 print("and causal attention by its own kernels, the same functions rounded differently, where PyTorch calls")
 print("scaled_dot_product_attention, `include/fsdpp/models/kernels.hpp`; its products run on MKL's AVX-512")
-print("kernels where PyTorch's run on MKL's AVX2 ones on this AMD CPU, because libfsdpp.so answers MKL's")
-print("vendor question, `include/fsdpp/base/mkl_dispatch.hpp`; with those switched off,")
+if intel:
+    print("kernels, as PyTorch's do on this Intel CPU, so here the rows marked `LD_PRELOAD=libfsdpp.so` run the")
+    print("same kernels as the plain ones (on AMD CPUs MKL gives PyTorch its AVX2 kernels, and libfsdpp.so")
+    print("answers MKL's vendor question, `include/fsdpp/base/mkl_dispatch.hpp`); with fsdpp's kernels switched off,")
+else:
+    print("kernels where PyTorch's run on MKL's AVX2 ones on this non-Intel CPU, because libfsdpp.so answers MKL's")
+    print("vendor question, `include/fsdpp/base/mkl_dispatch.hpp`; with those switched off,")
 print("`FSDPP_MKL_VENDOR_CHECK=1 model.fused_kernels=false model.onednn_matmul=false`, bitwise the same")
-print("training under FSDP2, `tests/fsdp/test_torch_fsdp.py`; the rows marked `LD_PRELOAD=libfsdpp.so`")
-print("give PyTorch MKL's AVX-512 kernels the same way),")
+if intel:
+    print("training under FSDP2, `tests/fsdp/test_torch_fsdp.py`),")
+else:
+    print("training under FSDP2, `tests/fsdp/test_torch_fsdp.py`; the rows marked `LD_PRELOAD=libfsdpp.so`")
+    print("give PyTorch MKL's AVX-512 kernels the same way),")
 print("torch.optim.AdamW with its default CPU implementation,")
 print("torch.nn.utils.clip_grad_norm_. Threads: 1 per rank at world 2 (the launcher's OMP_NUM_THREADS=1),")
 print("2 in one process. Throughput: tokens of the global batch per second over 20 steps after 5 warm-up")
@@ -118,7 +137,7 @@ row("fsdpp dp=2, `parallel.reshard_after_forward=true` (gathered again for backw
 row("PyTorch `fully_shard` dp=2 (its default: reshard after forward)", "pytorch-fsdp-dp2")
 row("PyTorch DDP dp=2 (`no_sync` for the first microbatch)", "pytorch-ddp-dp2")
 row("PyTorch DDP dp=2, MKL's kernels by instruction set (`LD_PRELOAD=libfsdpp.so`)", "pytorch-ddp-dp2-isa")
-row("fsdpp dp=2 on PyTorch's kernels (`FSDPP_MKL_VENDOR_CHECK=1 model.onednn_matmul=false model.fused_attention=false`: MKL's own choice, AVX2 here, and ATen's flash attention)", "fsdpp-dp2-torch-kernels")
+row(f"fsdpp dp=2 on PyTorch's kernels (`FSDPP_MKL_VENDOR_CHECK=1 model.onednn_matmul=false model.fused_attention=false`: MKL's own choice, {own_choice}, and ATen's flash attention)", "fsdpp-dp2-torch-kernels")
 row("fsdpp dp=1 (`parallel.dp=1`: 2 microbatches of 16, 2 threads)", "fsdpp-dp1")
 row("fsdpp dp=1 on PyTorch's kernels", "fsdpp-dp1-torch-kernels")
 row("PyTorch eager, one process, 2 threads", "pytorch-eager-dp1")
@@ -144,9 +163,13 @@ print(f"run above, 2 threads; self time per operation): a step of {prof['step_ms
       f"**{100 * prof['matmul_share']:.0f}%** in")
 print(f"matrix multiplies (mm, bmm, addmm) and {100 * prof['attention_share']:.0f}% in the fused attention kernel. Any implementation")
 print("running the same matrix-multiply kernels is at most 1 / that share faster than eager however well it")
-print(f"fuses the rest: **{prof['ceiling']:.2f}x**; fsdpp's products run on MKL's AVX-512 kernels, which this")
-print("does not bound. Largest: " +
-      ", ".join(f"{k.replace('aten::', '')} {100 * v:.0f}%" for k, v in prof["top"][:8]) + ".")
+largest = ", ".join(f"{k.replace('aten::', '')} {100 * v:.0f}%" for k, v in prof["top"][:8])
+if intel:
+    print(f"fuses the rest: **{prof['ceiling']:.2f}x**; on this Intel CPU eager's products run on the same MKL")
+    print(f"AVX-512 kernels as fsdpp's, so this bounds fsdpp too. Largest: {largest}.")
+else:
+    print(f"fuses the rest: **{prof['ceiling']:.2f}x**; fsdpp's products run on MKL's AVX-512 kernels, which this")
+    print(f"does not bound. Largest: {largest}.")
 print()
 print("## Per-unit framework cost (200 units of Linear(8, 8), each its own unit, one rank)")
 print()
