@@ -6,8 +6,8 @@
 # Rounds alternate the placements so that a busy machine slows all alike; figures are medians.
 # Beside them, the bound left by the communication threads' CPU time and by a barrier per step
 # under the machine's step-to-step jitter (the communication-free runs' step times, paired).
-# Writes bench/results/dp2_threads.md.
-#   bash bench/run_dp2_threads_bench.sh [build-dir] [rounds]
+# Writes bench/results/dp2_threads.md, or the file given third; the report names the CPU.
+#   bash bench/run_dp2_threads_bench.sh [build-dir] [rounds] [output]
 # Runs with the machine's OPENBLAS_* settings as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,8 @@ build=${1:-build}
 rounds=${2:-3}
 python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 fsdpp=$(realpath "$build/fsdpp")
-out=bench/results/dp2_threads.md
+out=${3:-bench/results/dp2_threads.md}
+cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 warmup=5
@@ -107,7 +108,7 @@ for round in $(seq "$rounds"); do
   OMP_NUM_THREADS=2 dp2 dp2-false-omp2 parallel.reshard_after_forward=false dist.cpu_binding=none dist.compute_nice=0
 done
 
-"$python" - "$results" "$build" "$rounds" > "$out.tmp" <<'PY'
+"$python" - "$results" "$build" "$rounds" "${3:-}" "$cpu" > "$out.tmp" <<'PY'
 import datetime, statistics, sys
 from collections import defaultdict
 runs, split = defaultdict(list), defaultdict(list)
@@ -131,8 +132,9 @@ def barrier_cost(factors):  # the slower-over-mean factors of paired step times,
 share = {k: statistics.median(x / l for x, l in zip(v, limits)) for k, v in runs.items()}
 print("# dp = 2 on 2 cores: where the threads run, and the communication-free limit")
 print()
-print(f"Command: `bash bench/run_dp2_threads_bench.sh {build} {rounds}` ({datetime.date.today()}), 2 cores, "
-      "OPENBLAS_* as set by the machine.")
+extra = f" {sys.argv[4]}" if sys.argv[4] else ""
+print(f"Command: `bash bench/run_dp2_threads_bench.sh {build} {rounds}{extra}` ({datetime.date.today()}), 2 cores "
+      f"of {sys.argv[5]}, OPENBLAS_* as set by the machine.")
 print()
 print("`fsdpp run recipes/moe-small.json` (moe-small's model, global batch 32 x 128 tokens, 2 microbatches")
 print("of 8 sequences per rank, AdamW, clipping; metrics and progress included) at dp = 2, one compute")
