@@ -17,6 +17,8 @@ python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 fsdpp=$build/fsdpp
 libfsdpp=$(realpath "$build/libfsdpp.so")
 out=${3:-bench/results/pytorch.md}
+cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
+vendor=$(sed -n 's/^vendor_id[[:space:]]*: //p' /proc/cpuinfo | head -1)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 warmup=5
@@ -75,7 +77,7 @@ done
 # Where eager PyTorch's step goes, once, after the rounds.
 $peer profile --mode eager --threads 2 --accum 2 --warmup 3 --steps 5 2>/dev/null | grep '^{' > "$work/profile.json"
 
-"$python" - "$results" "$build" "$rounds" "$work/profile.json" "${3:-}" > "$out.tmp" <<'PY'
+"$python" - "$results" "$build" "$rounds" "$work/profile.json" "${3:-}" "$cpu" "$vendor" > "$out.tmp" <<'PY'
 import datetime, json, statistics, sys
 from collections import defaultdict
 import torch
@@ -85,11 +87,8 @@ for line in open(sys.argv[1]):
     runs[name].append(float(value))
 med = {k: statistics.median(v) for k, v in runs.items()}
 build, rounds = sys.argv[2], sys.argv[3]
-cpu = {}
-for line in open("/proc/cpuinfo"):
-    key, _, value = line.partition(":")
-    cpu.setdefault(key.strip(), value.strip())
-intel = cpu.get("vendor_id") == "GenuineIntel"
+cpu, vendor = sys.argv[6], sys.argv[7]
+intel = vendor == "GenuineIntel"
 # MKL's own choice of kernels: by instruction set on Intel CPUs, its AVX2 ones on others.
 own_choice = "AVX-512 here too, as on any Intel CPU" if intel else "AVX2 here"
 def row(label, name, unit="tokens/s"):
@@ -98,7 +97,7 @@ print("# fsdpp beside PyTorch 2.15")
 print()
 extra = f" {sys.argv[5]}" if sys.argv[5] else ""
 print(f"Command: `bash bench/run_pytorch_bench.sh {build} {rounds}{extra}` ({datetime.date.today()}), 2 cores "
-      f"of {cpu.get('model name', 'an unknown CPU')} ({cpu.get('vendor_id', 'vendor unknown')}), "
+      f"of {cpu} ({vendor}), "
       f"PyTorch {torch.__version__}, OPENBLAS_* as set by the machine.")
 print()
 print("Same work on both sides: moe-small's model (4 layers, dim 128, 4 experts top-2, dropless, 1.36M")
