@@ -119,15 +119,17 @@ rows = {}
 for i in range(count):
     a, b = inclusive(f"{i}-sharded-3"), inclusive(f"{i}-sharded-9")
     for label, _ in FUNCS:
-        rows.setdefault(label, []).append((b.get(label, 0) - a.get(label, 0)) / STEPS / UNITS)
+        # A function gcc inlined into all its callers has no listing of its own.
+        v = (b[label] - a.get(label, 0)) / STEPS / UNITS if label in b else None
+        rows.setdefault(label, []).append(v)
 for label, _ in FUNCS:
-    print(f"| {label} | " + " | ".join(f"{v:,.0f}" for v in rows[label]) + " |")
+    print(f"| {label} | " + " | ".join("inlined" if v is None else f"{v:,.0f}" for v in rows[label]) + " |")
 # What the rows above the "of which" ones leave: autograd running the hooks and the identity node,
 # FullyShard's forward wrapper, and the unsharded model's own work done differently.
 rest = []
 for i in range(count):
     total = (per_step(i, "sharded", "Ir") - per_step(i, "plain", "Ir")) / UNITS
-    rest.append(total - sum(rows[label][i] for label, _ in FUNCS if not label.startswith("of which")))
+    rest.append(total - sum(rows[label][i] or 0 for label, _ in FUNCS if not label.startswith("of which")))
 print("| the rest (autograd running the hooks and nodes, the forward wrapper) | "
       + " | ".join(f"{v:,.0f}" for v in rest) + " |")
 print()
@@ -136,7 +138,8 @@ print("code inlined into it from another file when that is listed apart (2c723a0
 print("Tensor::register_hook, inlined from Tensor.h). The rest is the total less the rows above the")
 print("\"of which\" ones, and can come out below zero: the hooks also do work that the unsharded step")
 print("does elsewhere, such as freeing the unsharded gradients (the sharded step frees them after")
-print("packing, the unsharded one in zero_grad).")
+print("packing, the unsharded one in zero_grad). \"inlined\": no call reached that function's own copy;")
+print("gcc inlined it into its callers, whose rows count it.")
 PY
 mv "$out.tmp" "$out"
 cat "$out"

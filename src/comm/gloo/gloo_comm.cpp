@@ -172,14 +172,9 @@ class GlooComm : public CommImpl {
                   const AllGatherOptions& opts) override {
     auto what = summary("all_gather", in);
     what.in = in.numel(), what.out = out.numel();
+    if (size_ == 1) return alone(what, [&] { copy_alone(out, in); });
     return enqueue(what, {out, in}, [this, out, in, counts = opts.counts](uint32_t tag) {
       const size_t esize = out.element_size();
-      if (size_ == 1) {  // contiguous CPU tensors of one dtype and size (Comm checked)
-        void* to = out.data_ptr();
-        const void* from = in.const_data_ptr();
-        if (from != to) std::memcpy(to, from, out.nbytes());
-        return;
-      }
       if (counts.empty()) {
         if (in.numel() == 0) return;
         auto* slot = static_cast<uint8_t*>(out.data_ptr()) + rank_ * in.numel() * esize;
@@ -204,6 +199,8 @@ class GlooComm : public CommImpl {
                       const ReduceScatterOptions& opts) override {
     auto what = summary("reduce_scatter", in);
     what.reduce = to_string(opts.op), what.in = in.numel(), what.out = out.numel();
+    // The sum or average over one rank is the input.
+    if (size_ == 1) return alone(what, [&] { copy_alone(out, in); });
     return enqueue(what, {out, in},
                    [this, out, in, op = opts.op](uint32_t tag) { ring_reduce_scatter(out, in, op, tag); });
   }
@@ -326,28 +323,40 @@ class GlooComm : public CommImpl {
     std::function<bool(uint32_t tag)> run;
   };
 
+  // Alone in the group, every collective is a local copy: run it here rather than pay two thread
+  // hand-offs. Nothing else can be queued (send/recv to self are rejected). What comes back is an
+  // empty Work, completed, which costs no allocation (the flight recorder notes the time). Only a
+  // failure needs a state, to carry it to wait(). The all-gather and reduce-scatter that FSDP
+  // issues per unit come here before making the worker's closure, which would copy their tensors.
+  template <typename F>
+  Work alone(const OpSummary& what, F&& body) {
+    try {
+      body();
+      return Work();
+    } catch (...) {
+      auto state = std::make_shared<WorkState>(what);
+      state->error = std::current_exception();
+      state->finished_at = std::chrono::system_clock::now();
+      state->done = true;
+      return Work(state);
+    }
+  }
+
+  // An all-gather or a reduce-scatter over one rank: out is in (contiguous CPU tensors of one dtype
+  // and size, Comm checked).
+  static void copy_alone(const at::Tensor& out, const at::Tensor& in) {
+    void* to = out.data_ptr();
+    const void* from = in.const_data_ptr();
+    if (from != to && out.nbytes() > 0) std::memcpy(to, from, out.nbytes());
+  }
+
   OpSummary summary(const char* op, const at::Tensor& t) const {
     return {.op = op, .rank = rank_, .size = size_, .dtype = t.scalar_type()};
   }
 
   template <typename F>
   Work enqueue(const OpSummary& what, std::initializer_list<at::Tensor> tensors, F&& body) {
-    if (size_ == 1) {
-      // Alone in the group, every collective is a local copy: run it here rather than pay two
-      // thread hand-offs. Nothing else can be queued (send/recv to self are rejected). What comes
-      // back is an empty Work, completed, which costs no allocation (the flight recorder notes
-      // the time). Only a failure needs a state, to carry it to wait().
-      try {
-        body(0);
-        return Work();
-      } catch (...) {
-        auto state = std::make_shared<WorkState>(what);
-        state->error = std::current_exception();
-        state->finished_at = std::chrono::system_clock::now();
-        state->done = true;
-        return Work(state);
-      }
-    }
+    if (size_ == 1) return alone(what, [&] { body(0); });
     auto state = std::make_shared<WorkState>(what);
     state->tensors.assign(tensors);
     push({state, [body = std::forward<F>(body)](uint32_t tag) {
@@ -472,11 +481,7 @@ class GlooComm : public CommImpl {
   void ring_reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op,
                            uint32_t tag) {
     const int64_t n = out.numel();
-    if (n == 0) return;
-    if (size_ == 1) {  // the sum or average over one rank is the input (same dtype, contiguous)
-      std::memcpy(out.data_ptr(), in.const_data_ptr(), out.nbytes());
-      return;
-    }
+    if (n == 0) return;  // one rank never comes here (reduce_scatter and all_reduce take it apart)
     const bool widened = is_half(in.scalar_type());
     const auto acc_type = widened ? at::kFloat : in.scalar_type();
     const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
