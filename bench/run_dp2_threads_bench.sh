@@ -16,7 +16,8 @@ rounds=${2:-3}
 python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 fsdpp=$(realpath "$build/fsdpp")
 out=${3:-bench/results/dp2_threads.md}
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
+source bench/cpuinfo.sh
+cpu=$(cpuinfo 'model name')
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 warmup=5

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 build=${1:-build}
 rounds=${2:-7}
 out=bench/results/kernels.md
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
+source bench/cpuinfo.sh
+cpu=$(cpuinfo 'model name')
 {
   echo "# RMSNorm and SwiGLU's gate: single-pass kernels against the ATen compositions"
   echo

@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 build=${1:-build}
 rounds=${2:-7}
 out=bench/results/matmul.md
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-family=$(sed -n 's/^cpu family[[:space:]]*: //p' /proc/cpuinfo | head -1)
+source bench/cpuinfo.sh
+cpu=$(cpuinfo 'model name')
+family=$(cpuinfo 'cpu family')
 avx512=$(grep -q avx512f /proc/cpuinfo && echo "with AVX-512" || echo "without AVX-512")
 {
   echo "# The model's weight products: ATen's (MKL) against oneDNN's"

@@ -17,8 +17,9 @@ python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 fsdpp=$build/fsdpp
 libfsdpp=$(realpath "$build/libfsdpp.so")
 out=${3:-bench/results/pytorch.md}
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-vendor=$(sed -n 's/^vendor_id[[:space:]]*: //p' /proc/cpuinfo | head -1)
+source bench/cpuinfo.sh
+cpu=$(cpuinfo 'model name')
+vendor=$(cpuinfo vendor_id)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 warmup=5
