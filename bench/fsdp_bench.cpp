@@ -8,6 +8,10 @@
 //                 median difference over (25)
 //                 [--only plain|sharded] one side alone, for a profiler
 //                 [--only ops] the ATen operators a sharded step adds per unit, by name
+//   adamw         milliseconds per optimizer step on the parameters of configs/moe-small.json's model:
+//                 fsdp::AdamW (ATen's fused CPU kernel), fsdp::AdamW with fused=false (the tensor
+//                 expression), LibTorch's torch::optim::AdamW; [--threads N] [--rounds R] rounds of
+//                 [--steps S] steps of each, in rotating order; medians over rounds
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -17,6 +21,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <string>
@@ -25,6 +31,9 @@
 
 #include "fsdpp/comm/init.hpp"
 #include "fsdpp/base/blas.hpp"
+#include "fsdpp/fsdp/adamw.hpp"
+#include "fsdpp/models/moe.hpp"
+#include "fsdpp/train/recipe.hpp"
 #include "transformer.hpp"
 
 using namespace fsdpp;
@@ -265,6 +274,59 @@ int unit_cost(const Args& a) {
   return 0;
 }
 
+// The optimizer alone, on the default model's parameters with fixed gradients: the three updates
+// timed in turn, the same number of steps each per round.
+int adamw(const Args& a) {
+  at::set_num_threads(a.threads);
+  const std::string path = "configs/moe-small.json";
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("fsdp_bench adamw: cannot read " + path + " (run from the repository root)");
+  const auto cfg = train::parse_model_config(nlohmann::json::parse(in), path);
+  at::manual_seed(0);
+  models::MoETransformer net(cfg);
+  // Three copies of the parameters, matrices decayed, vectors not, as the trainer splits them.
+  struct Side {
+    std::vector<at::Tensor> decay, no_decay;
+  };
+  Side sides[3];
+  int64_t numel = 0;
+  for (const auto& p : net->parameters()) {
+    numel += p.numel();
+    const auto g = at::randn_like(p) * 1e-2;
+    for (auto& s : sides) {
+      auto c = p.detach().clone().requires_grad_();
+      c.mutable_grad() = g.clone();
+      (p.dim() >= 2 ? s.decay : s.no_decay).push_back(c);
+    }
+  }
+  fsdp::AdamWOptions o{.lr = 3e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+  fsdp::AdamW fused(sides[0].decay, o, sides[0].no_decay);
+  o.fused = false;
+  fsdp::AdamW expression(sides[1].decay, o, sides[1].no_decay);
+  auto lo = torch::optim::AdamWOptions(3e-3).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.1);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(sides[2].decay, std::make_unique<torch::optim::AdamWOptions>(lo));
+  auto nd = std::make_unique<torch::optim::AdamWOptions>(lo);
+  nd->weight_decay(0);
+  groups.emplace_back(sides[2].no_decay, std::move(nd));
+  torch::optim::AdamW libtorch(std::move(groups), lo);
+  const std::function<void()> steps[3] = {[&] { fused.step(); }, [&] { expression.step(); }, [&] { libtorch.step(); }};
+  for (auto& s : steps) s();  // state allocated, pages touched
+  std::vector<double> ms[3];
+  for (int r = 0; r < a.rounds; ++r)
+    for (int k = 0; k < 3; ++k) {
+      const int side = (r + k) % 3;
+      const auto t0 = Clock::now();
+      for (int i = 0; i < a.steps; ++i) steps[side]();
+      ms[side].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / a.steps);
+    }
+  std::cout << fmt::format("RESULT adamw params={} tensors={} threads={} rounds={} steps={} fused_ms={:.2f} "
+                           "expression_ms={:.2f} libtorch_ms={:.2f}\n",
+                           numel, sides[0].decay.size() + sides[0].no_decay.size(), a.threads, a.rounds, a.steps,
+                           median(ms[0]), median(ms[1]), median(ms[2]));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -273,7 +335,8 @@ int main(int argc, char** argv) {
     if (a.mode == "throughput") return throughput(a);
     if (a.mode == "memory") return memory(a);
     if (a.mode == "unit-cost") return unit_cost(a);
-    std::cerr << "usage: fsdpp_fsdp_bench throughput|memory|unit-cost [options]\n";
+    if (a.mode == "adamw") return adamw(a);
+    std::cerr << "usage: fsdpp_fsdp_bench throughput|memory|unit-cost|adamw [options]\n";
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "fsdp_bench: " << e.what() << "\n";

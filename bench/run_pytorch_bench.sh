@@ -122,7 +122,7 @@ if intel:
 else:
     print("training under FSDP2, `tests/fsdp/test_torch_fsdp.py`; the rows marked `LD_PRELOAD=libfsdpp.so`")
     print("give PyTorch MKL's AVX-512 kernels the same way),")
-print("torch.optim.AdamW with its default CPU implementation,")
+print("torch.optim.AdamW(fused=True), ATen's fused CPU kernel, which fsdp::AdamW runs too (bitwise the same update),")
 print("torch.nn.utils.clip_grad_norm_. Threads: 1 per rank at world 2 (the launcher's OMP_NUM_THREADS=1),")
 print("2 in one process. Throughput: tokens of the global batch per second over 20 steps after 5 warm-up")
 print("steps (10 for torch.compile), the host synchronised each step by reading the loss, as fsdpp's")

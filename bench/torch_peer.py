@@ -52,7 +52,7 @@ def optimizer(model):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+                             lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
 
 def report(args, mode, times, tokens_per_step, loss, world):

@@ -1,9 +1,11 @@
 #include "fsdpp/fsdp/adamw.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <set>
 #include <stdexcept>
 
@@ -29,6 +31,11 @@ AdamW::AdamW(std::vector<at::Tensor> params, const AdamWOptions& options, std::v
       if (!seen.insert(p.unsafeGetTensorImpl()).second) throw bad("a parameter is given twice");
       params_.push_back({p, {at::zeros_like(p), at::zeros_like(p)}, list == &params});
     }
+  // ATen's fused kernel on the CPU; on a GPU the update below, whose learning rate and step count
+  // stay on the device for graph capture.
+  fused_ = options.fused && device.is_cpu() && std::all_of(params_.begin(), params_.end(), [](const Param& q) {
+    return q.param.is_contiguous() && at::isFloatingType(q.param.scalar_type());
+  });
   const auto f64 = at::TensorOptions(device).dtype(at::kDouble);
   lr_ = at::full({}, options.lr, f64);
   step_ = at::zeros({}, f64);
@@ -46,6 +53,29 @@ void AdamW::step() {
   at::NoGradGuard no_grad;
   const auto& o = options_;
   step_.add_(1);
+  if (fused_) {
+    // One pass over each parameter, in ATen's fused CPU AdamW: the update of
+    // torch.optim.AdamW(fused=True), bit for bit. It reads the learning rate and step count on the
+    // host, which on the CPU is where they are.
+    std::vector<at::Tensor> p[2], g[2], m[2], v[2], t[2];
+    for (auto& q : params_) {
+      const auto& grad = q.param.grad();
+      if (!grad.defined()) continue;
+      const int i = q.decay ? 1 : 0;
+      p[i].push_back(q.param);
+      // The fused kernel reads the gradient as a dense array of the parameter's dtype (a strided
+      // one it would read wrongly, without a word).
+      g[i].push_back(grad.to(q.param.scalar_type()).contiguous());
+      m[i].push_back(q.state.exp_avg);
+      v[i].push_back(q.state.exp_avg_sq);
+      t[i].push_back(step_);
+    }
+    for (int i : {0, 1})
+      if (!p[i].empty())
+        at::_fused_adamw_(p[i], g[i], m[i], v[i], {}, t[i], lr_, o.beta1, o.beta2, i == 1 ? o.weight_decay : 0.0, o.eps,
+                          /*amsgrad=*/false, /*maximize=*/false);
+    return;
+  }
   const auto step_size = lr_ / (1 - at::pow(o.beta1, step_));
   const auto bc2_sqrt = (1 - at::pow(o.beta2, step_)).sqrt();
   const auto decay = 1 - lr_ * o.weight_decay;

@@ -54,6 +54,27 @@ TEST_CASE("AdamW: 20 steps with a changing learning rate match LibTorch's AdamW"
   CHECK(opt.state(at::zeros({1})) == nullptr);
 }
 
+TEST_CASE("AdamW: a gradient in another dtype or layout updates as its dense, parameter-dtype copy would") {
+  // The fused CPU update reads dense gradients of the parameter's dtype; others are converted.
+  auto odd = make_params(), plain = make_params();
+  const fsdp::AdamWOptions o{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+  fsdp::AdamW a({odd.w}, o, {odd.b}), b({plain.w}, o, {plain.b});
+  for (int s = 0; s < 5; ++s) {
+    const auto gw = grad_for(s, {4, 6}).t();                         // strided
+    const auto gb = grad_for(s, {4}).to(at::kBFloat16);              // bfloat16
+    REQUIRE(!gw.is_contiguous());
+    odd.w.mutable_grad() = gw;
+    odd.b.mutable_grad() = gb;
+    plain.w.mutable_grad() = gw.contiguous();
+    plain.b.mutable_grad() = gb.to(at::kFloat);
+    a.step();
+    b.step();
+  }
+  CHECK(at::equal(odd.w, plain.w));
+  CHECK(at::equal(odd.b, plain.b));
+  CHECK(!at::equal(odd.w, make_params().w));  // and it did update
+}
+
 TEST_CASE("AdamW: weight decay reaches only the decayed group; a parameter without a gradient is left alone") {
   auto p = make_params();
   const auto w0 = p.w.detach().clone(), b0 = p.b.detach().clone();

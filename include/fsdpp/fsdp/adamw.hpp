@@ -7,7 +7,11 @@
 //   p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 // State (m, v) is allocated with the optimizer, so its addresses never change. A parameter
-// without a gradient is left alone in a step.
+// without a gradient is left alone in a step. On the CPU (with options.fused, the default, and
+// dense floating-point parameters) the update is ATen's fused AdamW kernel, one pass per
+// parameter, bitwise torch.optim.AdamW(fused=True) (m by lerp, the step size and bias corrections
+// in float64 on the host); on a GPU it is the tensor expression above, with the learning rate and
+// step count read on the device.
 
 #include <ATen/core/Tensor.h>
 
@@ -22,6 +26,8 @@ struct AdamWOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 1e-2;
+  // On the CPU, ATen's fused kernel; false: the tensor expression a GPU runs, there too.
+  bool fused = true;
 };
 
 class AdamW {
@@ -58,6 +64,7 @@ class AdamW {
   AdamWOptions options_;
   std::vector<Param> params_;
   at::Tensor lr_, step_;  // 0-dim float64 on the parameters' device
+  bool fused_ = false;    // CPU parameters, each dense and floating point
 };
 
 }  // namespace fsdpp::fsdp
