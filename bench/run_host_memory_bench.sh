@@ -5,11 +5,11 @@
 # to 32 MiB; the trim threshold to twice that), so a training step's pages are faulted in and zeroed
 # again every step. Fixing both thresholds high (GLIBC_TUNABLES: mmap threshold 256 MiB, trim
 # threshold 1 GiB) keeps them. `fsdpp run recipes/moe-small.json` with malloc's own settings and
-# with those, in alternating order each round:
-# at dp 1 (2 threads), at dp 2 (the recipe's placement), and at dp 1 on a larger model (dim 256,
-# FFN 1024, experts 512, 512 tokens a sequence: blocks above 32 MiB). Per setting: tokens/s after the warm-up steps, and the page faults,
-# system CPU time and all CPU time of a step (every process of the run: a full run less a
-# warm-up-only run, over the measured steps), medians over rounds.
+# with those, in alternating order each round: at dp 1 (2 threads), at dp 2 (the recipe's
+# placement), and at dp 1 on a larger model (dim 256, FFN 1024, experts 512, 512 tokens a sequence:
+# blocks above 32 MiB). Per setting: tokens/s after the warm-up steps, and the page faults, system
+# CPU time and all CPU time of a step (every process of the run: a full run less a warm-up-only
+# run, over the measured steps), medians over rounds.
 # Writes bench/results/host_memory.md, or the file given third; the report names the CPU.
 #   bash bench/run_host_memory_bench.sh [build-dir] [rounds] [output]
 # Runs with the machine's OPENBLAS_* settings as they are.
@@ -32,11 +32,10 @@ results=$work/results.txt
 common=(eval.interval=0 checkpoint.interval=0 logging.interval=1 logging.plot=false --overwrite)
 large=(model.dim=256 model.ffn_hidden=1024 model.expert_hidden=512 model.max_seq_len=512 data.seq_len=512)
 
-# Runs fsdpp with the given arguments (log file first) under the environment settings in $menv;
-# prints the minor page faults, system and user CPU seconds of it and every process it started.
-menv=()
+# Runs a command (log file first); prints the minor page faults, system and user CPU seconds of it
+# and every process it started.
 usage() {
-  env "${menv[@]}" "$python" - "$@" <<'PY'
+  "$python" - "$@" <<'PY'
 import resource, subprocess, sys
 with open(sys.argv[1], "w") as log:
     subprocess.run(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -51,15 +50,15 @@ one() {  # layout (dp1 | dp2 | large), malloc (own | kept), round
   local args=(run recipes/moe-small.json "${common[@]}") warmup=5 steps=20 tokens=$((32 * 128))
   [ "$layout" = dp1 ] && args+=(parallel.dp=1)
   [ "$layout" = large ] && { args+=(parallel.dp=1 "${large[@]}"); warmup=3; steps=6; tokens=$((32 * 512)); }
-  menv=()
-  [ "$malloc" = kept ] && menv+=(GLIBC_TUNABLES=$kept)
+  local run=("$fsdpp")  # the setting goes to fsdpp and the ranks it starts, not to the Python above
+  [ "$malloc" = kept ] && run=(env GLIBC_TUNABLES="$kept" "$fsdpp")
   local short long rate
-  short=$(usage "$dir-short.log" "$fsdpp" "${args[@]}" logging.output_dir="$dir-short" --stop-after $warmup) \
+  short=$(usage "$dir-short.log" "${run[@]}" "${args[@]}" logging.output_dir="$dir-short" --stop-after $warmup) \
     || { cat "$dir-short.log"; exit 1; }
-  long=$(usage "$dir.log" "$fsdpp" "${args[@]}" logging.output_dir="$dir" --stop-after $((warmup + steps))) \
+  long=$(usage "$dir.log" "${run[@]}" "${args[@]}" logging.output_dir="$dir" --stop-after $((warmup + steps))) \
     || { cat "$dir.log"; exit 1; }
   rate=$("$python" bench/metrics_tokens_per_s.py "$dir/metrics/rank0.jsonl" $warmup $((warmup + steps)) $tokens | cut -d' ' -f1)
-  echo "$layout $malloc $steps $rate $short $long" >> "$results"
+  echo "$layout $malloc $warmup $steps $rate $short $long" >> "$results"
 }
 
 for round in $(seq "$rounds"); do
@@ -72,13 +71,15 @@ for round in $(seq "$rounds"); do
   done
 done
 
-"$python" - "$results" "$rounds" "$cpu" "$build" > "$out.tmp" <<'PY'
+"$python" - "$results" "$rounds" "$cpu" "$build" "$kept" > "$out.tmp" <<'PY'
 import collections, datetime, statistics, sys
-path, rounds, cpu, build = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+path, rounds, cpu, build, kept = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 rows = collections.defaultdict(list)
+measured = {}  # layout: the steps its tokens/s is over
 for line in open(path):
-    layout, malloc, steps, rate, f0, s0, u0, f1, s1, u1 = line.split()
-    steps = int(steps)
+    layout, malloc, warmup, steps, rate, f0, s0, u0, f1, s1, u1 = line.split()
+    warmup, steps = int(warmup), int(steps)
+    measured[layout] = f"steps {warmup + 1}-{warmup + steps}"
     rows[(layout, malloc)].append(dict(rate=float(rate), faults=(int(f1) - int(f0)) / steps,
                                        sys_ms=1e3 * (float(s1) - float(s0)) / steps,
                                        cpu_ms=1e3 * (float(s1) + float(u1) - float(s0) - float(u0)) / steps))
@@ -88,12 +89,12 @@ print("# Keeping freed host memory: malloc's own thresholds against fixed high o
 print(f"Command: `bash bench/run_host_memory_bench.sh {build} {rounds}` ({datetime.date.today()}), 2 cores of {cpu}, "
       "OPENBLAS_* as set by the machine.\n")
 print("`fsdpp run recipes/moe-small.json` with glibc malloc's own settings (\"own\") and with "
-      "`GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824` "
+      f"`GLIBC_TUNABLES={kept}` "
       "(\"kept\": blocks up to 256 MiB from the heaps, and up to 1 GiB of free space kept by each heap "
       "instead of given back to the system), alternating which goes first each round. dp 1 with 2 "
-      "threads and dp 2 as the recipe places it: global batch 32 x 128 tokens, tokens/s over steps 6-25; "
+      f"threads and dp 2 as the recipe places it: global batch 32 x 128 tokens, tokens/s over {measured['dp1']}; "
       "the larger model at dp 1 (`model.dim=256 model.ffn_hidden=1024 model.expert_hidden=512`, "
-      "512 tokens a sequence, some blocks above malloc's 32 MiB): steps 4-9. Per step: a full run less a "
+      f"512 tokens a sequence, some blocks above malloc's 32 MiB): {measured['large']}. Per step: a full run less a "
       "warm-up-only run, over the measured steps, of every process of the run (getrusage of the children): "
       "minor page faults, system CPU time, and all CPU time (user and system, both threads or both "
       "ranks). Medians over rounds; \"kept / own\" is the median of the rounds' ratios.\n")
