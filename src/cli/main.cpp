@@ -16,6 +16,7 @@
 #include "fsdpp/comm/launch.hpp"
 #include "fsdpp/base/blas.hpp"
 #include "fsdpp/base/files.hpp"
+#include "fsdpp/base/host_memory.hpp"
 #include "fsdpp/pipeline/plan.hpp"
 #include "fsdpp/pipeline/table.hpp"
 #include "fsdpp/pipeline/visualize.hpp"
@@ -256,10 +257,13 @@ int run_recipe(RunArgs& a) {
   o.nproc = recipe.world_size();
   o.max_restarts = a.max_restarts;
   o.command = {self_exe(), "run", a.recipe};
+  if (recipe.dist.keep_freed_memory)
+    if (const auto tunables = with_kept_malloc_thresholds(std::getenv("GLIBC_TUNABLES")))
+      o.env.push_back("GLIBC_TUNABLES=" + *tunables);
   for (const auto& ov : a.overrides) o.command.push_back(ov);
   if (a.options.resume) o.command.push_back("--resume");
   if (a.options.overwrite) o.command.push_back("--overwrite");
-  if (a.options.trace) o.command.push_back("--trace");
+  if (a.options.trace) o.command.insert(o.command.end(), {"--trace", "--trace-steps", std::to_string(a.options.trace_steps)});
   if (a.stop_after > 0) o.command.insert(o.command.end(), {"--stop-after", std::to_string(a.stop_after)});
   return run_launch(o);
 }
@@ -336,7 +340,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   cmd_run->add_option("--stop-after", run.stop_after, "stop after this many steps (with a checkpoint), as if interrupted")
       ->check(CLI::PositiveNumber);
-  run.options.trace_steps = 3;
+  cmd_run->add_option("--trace-steps", run.options.trace_steps, "steps --trace covers, from the second step of the run (default 3)")
+      ->check(CLI::PositiveNumber);
 
   std::string validate_recipe;
   std::vector<std::string> validate_overrides;

@@ -161,6 +161,7 @@ std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& add
     const std::string key = kv.substr(0, kv.find('='));
     bool owned = false;
     for (const char* k : kOwned) owned |= key == k;
+    for (const auto& given : o.env) owned |= given.compare(0, key.size() + 1, key + "=") == 0;
     has_omp |= key == "OMP_NUM_THREADS";
     if (!owned) env.push_back(std::move(kv));
   }
@@ -181,6 +182,7 @@ std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& add
   env.push_back("FSDPP_ERROR_FILE=" + error_file);
   // As torchrun does: ranks sharing a node should not each spawn a thread per core.
   if (!has_omp && o.nproc > 1) env.push_back("OMP_NUM_THREADS=1");
+  env.insert(env.end(), o.env.begin(), o.env.end());
   return env;
 }
 
@@ -380,6 +382,9 @@ LaunchResult launch(const LaunchOptions& o) {
                                             o.node_rank, o.nnodes));
   if (o.max_restarts < 0) throw std::invalid_argument("fsdpp launch: --max-restarts must be at least 0");
   if (o.command.empty()) throw std::invalid_argument("fsdpp launch: no program given after --");
+  for (const auto& kv : o.env)
+    if (kv.find('=') == std::string::npos || kv.front() == '=')
+      throw std::invalid_argument(fmt::format("fsdpp launch: environment entry '{}' is not NAME=value", kv));
   if (o.nnodes > 1 && (o.master_addr.empty() || o.master_port == 0))
     throw std::invalid_argument(
         "fsdpp launch: with --nnodes > 1, give --master-addr and --master-port (the address and "

@@ -547,6 +547,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       d.boolean("check_collectives", rc.dist.check_collectives);
       d.string("cpu_binding", rc.dist.cpu_binding, {"none", "rank", "compute"});
       d.integer("compute_nice", rc.dist.compute_nice, 0, 19);
+      d.boolean("keep_freed_memory", rc.dist.keep_freed_memory);
     }
 
     // Layout: the rules that tie sections together.

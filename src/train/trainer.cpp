@@ -24,6 +24,7 @@
 #include "fsdpp/fsdp/adamw.hpp"
 #include "fsdpp/fsdp/checkpoint.hpp"
 #include "fsdpp/base/cpu_binding.hpp"
+#include "fsdpp/base/host_memory.hpp"
 #include "fsdpp/base/mkl_dispatch.hpp"
 #include "fsdpp/base/cuda_graph.hpp"
 #include "fsdpp/base/device_check.hpp"
@@ -644,6 +645,7 @@ RunResult Trainer::run() {
     log(fmt::format("cpu binding ({}): {}{}", recipe_.dist.cpu_binding, bound.rfind("not bound", 0) == 0 ? "" : "rank 0's ",
                     bound));
   log("MKL: " + mkl_dispatch().detail);  // Note [MKL's kernels on other vendors' CPUs]
+  log("host memory: " + describe_malloc_thresholds(std::getenv("GLIBC_TUNABLES")));
   prepare_output();
   build();
   // After build: every communicator (the expert-parallel ones are made there) has its threads.

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -21,6 +22,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "fsdpp/comm/launch.hpp"
 
 namespace {
 
@@ -253,6 +256,33 @@ TEST_CASE("launch rejects inconsistent options before starting anything") {
   r = run(kLaunch + " --nproc 2 -- no-such-program-fsdpp");
   CHECK(r.status != 0);
   CHECK(r.output.find("program 'no-such-program-fsdpp' not found") != std::string::npos);
+}
+
+TEST_CASE("launch gives every rank the environment entries it is handed, in place of the launcher's own") {
+  const auto dir = std::filesystem::temp_directory_path() / ("fsdpp-launch-env-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  setenv("FSDPP_TEST_ENV", "launcher", 1);
+  fsdpp::comm::LaunchOptions o;
+  o.nproc = 2;
+  o.prefix_output = false;
+  o.env = {"FSDPP_TEST_ENV=rank", "FSDPP_TEST_OTHER=x=y"};
+  o.command = {"/bin/sh", "-c", "env > " + dir.string() + "/env-$RANK"};
+  const auto result = fsdpp::comm::launch(o);
+  unsetenv("FSDPP_TEST_ENV");
+  REQUIRE(result.exit_code == 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    CAPTURE(rank);
+    std::ifstream f(dir / ("env-" + std::to_string(rank)));
+    std::vector<std::string> seen;
+    for (std::string line; std::getline(f, line);)
+      if (line.rfind("FSDPP_TEST_", 0) == 0) seen.push_back(line);
+    std::sort(seen.begin(), seen.end());
+    CHECK(seen == std::vector<std::string>{"FSDPP_TEST_ENV=rank", "FSDPP_TEST_OTHER=x=y"});
+  }
+  std::filesystem::remove_all(dir);
+  o.env = {"NO_EQUALS_SIGN"};
+  CHECK_THROWS_WITH_AS(fsdpp::comm::launch(o), "fsdpp launch: environment entry 'NO_EQUALS_SIGN' is not NAME=value",
+                       std::invalid_argument);
 }
 
 TEST_CASE("fsdpp schedule show: timeline, bubble and files for a valid schedule; the reason for an invalid one") {

@@ -534,10 +534,31 @@ TEST_CASE("run: `fsdpp tokenize` killed mid-way leaves no half-written shard und
   fs::remove_all(dir);
 }
 
+TEST_CASE("run: ranks start with malloc's thresholds fixed high, unless dist.keep_freed_memory=false or the environment sets one") {
+  const auto dir = fresh_dir("host-memory");
+  const auto run_with = [&](const std::string& env, const std::string& args) {
+    fs::remove_all(dir);
+    const auto r = sh("env " + env + " " + kBin + " run " + kRecipe + " logging.output_dir=" + dir +
+                      " train.steps=1 eval.interval=0 checkpoint.enabled=false " + args);
+    INFO(r.out);
+    REQUIRE(r.rc == 0);
+    const auto at = r.out.find("host memory: ");
+    REQUIRE(at != std::string::npos);
+    return r.out.substr(at, r.out.find('\n', at) - at);
+  };
+  // The launcher's own GLIBC_TUNABLES is kept and extended, not passed beside the ranks' value.
+  CHECK(run_with("GLIBC_TUNABLES=glibc.malloc.arena_max=4", "") ==
+        "host memory: mmap threshold 256 MiB, trim threshold 1 GiB (GLIBC_TUNABLES)");
+  CHECK(run_with("-u GLIBC_TUNABLES", "dist.keep_freed_memory=false") == "host memory: malloc's own thresholds");
+  CHECK(run_with("GLIBC_TUNABLES=glibc.malloc.trim_threshold=2097152", "") ==
+        "host memory: trim threshold 2 MiB (GLIBC_TUNABLES)");
+  fs::remove_all(dir);
+}
+
 TEST_CASE("run: outputs (metrics, plot, summary, trace) and capacity routing's dropped-token rate") {
   const auto dir = fresh_dir("outputs");
   const auto out = train_run(dir, "train.steps=6 logging.interval=2 eval.interval=3 parallel.dp=2 "
-                                  "model.routing=capacity model.capacity_factor=0.5 checkpoint.enabled=false --trace");
+                                  "model.routing=capacity model.capacity_factor=0.5 checkpoint.enabled=false --trace --trace-steps 2");
   CHECK(out.find("validation loss") != std::string::npos);
   std::ifstream svg(dir + "/loss.svg");
   std::string s((std::istreambuf_iterator<char>(svg)), {});
@@ -562,13 +583,16 @@ TEST_CASE("run: outputs (metrics, plot, summary, trace) and capacity routing's d
   CHECK(evals == 2);
   const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
   std::set<int> pids;
+  std::map<int, int> steps;  // traced steps, by rank
   bool comm = false;
   for (const auto& e : trace["traceEvents"]) {
     if (e["ph"] != "X") continue;
     pids.insert(e["pid"].get<int>());
     comm |= e["cat"].get<std::string>().rfind("comm", 0) == 0;
+    if (e["cat"] == "steps") ++steps[e["pid"].get<int>()];
   }
   CHECK(pids == std::set<int>{0, 1});
+  CHECK(steps == std::map<int, int>{{0, 2}, {1, 2}});  // --trace-steps 2
   CHECK(comm);
   fs::remove_all(dir);
 }

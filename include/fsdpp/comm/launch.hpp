@@ -19,6 +19,8 @@ struct LaunchOptions {
   std::string master_addr;  // empty: 127.0.0.1 (single node only)
   uint16_t master_port = 0;  // 0: a free port (single node only)
   std::vector<std::string> command;  // program and its arguments
+  // NAME=value entries for every rank's environment, each replacing the launcher's own NAME.
+  std::vector<std::string> env;
   std::chrono::milliseconds stop_grace = std::chrono::seconds(5);  // SIGTERM to SIGKILL
   bool prefix_output = true;
   // After a failure (once every rank is stopped), start the whole group again, up to this many

@@ -1,0 +1,55 @@
+// Keeping freed host memory (fsdpp/base/host_memory.hpp): the GLIBC_TUNABLES value `fsdpp run`
+// gives its ranks, and what glibc does with it in a process started with it.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <string>
+
+#include "fsdpp/base/host_memory.hpp"
+
+using namespace fsdpp;
+
+namespace {
+
+// Page faults of reallocating a freed 48 MiB block in a fresh process; `tunables` as GLIBC_TUNABLES
+// (empty: unset).
+long refill_faults(const std::string& tunables) {
+  const std::string cmd = (tunables.empty() ? std::string("env -u GLIBC_TUNABLES ") : "env GLIBC_TUNABLES='" + tunables + "' ") +
+                          FSDPP_MALLOC_PROBE_BIN;
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p);
+  long faults = -1;
+  REQUIRE(std::fscanf(p, "%ld", &faults) == 1);
+  REQUIRE(WEXITSTATUS(pclose(p)) == 0);
+  return faults;
+}
+
+}  // namespace
+
+TEST_CASE("host memory: the kept thresholds join what GLIBC_TUNABLES holds, and never replace a threshold set there") {
+  CHECK(with_kept_malloc_thresholds(nullptr) == std::string(kKeptMallocTunables));
+  CHECK(with_kept_malloc_thresholds("") == std::string(kKeptMallocTunables));
+  CHECK(with_kept_malloc_thresholds("glibc.cpu.x86_rep_movsb_threshold=4096") ==
+        "glibc.cpu.x86_rep_movsb_threshold=4096:" + std::string(kKeptMallocTunables));
+  CHECK(!with_kept_malloc_thresholds("glibc.malloc.trim_threshold=0").has_value());
+  CHECK(!with_kept_malloc_thresholds("glibc.cpu.hwcaps=-AVX2:glibc.malloc.mmap_threshold=65536").has_value());
+  // Another malloc tunable is not a threshold.
+  CHECK(with_kept_malloc_thresholds("glibc.malloc.arena_max=2") ==
+        "glibc.malloc.arena_max=2:" + std::string(kKeptMallocTunables));
+
+  CHECK(describe_malloc_thresholds(nullptr) == "malloc's own thresholds");
+  CHECK(describe_malloc_thresholds("glibc.malloc.arena_max=2") == "malloc's own thresholds");
+  CHECK(describe_malloc_thresholds(kKeptMallocTunables) ==
+        "mmap threshold 256 MiB, trim threshold 1 GiB (GLIBC_TUNABLES)");
+  CHECK(describe_malloc_thresholds("glibc.malloc.trim_threshold=3000") == "trim threshold 3000 bytes (GLIBC_TUNABLES)");
+}
+
+TEST_CASE("host memory: a process started with the kept thresholds reuses a freed 48 MiB block; with malloc's own it faults every page in again") {
+  const long own = refill_faults(""), kept = refill_faults(kKeptMallocTunables);
+  CAPTURE(own);
+  CAPTURE(kept);
+  // Mapped afresh: a fault for each 4 KiB page (12,288), or for each 2 MiB one where the system
+  // backs anonymous memory with huge pages (24). Kept: the same block back from the heap.
+  CHECK(own >= 10 * (kept + 1));
+}
