@@ -1,8 +1,10 @@
 #include "fsdpp/base/host_memory.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string_view>
 #include <vector>
 
@@ -12,8 +14,9 @@ namespace {
 constexpr std::string_view kMmap = "glibc.malloc.mmap_threshold", kTrim = "glibc.malloc.trim_threshold";
 
 // GLIBC_TUNABLES is a colon-separated list of name=value.
-std::vector<std::pair<std::string_view, std::string_view>> tunables(std::string_view s) {
+std::vector<std::pair<std::string_view, std::string_view>> tunables(const char* value) {
   std::vector<std::pair<std::string_view, std::string_view>> out;
+  std::string_view s = value ? value : "";
   while (!s.empty()) {
     const auto end = s.find(':');
     const auto item = s.substr(0, end);
@@ -36,24 +39,35 @@ std::string bytes(std::string_view value) {
   return fmt::format("{} bytes", n);
 }
 
+bool set(const char* v) { return v && *v; }
+
 }  // namespace
 
-std::optional<std::string> with_kept_malloc_thresholds(const char* current) {
-  const std::string_view now = current ? current : "";
-  for (const auto& [name, value] : tunables(now))
-    if (name == kMmap || name == kTrim) return std::nullopt;
-  if (now.empty()) return std::string(kKeptMallocTunables);
-  return fmt::format("{}:{}", now, kKeptMallocTunables);
+MallocEnvironment malloc_environment() {
+  return {std::getenv("GLIBC_TUNABLES"), std::getenv("MALLOC_MMAP_THRESHOLD_"), std::getenv("MALLOC_TRIM_THRESHOLD_")};
 }
 
-std::string describe_malloc_thresholds(const char* current) {
-  std::string out;
-  for (const auto& [name, value] : tunables(current ? current : "")) {
-    if (name != kMmap && name != kTrim) continue;
-    if (!out.empty()) out += ", ";
-    out += fmt::format("{} threshold {}", name == kMmap ? "mmap" : "trim", bytes(value));
-  }
-  return out.empty() ? "malloc's own thresholds" : out + " (GLIBC_TUNABLES)";
+std::optional<std::string> with_kept_malloc_thresholds(const MallocEnvironment& env) {
+  if (set(env.mmap_threshold) || set(env.trim_threshold)) return std::nullopt;
+  for (const auto& [name, value] : tunables(env.tunables))
+    if (name == kMmap || name == kTrim) return std::nullopt;
+  if (!set(env.tunables)) return std::string(kKeptMallocTunables);
+  return fmt::format("{}:{}", env.tunables, kKeptMallocTunables);
+}
+
+std::string describe_malloc_thresholds(const MallocEnvironment& env) {
+  std::vector<std::string> parts;
+  std::vector<std::string_view> sources;
+  const auto add = [&](std::string_view what, std::string_view value, std::string_view source) {
+    parts.push_back(fmt::format("{} threshold {}", what, bytes(value)));
+    if (sources.empty() || sources.back() != source) sources.push_back(source);
+  };
+  for (const auto& [name, value] : tunables(env.tunables))
+    if (name == kMmap || name == kTrim) add(name == kMmap ? "mmap" : "trim", value, "GLIBC_TUNABLES");
+  if (set(env.mmap_threshold)) add("mmap", env.mmap_threshold, "MALLOC_MMAP_THRESHOLD_");
+  if (set(env.trim_threshold)) add("trim", env.trim_threshold, "MALLOC_TRIM_THRESHOLD_");
+  if (parts.empty()) return "malloc's own thresholds";
+  return fmt::format("{} ({})", fmt::join(parts, ", "), fmt::join(sources, ", "));
 }
 
 }  // namespace fsdpp

@@ -258,7 +258,7 @@ int run_recipe(RunArgs& a) {
   o.max_restarts = a.max_restarts;
   o.command = {self_exe(), "run", a.recipe};
   if (recipe.dist.keep_freed_memory)
-    if (const auto tunables = with_kept_malloc_thresholds(std::getenv("GLIBC_TUNABLES")))
+    if (const auto tunables = with_kept_malloc_thresholds(malloc_environment()))
       o.env.push_back("GLIBC_TUNABLES=" + *tunables);
   for (const auto& ov : a.overrides) o.command.push_back(ov);
   if (a.options.resume) o.command.push_back("--resume");

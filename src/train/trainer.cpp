@@ -645,7 +645,7 @@ RunResult Trainer::run() {
     log(fmt::format("cpu binding ({}): {}{}", recipe_.dist.cpu_binding, bound.rfind("not bound", 0) == 0 ? "" : "rank 0's ",
                     bound));
   log("MKL: " + mkl_dispatch().detail);  // Note [MKL's kernels on other vendors' CPUs]
-  log("host memory: " + describe_malloc_thresholds(std::getenv("GLIBC_TUNABLES")));
+  log("host memory: " + describe_malloc_thresholds(malloc_environment()));
   prepare_output();
   build();
   // After build: every communicator (the expert-parallel ones are made there) has its threads.
