@@ -41,6 +41,19 @@ std::string bytes(std::string_view value) {
 
 bool set(const char* v) { return v && *v; }
 
+// Each threshold `env` sets: which ("mmap" or "trim"), its value as written, and the variable.
+struct Threshold {
+  std::string_view what, value, source;
+};
+std::vector<Threshold> thresholds(const MallocEnvironment& env) {
+  std::vector<Threshold> out;
+  for (const auto& [name, value] : tunables(env.tunables))
+    if (name == kMmap || name == kTrim) out.push_back({name == kMmap ? "mmap" : "trim", value, "GLIBC_TUNABLES"});
+  if (set(env.mmap_threshold)) out.push_back({"mmap", env.mmap_threshold, "MALLOC_MMAP_THRESHOLD_"});
+  if (set(env.trim_threshold)) out.push_back({"trim", env.trim_threshold, "MALLOC_TRIM_THRESHOLD_"});
+  return out;
+}
+
 }  // namespace
 
 MallocEnvironment malloc_environment() {
@@ -48,25 +61,20 @@ MallocEnvironment malloc_environment() {
 }
 
 std::optional<std::string> with_kept_malloc_thresholds(const MallocEnvironment& env) {
-  if (set(env.mmap_threshold) || set(env.trim_threshold)) return std::nullopt;
-  for (const auto& [name, value] : tunables(env.tunables))
-    if (name == kMmap || name == kTrim) return std::nullopt;
+  if (!thresholds(env).empty()) return std::nullopt;
   if (!set(env.tunables)) return std::string(kKeptMallocTunables);
   return fmt::format("{}:{}", env.tunables, kKeptMallocTunables);
 }
 
 std::string describe_malloc_thresholds(const MallocEnvironment& env) {
+  const auto found = thresholds(env);
+  if (found.empty()) return "malloc's own thresholds";
   std::vector<std::string> parts;
   std::vector<std::string_view> sources;
-  const auto add = [&](std::string_view what, std::string_view value, std::string_view source) {
-    parts.push_back(fmt::format("{} threshold {}", what, bytes(value)));
-    if (sources.empty() || sources.back() != source) sources.push_back(source);
-  };
-  for (const auto& [name, value] : tunables(env.tunables))
-    if (name == kMmap || name == kTrim) add(name == kMmap ? "mmap" : "trim", value, "GLIBC_TUNABLES");
-  if (set(env.mmap_threshold)) add("mmap", env.mmap_threshold, "MALLOC_MMAP_THRESHOLD_");
-  if (set(env.trim_threshold)) add("trim", env.trim_threshold, "MALLOC_TRIM_THRESHOLD_");
-  if (parts.empty()) return "malloc's own thresholds";
+  for (const auto& t : found) {
+    parts.push_back(fmt::format("{} threshold {}", t.what, bytes(t.value)));
+    if (sources.empty() || sources.back() != t.source) sources.push_back(t.source);
+  }
   return fmt::format("{} ({})", fmt::join(parts, ", "), fmt::join(sources, ", "));
 }
 

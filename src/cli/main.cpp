@@ -340,8 +340,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   cmd_run->add_option("--stop-after", run.stop_after, "stop after this many steps (with a checkpoint), as if interrupted")
       ->check(CLI::PositiveNumber);
-  cmd_run->add_option("--trace-steps", run.options.trace_steps, "steps --trace covers, from the second step of the run (default 3)")
-      ->check(CLI::PositiveNumber);
+  cmd_run->add_option("--trace-steps", run.options.trace_steps, "steps --trace covers, from the second step of the run")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
 
   std::string validate_recipe;
   std::vector<std::string> validate_overrides;
