@@ -36,25 +36,26 @@ for r in $(seq "$rounds"); do
   (( r % 2 )) || order=($(printf '%s\n' "${settings[@]}" | tac))
   for s in "${order[@]}"; do
     line=$(with_setting "$s" env WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
-      MASTER_PORT=$((20000 + RANDOM % 20000)) "$build/bench/fsdpp_fsdp_bench" unit-cost --steps 2 --rounds 100 | grep '^RESULT')
-    us=$(sed -n 's/.* us_per_unit_per_step=\([0-9.]*\).*/\1/p' <<< "$line")
-    plain=$(sed -n 's/.*plain_step_us=\([0-9]*\).*/\1/p' <<< "$line")
+      MASTER_PORT=$((20000 + RANDOM % 20000)) "$build/bench/fsdpp_fsdp_bench" unit-cost --steps 2 --rounds 100 |
+      grep '^RESULT unit-cost ' | tail -1) || { echo "tcache_count=$s: the bench printed no result"; exit 1; }
     d=$work/run-$s
-    rm -rf "$d"
     with_setting "$s" /usr/bin/time -f "%S" -o "$work/time" "$build/fsdpp" run recipes/moe-small.json parallel.dp=1 \
       eval.interval=0 checkpoint.interval=0 logging.interval=1 logging.plot=false logging.output_dir="$d" \
       --overwrite --stop-after 25 > "$work/log" 2>&1 || { cat "$work/log"; exit 1; }
     rate=$("$python" bench/metrics_tokens_per_s.py "$d/metrics/rank0.jsonl" 5 25 4096 | cut -d' ' -f1)
-    echo "round $r tcache_count=$s: unit-cost ${us} us per unit per step (unsharded step ${plain} us); moe-small dp 1 ${rate%.*} tokens/s, system CPU $(cat "$work/time") s" | tee -a "$results"
+    echo "$s $line tokens_per_s=$rate system_s=$(cat "$work/time")" | tee -a "$results"
   done
 done
 "$python" - "$results" "${settings[@]}" <<'PY'
 import re, statistics, sys
-rows = [l for l in open(sys.argv[1])]
-def med(setting, pattern):
-    return statistics.median(float(re.search(pattern, l).group(1)) for l in rows if f"tcache_count={setting}:" in l)
+runs = {}  # setting -> one {key: value} per round
+for line in open(sys.argv[1]):
+    setting, rest = line.split(" ", 1)
+    runs.setdefault(setting, []).append({k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", rest)})
+def med(setting, key):
+    return statistics.median(r[key] for r in runs[setting])
 for s in sys.argv[2:]:
-    print(f"median tcache_count={s}: unit-cost {med(s, r'unit-cost ([0-9.]+) us'):.1f} us per unit per step, "
-          f"unsharded step {med(s, r'unsharded step ([0-9]+) us'):.0f} us; moe-small dp 1 "
-          f"{med(s, r'dp 1 ([0-9]+) tokens'):.0f} tokens/s, system CPU {med(s, r'system CPU ([0-9.]+) s'):.2f} s")
+    print(f"median tcache_count={s}: unit-cost {med(s, 'us_per_unit_per_step'):.1f} us per unit per step, "
+          f"unsharded step {med(s, 'plain_step_us'):.0f} us; moe-small dp 1 {med(s, 'tokens_per_s'):.0f} tokens/s, "
+          f"system CPU {med(s, 'system_s'):.2f} s")
 PY
