@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Whether a dp 1 step on 2 cores would gain from running its two microbatches at once, one per
+# thread, instead of one after the other on 2 intra-op threads (bench/microbatch_threads_bench.cpp:
+# moe-small's model, 2 microbatches of 16 x 128 tokens, forward and backward, gradients summed).
+# Runs the bench with the malloc thresholds `fsdpp run` gives its ranks by default
+# (dist.keep_freed_memory, include/fsdpp/base/host_memory.hpp) and the machine's OPENBLAS_*
+# settings as they are; writes bench/results/microbatch_threads.md, or the file given third.
+#   bash bench/run_microbatch_threads_bench.sh [build-dir] [rounds] [output]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+rounds=${2:-21}
+out=${3:-bench/results/microbatch_threads.md}
+[ -z "${GLIBC_TUNABLES:-}" ] || { echo "unset GLIBC_TUNABLES first: the bench sets fsdpp run's own"; exit 1; }
+source bench/cpuinfo.sh
+cpu=$(cpuinfo 'model name')
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824 \
+  "$build/bench/fsdpp_microbatch_threads_bench" --rounds "$rounds" --per-round 5 | tee "$log"
+grep -q '^RESULT microbatch-threads ' "$log" || { echo "the bench printed no result"; exit 1; }
+field() { grep '^RESULT' "$log" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
+{
+  echo "# A dp 1 step's two microbatches: one after the other on 2 threads, or at once on one thread each"
+  echo
+  echo "Command: \`bash bench/run_microbatch_threads_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores of $cpu, OPENBLAS_* as set by the machine, malloc's thresholds as \`fsdpp run\` sets them."
+  echo
+  echo "moe-small's model, two microbatches of 16 x 128 tokens, forward and backward (no optimizer step),"
+  echo "\`bench/microbatch_threads_bench.cpp\`. *sequential*: one microbatch after the other, every operator"
+  echo "on 2 intra-op threads, as \`fsdpp run recipes/moe-small.json parallel.dp=1\` runs them. *concurrent*:"
+  echo "both at once, one on each of two threads, every operator on one thread: a second copy of the model"
+  echo "whose parameters share the first's storage (own gradients and router statistics), its gradients"
+  echo "added into the first's at the end. The two ways alternate within each of $rounds rounds of 5 steps,"
+  echo "each round starting one way further along; medians, and the median of the per-round ratios."
+  echo
+  echo "| way | ms per step's forward and backward (median) | tokens/s |"
+  echo "|---|---:|---:|"
+  for w in sequential concurrent; do
+    ms=$(field ${w}_ms)
+    echo "| $w | $ms | $(awk -v ms="$ms" 'BEGIN { printf "%.0f", 2 * 16 * 128 / ms * 1000 }') |"
+  done
+  echo
+  echo "Concurrent over sequential, round by round: **$(field speedup)x**. Gradients of the two ways: largest"
+  echo "difference $(field grad_max_rel_diff) of the largest gradient (the products run on other thread counts)."
+  echo
+  echo "Per round, ms per step's forward and backward:"
+  echo
+  for w in sequential concurrent; do
+    echo "- $w: $(grep "^$w:" "$log" | sed 's/.*rounds: *//; s/ /, /g')"
+  done
+  echo
+  echo "\`fsdpp run\` keeps the sequential way at dp 1: the concurrent one saves what the second intra-op"
+  echo "thread spends waiting, and costs a second copy of the model's gradients. Two threads each running"
+  echo "its own half of the batch is what dp 2 already does, in two processes with one thread each and"
+  echo "the gradients summed by reduce-scatter (\`recipes/moe-small.json\`; bench/results/dp2_threads_intel.md)."
+} > "$out"
+echo "wrote $out"
