@@ -130,8 +130,8 @@ int main(int argc, char** argv) {
     fmt::print("{}: {:.1f} ms per step's forward and backward ({:.0f} tokens/s); rounds:{}\n", w, t.median_ms(w),
                tokens / t.median_ms(w) * 1e3, each);
   }
-  fmt::print("RESULT microbatch-threads rounds={} sequential_ms={:.1f} concurrent_ms={:.1f} speedup={:.3f} "
-             "grad_max_rel_diff={:.1e}\n",
-             rounds, t.median_ms("sequential"), t.median_ms("concurrent"), t.ratio("sequential", "concurrent"),
+  fmt::print("RESULT microbatch-threads rounds={} tokens_per_step={:.0f} sequential_ms={:.1f} concurrent_ms={:.1f} "
+             "speedup={:.3f} grad_max_rel_diff={:.1e}\n",
+             rounds, tokens, t.median_ms("sequential"), t.median_ms("concurrent"), t.ratio("sequential", "concurrent"),
              scale > 0 ? diff / scale : diff);
 }

@@ -37,7 +37,7 @@ field() { grep '^RESULT' "$log" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
   echo "|---|---:|---:|"
   for w in sequential concurrent; do
     ms=$(field ${w}_ms)
-    echo "| $w | $ms | $(awk -v ms="$ms" 'BEGIN { printf "%.0f", 2 * 16 * 128 / ms * 1000 }') |"
+    echo "| $w | $ms | $(awk -v ms="$ms" -v n="$(field tokens_per_step)" 'BEGIN { printf "%.0f", n / ms * 1000 }') |"
   done
   echo
   echo "Concurrent over sequential, round by round: **$(field speedup)x**. Gradients of the two ways: largest"
