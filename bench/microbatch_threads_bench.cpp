@@ -8,12 +8,16 @@
 //               common); its gradients are then added into the first copy's, which completes the step.
 // The gradients of the two ways are compared too (largest difference relative to the largest
 // gradient): the same sums, possibly rounded differently since the products run on other thread counts.
+// Malloc keeps freed memory as `fsdpp run` has its ranks keep it (dist.keep_freed_memory): the
+// bench starts itself again with those thresholds unless the environment sets its own.
 //   fsdpp_microbatch_threads_bench [--rounds R] [--per-round K] [--micro-batch B] [--seq T] [--config F]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/grad_mode.h>
+
+#include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -22,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "fsdpp/base/host_memory.hpp"
 #include "fsdpp/models/moe.hpp"
 #include "fsdpp/train/recipe.hpp"
 #include "interleaved.hpp"
@@ -44,6 +49,14 @@ std::vector<at::Tensor> grads(models::MoETransformerImpl& model) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // GLIBC_TUNABLES is read when the process starts.
+  if (const auto tunables = with_kept_malloc_thresholds(malloc_environment())) {
+    setenv("GLIBC_TUNABLES", tunables->c_str(), 1);
+    execv("/proc/self/exe", argv);
+    fmt::print(stderr, "microbatch_threads_bench: cannot start itself again with GLIBC_TUNABLES={}\n", *tunables);
+    return 1;
+  }
+  fmt::print("host memory: {}\n", describe_malloc_thresholds(malloc_environment()));
   int rounds = 7, per_round = 5;
   int64_t micro_batch = 16, seq = 128;
   std::string config_path = "configs/moe-small.json";

@@ -68,6 +68,14 @@ for r in $(seq "$rounds"); do
     run_way $way "$d"
     if [ $way = dp2 ]; then w=$(window "$d-0/trace.json"); else w=$(window "$d-0/trace.json" "$d-1/trace.json"); fi
     echo "$w" > "$d.window"
+    # tokens/s over the traced steps 2 .. traced + 1, the two free runs' added
+    if [ $way = dp2 ]; then
+      "$python" bench/metrics_tokens_per_s.py "$d-0/metrics/rank0.jsonl" 1 $((traced + 1)) 4096 | cut -d' ' -f1 > "$d.rate"
+    else
+      for i in 0 1; do
+        "$python" bench/metrics_tokens_per_s.py "$d-$i/metrics/rank0.jsonl" 1 $((traced + 1)) 2048 | cut -d' ' -f1
+      done | awk '{ s += $1 } END { print s }' > "$d.rate"
+    fi
     perf report -i "$d.data" --time "${w/ /,}" --no-children --sort dso,sym -F period,dso,sym 2> /dev/null |
       grep -v '^#' | grep -v '^$' > "$d.txt"
     rm "$d.data"
@@ -92,9 +100,6 @@ def cpu_time(path):  # seconds of CPU time by group (cpu-clock periods are nanos
         if m:
             d[next(g for g, rule in GROUPS if rule(m.group(2), m.group(3)))] += int(m.group(1)) / 1e9
     return d
-def rate(run_dir, tokens):  # over the traced steps 2 .. traced + 1
-    rows = {r["step"]: r for r in map(json.loads, open(f"{run_dir}/metrics/rank0.jsonl")) if "time_s" in r}
-    return tokens * traced / (rows[traced + 1]["time_s"] - rows[1]["time_s"])
 
 # Each phase of a step on the computing thread (compute track: forward and backward of each
 # microbatch, clipping with its all-reduce, the optimizer; steps track: the whole step).
@@ -128,7 +133,7 @@ for r in range(1, rounds + 1):
         start, end = map(float, open(f"{d}.window").read().split())
         wall = end - start
         s = cpu_time(f"{d}.txt")
-        figs[w]["tokens/s"].append(rate(f"{d}-0", 4096) if w == "dp2" else rate(f"{d}-0", 2048) + rate(f"{d}-1", 2048))
+        figs[w]["tokens/s"].append(float(open(f"{d}.rate").read()))
         for g, _ in GROUPS:
             figs[w][g].append(s[g] / (2 * wall))
         figs[w]["idle"].append(1 - sum(s.values()) / (2 * wall))

@@ -2,28 +2,26 @@
 # Whether a dp 1 step on 2 cores would gain from running its two microbatches at once, one per
 # thread, instead of one after the other on 2 intra-op threads (bench/microbatch_threads_bench.cpp:
 # moe-small's model, 2 microbatches of 16 x 128 tokens, forward and backward, gradients summed).
-# Runs the bench with the malloc thresholds `fsdpp run` gives its ranks by default
-# (dist.keep_freed_memory, include/fsdpp/base/host_memory.hpp) and the machine's OPENBLAS_*
-# settings as they are; writes bench/results/microbatch_threads.md, or the file given third.
+# The bench keeps freed memory as `fsdpp run`'s ranks do by default (dist.keep_freed_memory,
+# include/fsdpp/base/host_memory.hpp). Runs with the machine's OPENBLAS_* settings as they are;
+# writes bench/results/microbatch_threads.md, or the file given third.
 #   bash bench/run_microbatch_threads_bench.sh [build-dir] [rounds] [output]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
 rounds=${2:-21}
 out=${3:-bench/results/microbatch_threads.md}
-[ -z "${GLIBC_TUNABLES:-}" ] || { echo "unset GLIBC_TUNABLES first: the bench sets fsdpp run's own"; exit 1; }
 source bench/cpuinfo.sh
 cpu=$(cpuinfo 'model name')
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456:glibc.malloc.trim_threshold=1073741824 \
-  "$build/bench/fsdpp_microbatch_threads_bench" --rounds "$rounds" --per-round 5 | tee "$log"
+"$build/bench/fsdpp_microbatch_threads_bench" --rounds "$rounds" --per-round 5 | tee "$log"
 grep -q '^RESULT microbatch-threads ' "$log" || { echo "the bench printed no result"; exit 1; }
 field() { grep '^RESULT' "$log" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
 {
   echo "# A dp 1 step's two microbatches: one after the other on 2 threads, or at once on one thread each"
   echo
-  echo "Command: \`bash bench/run_microbatch_threads_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores of $cpu, OPENBLAS_* as set by the machine, malloc's thresholds as \`fsdpp run\` sets them."
+  echo "Command: \`bash bench/run_microbatch_threads_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores of $cpu, OPENBLAS_* as set by the machine, malloc: $(sed -n 's/^host memory: //p' "$log")."
   echo
   echo "moe-small's model, two microbatches of 16 x 128 tokens, forward and backward (no optimizer step),"
   echo "\`bench/microbatch_threads_bench.cpp\`. *sequential*: one microbatch after the other, every operator"
