@@ -38,7 +38,7 @@ run_way() {
     "${rec[@]}" bash -c '
       for r in 0 1; do
         OMP_NUM_THREADS=1 "$1" run recipes/moe-small.json parallel.dp=1 train.global_batch=16 "${@:3}" \
-          dist.cpu_binding=none dist.compute_nice=0 logging.output_dir="$2-$r" > "$2-$r.log" 2>&1 &
+          dist.cpu_binding=none dist.compute_nice=0 dist.cpu_rotation_ms=0 logging.output_dir="$2-$r" > "$2-$r.log" 2>&1 &
       done
       for p in $(jobs -p); do wait "$p" || exit 1; done' _ "$fsdpp" "$d" "${args[@]}" > "$d.log" 2>&1 ||
       { cat "$d.log" "$d"-*.log; exit 1; }

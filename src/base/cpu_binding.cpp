@@ -6,13 +6,16 @@
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <stdexcept>
 
 #include "fsdpp/base/parallel.hpp"
@@ -113,6 +116,82 @@ std::string lower_compute_priority(int increment) {
   if (const int e = failed.load())
     throw std::runtime_error(fmt::format("compute nice: setpriority to {} failed: {}", target, std::strerror(e)));
   return fmt::format("computing thread{} at nice {} (was {})", at::get_num_threads() > 1 ? "s" : "", target, before);
+}
+
+CpuRotation::CpuRotation(const std::vector<int>& cpus, int local_rank, int local_world,
+                         std::chrono::milliseconds period, std::chrono::milliseconds alternate)
+    : local_rank_(local_rank),
+      local_world_(local_world),
+      period_ns_(std::chrono::nanoseconds(period).count()),
+      alternate_ns_(std::chrono::nanoseconds(alternate).count()) {
+  if (period.count() <= 0 || alternate.count() < 0)
+    throw std::invalid_argument(fmt::format("cpu rotation: period {} ms must be positive and alternate {} ms not negative",
+                                            period.count(), alternate.count()));
+  for (int r = 0; r < local_world; ++r) shares_.push_back(cpu_share(cpus, r, local_world));
+  if (local_world < 2) {
+    description_ = "not rotated: one local rank";
+    return;
+  }
+  if (shares_.front().empty()) {
+    description_ = fmt::format("not rotated: {} local ranks for {} CPU{}", local_world, cpus.size(), cpus.size() == 1 ? "" : "s");
+    return;
+  }
+  tids_.push_back(current_tid());
+  std::mutex m;
+  parallel_ranges(at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const int tid = current_tid();
+    std::lock_guard<std::mutex> lock(m);
+    if (std::find(tids_.begin(), tids_.end(), tid) == tids_.end()) tids_.push_back(tid);
+  });
+  description_ = fmt::format("{} computing thread{}, {} shares, every {} ms{}", tids_.size(), tids_.size() == 1 ? "" : "s",
+                             local_world, period.count(),
+                             alternate.count() > 0 ? fmt::format(" (only in every other {} ms window)", alternate.count()) : "");
+  const int64_t next = place_now();  // placed before the constructor returns
+  thread_ = std::thread([this, cpus, next] {
+    // Woken once a period on whichever CPU is free, not on the share it was started from.
+    set_thread_cpus(current_tid(), cpus);
+    loop(next);
+  });
+}
+
+CpuRotation::~CpuRotation() {
+  if (!thread_.joinable()) return;
+  stop_ = true;
+  thread_.join();
+  try {
+    place(shares_[static_cast<size_t>(local_rank_)]);
+  } catch (const std::exception&) {  // the threads keep the last share
+  }
+}
+
+void CpuRotation::place(const std::vector<int>& share) {
+  for (int tid : tids_) set_thread_cpus(tid, share);
+}
+
+int64_t CpuRotation::place_now() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  const int64_t t = int64_t{now.tv_sec} * 1000000000 + now.tv_nsec;
+  const int64_t k = t / period_ns_;
+  const bool fixed = alternate_ns_ > 0 && (t / alternate_ns_) % 2 == 1;
+  place(shares_[static_cast<size_t>((local_rank_ + (fixed ? 0 : k)) % local_world_)]);
+  ++moves_;
+  return (k + 1) * period_ns_;
+}
+
+void CpuRotation::loop(int64_t next) {
+  try {
+    while (true) {
+      const timespec at{static_cast<time_t>(next / 1000000000), static_cast<long>(next % 1000000000)};
+      while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &at, nullptr) == EINTR) {
+      }
+      if (stop_.load()) return;
+      next = place_now();
+    }
+  } catch (const std::exception& e) {
+    // The CPUs this process may use changed under it: training goes on where the threads are.
+    fmt::print(stderr, "cpu rotation stopped: {}\n", e.what());
+  }
 }
 
 }  // namespace fsdpp

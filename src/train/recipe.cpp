@@ -547,6 +547,12 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       d.boolean("check_collectives", rc.dist.check_collectives);
       d.string("cpu_binding", rc.dist.cpu_binding, {"none", "rank", "compute"});
       d.integer("compute_nice", rc.dist.compute_nice, 0, 19);
+      d.integer("cpu_rotation_ms", rc.dist.cpu_rotation_ms, 0, 60000);
+      if (rc.dist.cpu_rotation_ms > 0 && rc.dist.cpu_binding == "none")
+        d.fail("cpu_rotation_ms", fmt::format("{} moves the computing threads between the CPU shares that dist.cpu_binding "
+                                              "makes, but dist.cpu_binding is \"none\": bind (\"compute\" or \"rank\") "
+                                              "or set dist.cpu_rotation_ms=0",
+                                              rc.dist.cpu_rotation_ms));
       d.boolean("keep_freed_memory", rc.dist.keep_freed_memory);
     }
 

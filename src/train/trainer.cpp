@@ -116,6 +116,7 @@ class Trainer {
   void prepare_output();
   void load_data();
   void build();
+  std::unique_ptr<CpuRotation> start_cpu_rotation(const std::vector<int>& cpus);
   // Validation loss (nats per token) in bits per byte of text.
   double bits_per_byte(double nats_per_token) const { return nats_per_token / std::log(2.0) / val_bytes_per_token_; }
   json tokenizer_identity() const {
@@ -636,9 +637,30 @@ int64_t Trainer::restore() {
   return step;
 }
 
+// Note [rotating CPUs]. FSDPP_CPU_ROTATION_ALTERNATE_MS rotates only in every other window of that
+// length, for bench/run_cpu_rotation_bench.sh to compare both ways within one run.
+std::unique_ptr<CpuRotation> Trainer::start_cpu_rotation(const std::vector<int>& cpus) {
+  if (recipe_.dist.cpu_rotation_ms <= 0) return nullptr;
+  int64_t alternate_ms = 0;
+  if (const char* v = std::getenv("FSDPP_CPU_ROTATION_ALTERNATE_MS"); v && *v) {
+    char* end = nullptr;
+    alternate_ms = std::strtoll(v, &end, 10);
+    if (*end != '\0' || alternate_ms < 0)
+      throw std::invalid_argument(
+          fmt::format("environment variable FSDPP_CPU_ROTATION_ALTERNATE_MS='{}' is not a whole number of milliseconds", v));
+  }
+  auto rotation = std::make_unique<CpuRotation>(cpus, local_rank_, env_int("LOCAL_WORLD_SIZE", mesh_.world().size()),
+                                                std::chrono::milliseconds(recipe_.dist.cpu_rotation_ms),
+                                                std::chrono::milliseconds(alternate_ms));
+  log(fmt::format("cpu rotation ({} ms): {}{}", recipe_.dist.cpu_rotation_ms, rotation->rotating() ? "rank 0's " : "",
+                  rotation->description()));
+  return rotation;
+}
+
 RunResult Trainer::run() {
   // Before the model exists, so that threads started for it inherit the binding; the communicators
   // and their threads exist already.
+  const auto all_cpus = allowed_cpus();
   if (const auto bound = bind_cpus(parse_cpu_binding(recipe_.dist.cpu_binding), local_rank_,
                                    env_int("LOCAL_WORLD_SIZE", mesh_.world().size()));
       !bound.empty())
@@ -648,6 +670,9 @@ RunResult Trainer::run() {
   log("host memory: " + describe_malloc_thresholds(malloc_environment()));
   prepare_output();
   build();
+  // After build, so that ATen's intra-op threads exist and move too; before the computing threads'
+  // nice value goes up, which the rotating thread would otherwise inherit.
+  const auto rotation = start_cpu_rotation(all_cpus);
   // After build: every communicator (the expert-parallel ones are made there) has its threads.
   if (const auto niced = lower_compute_priority(recipe_.dist.compute_nice); !niced.empty())
     log(fmt::format("compute nice ({}): rank 0's {}", recipe_.dist.compute_nice, niced));

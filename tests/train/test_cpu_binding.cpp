@@ -1,6 +1,7 @@
 // Binding a rank's threads to its share of the CPUs: the shares, and the masks the kernel reports
 // for the calling thread and for threads that existed before. Lowering the computing threads'
-// priority: the nice values the kernel reports for each.
+// priority: the nice values the kernel reports for each. Rotating the computing threads over the
+// shares: the masks two local ranks' threads see over time.
 #include <ATen/Parallel.h>
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -14,8 +15,10 @@
 #include <filesystem>
 #include <future>
 #include <map>
+#include <set>
 #include <mutex>
 #include <thread>
+#include <time.h>
 
 #include "fsdpp/base/cpu_binding.hpp"
 #include "fsdpp/base/parallel.hpp"
@@ -151,4 +154,114 @@ TEST_CASE("compute nice: the calling thread and its intra-op threads yield; thre
     CHECK(n == target);
   }
   CHECK(nice_of(before_tid) == before_nice);
+}
+
+namespace {
+
+int64_t monotonic_ns() {
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return int64_t{t.tv_sec} * 1000000000 + t.tv_nsec;
+}
+
+// What one local rank's computing thread saw while rotating: its mask, sampled every 0.5 ms.
+struct Seen {
+  std::vector<std::pair<int64_t, std::vector<int>>> samples;  // (monotonic ns, mask)
+  std::vector<int> after_stop;
+  std::string description;
+  int64_t moves = 0;
+};
+
+Seen rotate_and_watch(const std::vector<int>& cpus, int rank, int ranks, int period_ms, int alternate_ms, int watch_ms) {
+  Seen seen;
+  std::thread([&] {
+    at::set_num_threads(1);  // this thread alone computes (OpenMP's count is per thread)
+    {
+      CpuRotation rotation(cpus, rank, ranks, std::chrono::milliseconds(period_ms), std::chrono::milliseconds(alternate_ms));
+      seen.description = rotation.description();
+      const int64_t end = monotonic_ns() + int64_t{watch_ms} * 1000000;
+      while (monotonic_ns() < end) {
+        const int64_t t = monotonic_ns();
+        seen.samples.emplace_back(t, thread_cpus());
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+      }
+      seen.moves = rotation.moves();
+    }
+    seen.after_stop = thread_cpus();
+  }).join();
+  return seen;
+}
+
+// Within `margin` of a multiple of `every`: a sample there may see either side of a move.
+bool near_edge(int64_t t, int64_t every, int64_t margin) {
+  const int64_t into = t % every;
+  return into < margin || every - into < margin;
+}
+
+}  // namespace
+
+TEST_CASE("cpu rotation: two local ranks' computing threads change shares together, never share one, and go home "
+          "when it stops") {
+  CHECK_THROWS_AS(CpuRotation({0, 1}, 0, 2, std::chrono::milliseconds(0)), std::invalid_argument);
+  {
+    CpuRotation alone({0, 1}, 0, 1, std::chrono::milliseconds(10));
+    CHECK(alone.description() == "not rotated: one local rank");
+    CHECK(!alone.rotating());
+  }
+  const auto all = allowed_cpus();
+  if (all.size() < 2) {
+    CpuRotation crowded(all, 0, 2, std::chrono::milliseconds(10));
+    CHECK(crowded.description() == "not rotated: 2 local ranks for 1 CPU");
+    CHECK(!crowded.rotating());
+    MESSAGE("not checked here: the rotation itself, which needs 2 CPUs; this machine lets the tests use " << all.size());
+    return;
+  }
+  const std::vector<std::vector<int>> shares{cpu_share(all, 0, 2), cpu_share(all, 1, 2)};
+  const int period_ms = 10;
+  const int64_t period = int64_t{period_ms} * 1000000, margin = 2000000;
+  // Both local ranks at once, as two processes would run them.
+  Seen seen[2];
+  {
+    std::thread other([&] { seen[1] = rotate_and_watch(all, 1, 2, period_ms, 0, 300); });
+    seen[0] = rotate_and_watch(all, 0, 2, period_ms, 0, 300);
+    other.join();
+  }
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(seen[r].description == "1 computing thread, 2 shares, every 10 ms");
+    CHECK(seen[r].moves >= 20);  // once a period, 30 periods
+    // Away from the edges of the periods, rank r is on share (r + k) mod 2 in period k. A wake-up
+    // late by more than the margin (a loaded machine) may put a few samples on the other side.
+    int agree = 0, counted = 0;
+    std::set<std::vector<int>> visited;
+    for (const auto& [t, mask] : seen[r].samples) {
+      visited.insert(mask);
+      if (near_edge(t, period, margin)) continue;
+      ++counted;
+      agree += mask == shares[static_cast<size_t>((r + t / period) % 2)];
+    }
+    REQUIRE(counted > 100);
+    CHECK(agree >= counted * 9 / 10);
+    CHECK(visited == std::set<std::vector<int>>(shares.begin(), shares.end()));
+    CHECK(seen[r].after_stop == shares[static_cast<size_t>(r)]);
+  }
+
+  // Alternating: in every other window of 60 ms rank 1 stays on its own share; it rotates in the rest.
+  const int64_t window = 60000000;
+  const Seen alt = rotate_and_watch(all, 1, 2, 5, 60, 360);
+  CHECK(alt.description == "1 computing thread, 2 shares, every 5 ms (only in every other 60 ms window)");
+  int home = 0, fixed = 0;
+  std::set<std::vector<int>> rotating;
+  for (const auto& [t, mask] : alt.samples) {
+    if (near_edge(t, window, margin) || near_edge(t, 5000000, 1000000)) continue;
+    if ((t / window) % 2 == 1) {
+      ++fixed;
+      home += mask == shares[1];
+    } else {
+      rotating.insert(mask);
+    }
+  }
+  REQUIRE(fixed > 100);
+  CHECK(home >= fixed * 9 / 10);
+  CHECK(rotating.size() == 2);
 }

@@ -194,6 +194,15 @@ TEST_CASE("recipe: parallel.reshard_after_forward, dist.cpu_binding and dist.com
                            "parallel.keep_stages_unsharded=false"}),
          "parallel.reshard_after_forward: false keeps blocks gathered through the step, which contradicts");
   expect(problems(base(), {"dist.cpu_binding=cores"}), "dist.cpu_binding: must be one of none | rank | compute, got \"cores\"");
+  const auto rotated = train::parse_recipe(base(), "test.json", kSource + "/recipes",
+                                           {"dist.cpu_binding=rank", "dist.cpu_rotation_ms=20"});
+  CHECK(rotated.dist.cpu_rotation_ms == 20);
+  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {}).dist.cpu_rotation_ms == 0);
+  expect(problems(base(), {"dist.cpu_rotation_ms=20"}),
+         "dist.cpu_rotation_ms: 20 moves the computing threads between the CPU shares that dist.cpu_binding makes, but "
+         "dist.cpu_binding is \"none\": bind (\"compute\" or \"rank\") or set dist.cpu_rotation_ms=0");
+  expect(problems(base(), {"dist.cpu_binding=compute", "dist.cpu_rotation_ms=-5"}),
+         "dist.cpu_rotation_ms: must be in [0, 60000], got -5");
 }
 
 TEST_CASE("recipe: checkpoint storage is shared or local") {

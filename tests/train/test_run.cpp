@@ -305,7 +305,8 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
 }
 
 TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per step, not 4 times, and trains "
-          "bitwise alike; dist.cpu_binding binds; dist.compute_nice yields; the MKL decision is logged") {
+          "bitwise alike; dist.cpu_binding binds; dist.compute_nice yields; dist.cpu_rotation_ms rotates; the MKL "
+          "decision is logged") {
   // Per rank-0 step: how many all-gathers of each unit, from the trace.
   const auto gathers_per_step = [](const std::string& dir) {
     const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
@@ -329,7 +330,8 @@ TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per
   const auto freed = fresh_dir("reshard-true"), kept = fresh_dir("reshard-false");
   train_run(freed, common);
   const auto out =
-      train_run(kept, common + " parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=1");
+      train_run(kept, common + " parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=1 "
+                               "dist.cpu_rotation_ms=5");
   const auto a = gathers_per_step(freed), b = gathers_per_step(kept);
   CHECK(a == std::map<std::string, int>{{"layers.0", 4}, {"layers.1", 4}, {"root", 2}});
   CHECK(b == std::map<std::string, int>{{"layers.0", 1}, {"layers.1", 1}, {"root", 1}});
@@ -339,6 +341,9 @@ TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per
                      out.find("cpu binding (compute): not bound: 2 local ranks for 1 CPU") != std::string::npos;
   CHECK(bound);
   CHECK(out.find("compute nice (1): rank 0's computing thread") != std::string::npos);
+  const bool rotated = out.find("cpu rotation (5 ms): rank 0's 1 computing thread, 2 shares, every 5 ms") != std::string::npos ||
+                       out.find("cpu rotation (5 ms): not rotated: 2 local ranks for 1 CPU") != std::string::npos;
+  CHECK(rotated);
   // What MKL was told (Note [MKL's kernels on other vendors' CPUs]): the same decision as here.
   CHECK(out.find("MKL: " + mkl_dispatch().detail) != std::string::npos);
   for (const auto& d : {freed, kept}) fs::remove_all(d);

@@ -6,7 +6,10 @@
 // event loops) then stay free to run on whichever CPU is idle while this rank computes.
 // bench/results/dp2_threads.md measures each choice at dp = 2 on 2 cores.
 
+#include <atomic>
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace fsdpp {
@@ -41,5 +44,47 @@ std::string bind_cpus(CpuBinding binding, int local_rank, int local_world);
 // std::invalid_argument outside 0..19 and std::runtime_error when the system refuses.
 // bench/results/dp2_threads.md measures it at dp = 2 on 2 cores.
 std::string lower_compute_priority(int increment);
+
+// Note [rotating CPUs]
+// On a shared host (a virtual machine beside other tenants' work), one CPU often runs slower than
+// another for a few hundred milliseconds at a time. Ranks bound each to its own CPU then drift
+// apart within a step, and the first collective that needs both (the last reduce-scatter of a
+// step) makes the one that is ahead wait: the step costs the slower CPU's time. CpuRotation moves
+// local rank r's computing threads (the calling thread and ATen's intra-op pool) to share
+// (r + k) mod local_world of `cpus` in period k, counting periods of the monotonic clock, which
+// every process on the machine reads alike: the ranks change shares at the same instants and never
+// share one, each spends equal time on every share, and a slow share slows them alike. Each move
+// costs the moved thread its private caches, so the period is a trade-off
+// (bench/results/cpu_rotation.md). `alternate` (0: off) rotates only in every other window of
+// that length, each rank staying on its own share in between, so that one run's trace compares
+// the two ways side by side. With one local rank, or fewer CPUs than local ranks, nothing moves.
+// Stopping (the destructor) returns the threads to their own share.
+class CpuRotation {
+ public:
+  CpuRotation(const std::vector<int>& cpus, int local_rank, int local_world, std::chrono::milliseconds period,
+              std::chrono::milliseconds alternate = std::chrono::milliseconds(0));
+  ~CpuRotation();
+  CpuRotation(const CpuRotation&) = delete;
+  CpuRotation& operator=(const CpuRotation&) = delete;
+  // For the log: "1 computing thread, 2 shares, every 20 ms", or why nothing moves.
+  const std::string& description() const { return description_; }
+  bool rotating() const { return thread_.joinable(); }
+  // Times the threads were placed so far (on starting, then once per period).
+  int64_t moves() const { return moves_.load(); }
+
+ private:
+  void loop(int64_t next_ns);
+  void place(const std::vector<int>& share);
+  // Places the threads for the current period; returns when the next one starts (monotonic ns).
+  int64_t place_now();
+  int local_rank_, local_world_;
+  int64_t period_ns_, alternate_ns_;
+  std::vector<int> tids_;
+  std::vector<std::vector<int>> shares_;
+  std::string description_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> moves_{0};
+  std::thread thread_;
+};
 
 }  // namespace fsdpp

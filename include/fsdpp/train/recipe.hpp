@@ -19,7 +19,7 @@
 //     "checkpoint": {"interval": 0, "keep": 2, "storage": "shared"},
 //     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"},
 //     "dist": {"watchdog_timeout_s": 300, "check_collectives": false, "cpu_binding": "none",
-//              "compute_nice": 0, "keep_freed_memory": true}
+//              "compute_nice": 0, "cpu_rotation_ms": 0, "keep_freed_memory": true}
 //   }
 //
 // Every key has a default (the values above, from the option structs below). Validation reports
@@ -160,6 +160,10 @@ struct DistOptions {
   // rank's communication threads, which keep the process's priority, run as soon as they have work
   // instead of waiting for the computing threads' time slices to end.
   int compute_nice = 0;
+  // Every this many milliseconds the local ranks' computing threads change CPU shares, so that a
+  // CPU the host slows for a while slows every rank alike (fsdpp/base/cpu_binding.hpp, Note
+  // [rotating CPUs]); 0: off. Needs cpu_binding "rank" or "compute".
+  int cpu_rotation_ms = 0;
   // `fsdpp run` starts its ranks with malloc's thresholds fixed high (fsdpp/base/host_memory.hpp),
   // so that a step's large blocks stay in the heaps from step to step instead of being mapped
   // afresh, at the cost of each rank keeping its largest heap use until it exits. Ranks started
