@@ -15,12 +15,7 @@ build=${1:-build}
 runs=${2:-2}
 steps=${3:-300}
 out=${4:-bench/results/cpu_rotation.md}
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
-fsdpp=$(realpath "$build/fsdpp")
-source bench/cpuinfo.sh
-cpu=$(cpuinfo 'model name')
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+source bench/preamble.sh
 alternate=1500
 periods=(5 10 20 40)
 
@@ -43,8 +38,8 @@ done
 "$python" - "$work" "$build" "$runs" "$steps" "$out" "$cpu" "$alternate" <<'PY' > "$out.tmp"
 import datetime, re, statistics, sys
 work, build, runs, steps, out, cpu, alternate = sys.argv[1:]
-rows = [dict(re.findall(r"(\w+)=([\w.]+)", line)) for line in open(f"{work}/results.txt")]
-speed = [dict(re.findall(r"(\w+)=([\w.]+)", line)) for line in open(f"{work}/speed.txt")]
+rows = [dict(re.findall(r"(\w+)=([-\w.]+)", line)) for line in open(f"{work}/results.txt")]
+speed = [dict(re.findall(r"(\w+)=([-\w.]+)", line)) for line in open(f"{work}/speed.txt")]
 print("# dp = 2 with the computing threads rotating over the CPUs")
 print()
 print(f"Command: `bash bench/run_cpu_rotation_bench.sh {build} {runs} {steps}"

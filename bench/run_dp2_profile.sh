@@ -15,12 +15,7 @@ build=${1:-build}
 rounds=${2:-3}
 out=${3:-bench/results/dp2_profile.md}
 command -v perf > /dev/null || { echo "needs perf (apt-get install linux-perf)"; exit 1; }
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
-fsdpp=$(realpath "$build/fsdpp")
-source bench/cpuinfo.sh
-cpu=$(cpuinfo 'model name')
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+source bench/preamble.sh
 hz=999
 traced=40  # steps traced, from each run's second step
 

@@ -20,12 +20,7 @@ cd "$(dirname "$0")/.."
 build=${1:-build}
 rounds=${2:-4}
 out=${3:-bench/results/host_memory.md}
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
-fsdpp=$(realpath "$build/fsdpp")
-source bench/cpuinfo.sh
-cpu=$(cpuinfo 'model name')
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+source bench/preamble.sh
 [ -z "${GLIBC_TUNABLES:-}${MALLOC_MMAP_THRESHOLD_:-}${MALLOC_TRIM_THRESHOLD_:-}" ] \
   || { echo "unset GLIBC_TUNABLES, MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ first: this compares malloc's own settings"; exit 1; }
 results=$work/results.txt

@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -41,6 +40,19 @@ void set_thread_cpus(pid_t tid, const std::vector<int>& cpus) {
   if (sched_setaffinity(tid, sizeof(set), &set) != 0 && errno != ESRCH)
     throw std::runtime_error(fmt::format("cpu binding: sched_setaffinity of thread {} to CPUs {} failed: {}", tid,
                                          fmt::join(cpus, ","), std::strerror(errno)));
+}
+
+// The threads that compute when the calling thread does: itself, then each thread of ATen's
+// intra-op pool (one index per thread: ATen hands each thread one when the grain is 1).
+std::vector<int> computing_threads() {
+  std::vector<int> tids{current_tid()};
+  std::mutex m;
+  parallel_ranges(at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const int tid = current_tid();
+    std::lock_guard<std::mutex> lock(m);
+    if (std::find(tids.begin(), tids.end(), tid) == tids.end()) tids.push_back(tid);
+  });
+  return tids;
 }
 
 // "CPU 1", "CPUs 2-3", "CPUs 0,2"
@@ -104,18 +116,14 @@ std::string lower_compute_priority(int increment) {
   if (before == -1 && errno != 0)
     throw std::runtime_error(fmt::format("compute nice: getpriority failed: {}", std::strerror(errno)));
   const int target = std::min(19, before + increment);
-  // Every thread that computes sets its own: a thread's nice value is its own on Linux.
-  std::atomic<int> failed{0};
-  auto apply = [&] {
-    const id_t tid = current_tid();
-    if (getpriority(PRIO_PROCESS, tid) < target && setpriority(PRIO_PROCESS, tid, target) != 0) failed = errno;
-  };
-  apply();
-  // One index per intra-op thread: ATen hands each thread one when the grain is 1.
-  parallel_ranges(at::get_num_threads(), 1, [&](int64_t, int64_t) { apply(); });
-  if (const int e = failed.load())
-    throw std::runtime_error(fmt::format("compute nice: setpriority to {} failed: {}", target, std::strerror(e)));
-  return fmt::format("computing thread{} at nice {} (was {})", at::get_num_threads() > 1 ? "s" : "", target, before);
+  // A thread's nice value is its own on Linux: each computing thread is set by its id.
+  const auto tids = computing_threads();
+  for (const int tid : tids)
+    if (getpriority(PRIO_PROCESS, static_cast<id_t>(tid)) < target &&
+        setpriority(PRIO_PROCESS, static_cast<id_t>(tid), target) != 0 && errno != ESRCH)
+      throw std::runtime_error(fmt::format("compute nice: setpriority of thread {} to {} failed: {}", tid, target,
+                                           std::strerror(errno)));
+  return fmt::format("computing thread{} at nice {} (was {})", tids.size() > 1 ? "s" : "", target, before);
 }
 
 CpuRotation::CpuRotation(const std::vector<int>& cpus, int local_rank, int local_world,
@@ -136,13 +144,7 @@ CpuRotation::CpuRotation(const std::vector<int>& cpus, int local_rank, int local
     description_ = fmt::format("not rotated: {} local ranks for {} CPU{}", local_world, cpus.size(), cpus.size() == 1 ? "" : "s");
     return;
   }
-  tids_.push_back(current_tid());
-  std::mutex m;
-  parallel_ranges(at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    const int tid = current_tid();
-    std::lock_guard<std::mutex> lock(m);
-    if (std::find(tids_.begin(), tids_.end(), tid) == tids_.end()) tids_.push_back(tid);
-  });
+  tids_ = computing_threads();
   description_ = fmt::format("{} computing thread{}, {} shares, every {} ms{}", tids_.size(), tids_.size() == 1 ? "" : "s",
                              local_world, period.count(),
                              alternate.count() > 0 ? fmt::format(" (only in every other {} ms window)", alternate.count()) : "");

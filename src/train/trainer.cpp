@@ -91,6 +91,7 @@ class Trainer {
   Trainer(const Recipe& r, comm::Comm world, const RunOptions& o)
       : recipe_(r), options_(o), mesh_(std::move(world), {{"pp", r.parallel.pp}, {"dp_replicate", r.parallel.dp_replicate}, {"dp_shard", r.parallel.dp_shard()}}),
         out_(r.output_dir()), rank_(mesh_.world().rank()), local_rank_(env_int("LOCAL_RANK", rank_)),
+        local_world_(env_int("LOCAL_WORLD_SIZE", mesh_.world().size())),
         node_(env_int("GROUP_RANK", 0)),
         progress_(r.train.steps, o.tty.value_or(stdout_is_terminal()), std::cout), tracer_(rank_) {}
 
@@ -173,7 +174,7 @@ class Trainer {
   comm::DeviceMesh mesh_;
   fs::path out_;
   int rank_;
-  int local_rank_, node_;  // LOCAL_RANK and GROUP_RANK, as the launcher or torchrun set them
+  int local_rank_, local_world_, node_;  // LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, as the launcher or torchrun set them
   Progress progress_;
   Tracer tracer_;
 
@@ -649,7 +650,7 @@ std::unique_ptr<CpuRotation> Trainer::start_cpu_rotation(const std::vector<int>&
       throw std::invalid_argument(
           fmt::format("environment variable FSDPP_CPU_ROTATION_ALTERNATE_MS='{}' is not a whole number of milliseconds", v));
   }
-  auto rotation = std::make_unique<CpuRotation>(cpus, local_rank_, env_int("LOCAL_WORLD_SIZE", mesh_.world().size()),
+  auto rotation = std::make_unique<CpuRotation>(cpus, local_rank_, local_world_,
                                                 std::chrono::milliseconds(recipe_.dist.cpu_rotation_ms),
                                                 std::chrono::milliseconds(alternate_ms));
   log(fmt::format("cpu rotation ({} ms): {}{}", recipe_.dist.cpu_rotation_ms, rotation->rotating() ? "rank 0's " : "",
@@ -661,8 +662,7 @@ RunResult Trainer::run() {
   // Before the model exists, so that threads started for it inherit the binding; the communicators
   // and their threads exist already.
   const auto all_cpus = allowed_cpus();
-  if (const auto bound = bind_cpus(parse_cpu_binding(recipe_.dist.cpu_binding), local_rank_,
-                                   env_int("LOCAL_WORLD_SIZE", mesh_.world().size()));
+  if (const auto bound = bind_cpus(parse_cpu_binding(recipe_.dist.cpu_binding), local_rank_, local_world_);
       !bound.empty())
     log(fmt::format("cpu binding ({}): {}{}", recipe_.dist.cpu_binding, bound.rfind("not bound", 0) == 0 ? "" : "rank 0's ",
                     bound));
