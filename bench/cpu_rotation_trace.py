@@ -4,23 +4,31 @@ threads rotated and for those that ran wholly while each rank stayed on its own 
 their mean step time, and the mean gap between the two ranks' issue of the step's last
 reduce-scatter (the root's), which is how far apart the ranks drifted within the step.
 
-    python bench/cpu_rotation_trace.py trace.json alternate_ms clock_offset_s [skip_steps]
+    python bench/cpu_rotation_trace.py trace.json alternate_ms [skip_steps]
 
-clock_offset_s: the system clock less the monotonic clock (the trace is on the first, the
-rotation's windows on the second), read on this machine just after the run.
+The trace's times are the system clock's and the rotation's windows follow the monotonic clock;
+each rank's process_name entry in the trace carries the first less the second
+(`monotonic_offset_us`, read when tracing started).
 """
 import json
 import statistics
 import sys
 
-path, alternate_ms, offset = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
-skip = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+path, alternate_ms = sys.argv[1], float(sys.argv[2])
+skip = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 trace = json.load(open(path))
 events = [e for e in (trace["traceEvents"] if isinstance(trace, dict) else trace) if e.get("ph") == "X"]
 tracks = {}  # (pid, track name) -> tid
+offsets = {}  # pid -> system clock less monotonic clock, us
 for e in (trace["traceEvents"] if isinstance(trace, dict) else trace):
     if e.get("ph") == "M" and e.get("name") == "thread_name":
         tracks[(e["pid"], e["args"]["name"])] = e["tid"]
+    if e.get("ph") == "M" and e.get("name") == "process_name" and "monotonic_offset_us" in e["args"]:
+        offsets[e["pid"]] = e["args"]["monotonic_offset_us"]
+if not offsets:
+    sys.exit(f"{path}: no monotonic_offset_us in the trace's process_name entries (written by an older fsdpp)")
+# Both ranks read the same two clocks; their readings differ by the microseconds between the reads.
+offset = statistics.median(offsets.values()) / 1e6
 
 steps = {}  # step -> {rank: (begin us, end us)}
 root_rs = {0: [], 1: []}  # rank -> issue times of the root unit's reduce-scatter

@@ -7,7 +7,8 @@
 # (bench/cpu_rotation_trace.py). Comparing windows of one run, a second apart, leaves out most of
 # what a busy shared machine does to whole runs. First, how the two CPUs' speeds move against each
 # other (bench/cpu_speed_pair.py). Writes bench/results/cpu_rotation.md, or the file given fourth.
-#   bash bench/run_cpu_rotation_bench.sh [build-dir] [runs per period] [steps per run] [output]
+#   bash bench/run_cpu_rotation_bench.sh [build-dir] [runs per period] [steps per run] [output] [periods]
+# periods: rotation periods in ms, space-separated in one argument (default "5 10 20 40").
 # Runs with the machine's OPENBLAS_* settings as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ steps=${3:-300}
 out=${4:-bench/results/cpu_rotation.md}
 source bench/preamble.sh
 alternate=1500
-periods=(5 10 20 40)
+read -r -a periods <<< "${5:-5 10 20 40}"
 
 echo "the two CPUs' speeds, 20 s" >&2
 "$python" bench/cpu_speed_pair.py 20 > "$work/speed.txt"
@@ -30,20 +31,20 @@ for run in $(seq 1 "$runs"); do
       eval.interval=0 checkpoint.interval=0 logging.interval=10 logging.plot=false --overwrite \
       --stop-after $((steps + 1)) --trace --trace-steps "$steps" logging.output_dir="$d" > "$d.log" 2>&1 ||
       { cat "$d.log"; exit 1; }
-    offset=$("$python" -c 'import time; print(time.time() - time.monotonic())')
-    echo "period=$period run=$run $("$python" bench/cpu_rotation_trace.py "$d/trace.json" $alternate "$offset")" >> "$work/results.txt"
+    echo "period=$period run=$run $("$python" bench/cpu_rotation_trace.py "$d/trace.json" $alternate)" >> "$work/results.txt"
   done
 done
 
-"$python" - "$work" "$build" "$runs" "$steps" "$out" "$cpu" "$alternate" <<'PY' > "$out.tmp"
+"$python" - "$work" "$build" "$runs" "$steps" "$out" "$cpu" "$alternate" "${5:-}" <<'PY' > "$out.tmp"
 import datetime, re, statistics, sys
-work, build, runs, steps, out, cpu, alternate = sys.argv[1:]
+work, build, runs, steps, out, cpu, alternate, periods = sys.argv[1:]
 rows = [dict(re.findall(r"(\w+)=([-\w.]+)", line)) for line in open(f"{work}/results.txt")]
 speed = [dict(re.findall(r"(\w+)=([-\w.]+)", line)) for line in open(f"{work}/speed.txt")]
 print("# dp = 2 with the computing threads rotating over the CPUs")
 print()
 print(f"Command: `bash bench/run_cpu_rotation_bench.sh {build} {runs} {steps}"
-      f"{'' if out == 'bench/results/cpu_rotation.md' else ' ' + out}` ({datetime.date.today()}), 2 cores of {cpu}, "
+      f"{'' if out == 'bench/results/cpu_rotation.md' and not periods else ' ' + out}"
+      f"{' ' + repr(periods).replace(chr(39), chr(34)) if periods else ''}` ({datetime.date.today()}), 2 cores of {cpu}, "
       "OPENBLAS_* as set by the machine.")
 print()
 print("How the two CPUs' speeds move against each other (`bench/cpu_speed_pair.py 20`: one pinned")

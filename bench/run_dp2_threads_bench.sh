@@ -23,6 +23,8 @@ trap 'rm -rf "$work"' EXIT
 warmup=5
 steps=20
 results=$work/results.txt
+# The rotation period of moe-small's own placement, for the rotating row.
+rotation=$("$python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dist"]["cpu_rotation_ms"])' recipes/moe-small.json)
 : > "$results"
 # Every step logged: the communication-free runs' step times are paired step by step below. The
 # computing threads stay where they are placed unless a run asks for rotation (dist.cpu_rotation_ms).
@@ -106,13 +108,13 @@ for round in $(seq "$rounds"); do
     dp2 "dp2-true-${p%/*}-${p#*/}" parallel.reshard_after_forward=true dist.cpu_binding=${p%/*} dist.compute_nice=${p#*/}
   done
   dp2 dp2-false-rotate parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=19 \
-    dist.cpu_rotation_ms=20
+    dist.cpu_rotation_ms="$rotation"
   dp2 dp2-false-bf16 parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=19 \
     precision.reduce_dtype=bfloat16
   OMP_NUM_THREADS=2 dp2 dp2-false-omp2 parallel.reshard_after_forward=false dist.cpu_binding=none dist.compute_nice=0
 done
 
-"$python" - "$results" "$build" "$rounds" "${3:-}" "$cpu" > "$out.tmp" <<'PY'
+"$python" - "$results" "$build" "$rounds" "${3:-}" "$cpu" "$rotation" > "$out.tmp" <<'PY'
 import datetime, statistics, sys
 from collections import defaultdict
 runs, split = defaultdict(list), defaultdict(list)
@@ -192,7 +194,8 @@ for g, what in (("false", "gathered once per step"), ("true", "reshard after for
                        key=lambda n: (int(n.rsplit("-", 1)[1]), ("none", "rank", "compute").index(n.split("-")[2]))):
         _, _, b, nice = name.split("-")
         row(f"dp = 2, {what}, cpu_binding {b}, compute_nice {nice}", name)
-row("dp = 2, gathered once per step, cpu_binding compute, compute_nice 19, computing threads rotating every 20 ms", "dp2-false-rotate")
+rotation = sys.argv[6]
+row(f"dp = 2, gathered once per step, cpu_binding compute, compute_nice 19, computing threads rotating every {rotation} ms", "dp2-false-rotate")
 row("dp = 2, gathered once per step, cpu_binding compute, compute_nice 19, gradients reduced in bfloat16", "dp2-false-bf16")
 row("dp = 2, gathered once per step, 2 OpenMP threads per rank, unbound", "dp2-false-omp2")
 print()
@@ -200,12 +203,12 @@ print("With 2 OpenMP threads per rank, the second one's time counts among the ot
 print("in bfloat16 (`precision.reduce_dtype=bfloat16`; parameters, gradients and the optimizer stay in")
 print("float32): the reduce-scatter carries half the bytes at 2 ranks, and each gradient is rounded to")
 print("bfloat16 before the sum and after it; a different computation, shown for what the bytes cost.")
-print("Rotating (`dist.cpu_rotation_ms=20`, Note [rotating CPUs] in include/fsdpp/base/cpu_binding.hpp):")
-print("every 20 ms the two ranks' computing threads swap CPUs, at the same instants.")
+print(f"Rotating (`dist.cpu_rotation_ms={rotation}`, recipes/moe-small.json's; Note [rotating CPUs] in")
+print(f"include/fsdpp/base/cpu_binding.hpp): every {rotation} ms the two ranks' computing threads swap CPUs, at the same instants.")
 name = "dp2-false-rotate"  # moe-small's placement
 cost = barrier_cost([x for k in comm_free for x in barrier[k]])
 print()
-print(f"moe-small's placement (gathered once, `compute`, nice 19, rotating every 20 ms): the others' CPU bounds it at {bound(name):.3f}x;")
+print(f"moe-small's placement (gathered once, `compute`, nice 19, rotating every {rotation} ms): the others' CPU bounds it at {bound(name):.3f}x;")
 print(f"a barrier per step with this machine's jitter costs {100 * cost:.1f}% (median over every")
 print(f"communication-free pair); both together leave {bound(name) * (1 - cost):.3f}x. Measured: {share[name]:.3f}x.")
 PY

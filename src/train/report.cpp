@@ -124,6 +124,16 @@ int64_t micros(Tracer::Clock::time_point t) {
 
 }  // namespace
 
+void Tracer::set_active(bool on) {
+  if (on && !offset_read_) {
+    const auto system = Clock::now();
+    const auto monotonic = std::chrono::steady_clock::now();
+    monotonic_offset_us_ = micros(system) - std::chrono::duration_cast<std::chrono::microseconds>(monotonic.time_since_epoch()).count();
+    offset_read_ = true;
+  }
+  active_ = on;
+}
+
 void Tracer::span(const std::string& name, const std::string& track, Clock::time_point begin, Clock::time_point end) {
   if (!active_) return;
   auto it = std::find(tracks_.begin(), tracks_.end(), track);
@@ -152,7 +162,7 @@ void Tracer::add_communication(Clock::time_point from, Clock::time_point to) {
 
 void Tracer::write(const std::string& path) const {
   nlohmann::json meta = nlohmann::json::array();
-  meta.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank_}, {"args", {{"name", fmt::format("rank {}", rank_)}}}});
+  meta.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank_}, {"args", {{"name", fmt::format("rank {}", rank_)}, {"monotonic_offset_us", monotonic_offset_us_}}}});
   for (size_t i = 0; i < tracks_.size(); ++i)
     meta.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank_}, {"tid", i}, {"args", {{"name", tracks_[i]}}}});
   std::ofstream f(path);

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -598,6 +599,20 @@ TEST_CASE("run: outputs (metrics, plot, summary, trace) and capacity routing's d
   }
   CHECK(pids == std::set<int>{0, 1});
   CHECK(steps == std::map<int, int>{{0, 2}, {1, 2}});  // --trace-steps 2
+  // Each rank's entry gives the system clock less the monotonic clock, as read here now (the
+  // machine's clocks do not step within a test).
+  const double now_offset_us =
+      double(std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch()).count() -
+             std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+  int offsets = 0;
+  for (const auto& e : trace["traceEvents"])
+    if (e["ph"] == "M" && e["name"] == "process_name") {
+      CAPTURE(e.dump());
+      REQUIRE(e["args"].contains("monotonic_offset_us"));
+      CHECK(std::abs(e["args"]["monotonic_offset_us"].get<double>() - now_offset_us) < 5e4);
+      ++offsets;
+    }
+  CHECK(offsets == 2);
   CHECK(comm);
   fs::remove_all(dir);
 }

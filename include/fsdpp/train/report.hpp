@@ -37,13 +37,16 @@ using Series = std::vector<std::pair<int64_t, double>>;  // (step, value)
 // steps, with labelled axes.
 void write_loss_svg(const std::string& path, const Series& train, const Series& val, const std::string& title);
 
-// Spans of one rank's work, written as Chrome trace events ("X" events; pid = rank).
+// Spans of one rank's work, written as Chrome trace events ("X" events; pid = rank). Times are the
+// system clock's; the rank's process_name entry also carries `monotonic_offset_us`, the system clock
+// less the monotonic clock (std::chrono::steady_clock, CLOCK_MONOTONIC) when tracing first started,
+// to place the spans on the clock that CPU rotation's periods follow.
 class Tracer {
  public:
   using Clock = std::chrono::system_clock;
   explicit Tracer(int rank) : rank_(rank) {}
   bool active() const { return active_; }
-  void set_active(bool on) { active_ = on; }
+  void set_active(bool on);
   void span(const std::string& name, const std::string& track, Clock::time_point begin, Clock::time_point end);
   // Adds the communication operations the flight recorders saw between `from` and `to`.
   void add_communication(Clock::time_point from, Clock::time_point to);
@@ -54,6 +57,8 @@ class Tracer {
  private:
   int rank_;
   bool active_ = false;
+  int64_t monotonic_offset_us_ = 0;
+  bool offset_read_ = false;
   std::vector<std::string> events_;  // serialised JSON objects
   std::vector<std::string> tracks_;
 };
