@@ -42,9 +42,10 @@ rows = [dict(re.findall(r"(\w+)=([-\w.]+)", line)) for line in open(f"{work}/res
 speed = [dict(re.findall(r"(\w+)=([-\w.]+)", line)) for line in open(f"{work}/speed.txt")]
 print("# dp = 2 with the computing threads rotating over the CPUs")
 print()
-print(f"Command: `bash bench/run_cpu_rotation_bench.sh {build} {runs} {steps}"
-      f"{'' if out == 'bench/results/cpu_rotation.md' and not periods else ' ' + out}"
-      f"{' ' + repr(periods).replace(chr(39), chr(34)) if periods else ''}` ({datetime.date.today()}), 2 cores of {cpu}, "
+extra = "" if out == "bench/results/cpu_rotation.md" and not periods else " " + out
+if periods:
+    extra += f' "{periods}"'
+print(f"Command: `bash bench/run_cpu_rotation_bench.sh {build} {runs} {steps}{extra}` ({datetime.date.today()}), 2 cores of {cpu}, "
       "OPENBLAS_* as set by the machine.")
 print()
 print("How the two CPUs' speeds move against each other (`bench/cpu_speed_pair.py 20`: one pinned")

@@ -125,11 +125,10 @@ int64_t micros(Tracer::Clock::time_point t) {
 }  // namespace
 
 void Tracer::set_active(bool on) {
-  if (on && !offset_read_) {
+  if (on) {
     const auto system = Clock::now();
     const auto monotonic = std::chrono::steady_clock::now();
     monotonic_offset_us_ = micros(system) - std::chrono::duration_cast<std::chrono::microseconds>(monotonic.time_since_epoch()).count();
-    offset_read_ = true;
   }
   active_ = on;
 }

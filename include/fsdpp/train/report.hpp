@@ -39,7 +39,7 @@ void write_loss_svg(const std::string& path, const Series& train, const Series& 
 
 // Spans of one rank's work, written as Chrome trace events ("X" events; pid = rank). Times are the
 // system clock's; the rank's process_name entry also carries `monotonic_offset_us`, the system clock
-// less the monotonic clock (std::chrono::steady_clock, CLOCK_MONOTONIC) when tracing first started,
+// less the monotonic clock (std::chrono::steady_clock, CLOCK_MONOTONIC) when tracing was switched on,
 // to place the spans on the clock that CPU rotation's periods follow.
 class Tracer {
  public:
@@ -57,8 +57,7 @@ class Tracer {
  private:
   int rank_;
   bool active_ = false;
-  int64_t monotonic_offset_us_ = 0;
-  bool offset_read_ = false;
+  int64_t monotonic_offset_us_ = 0;  // read whenever tracing is switched on
   std::vector<std::string> events_;  // serialised JSON objects
   std::vector<std::string> tracks_;
 };
