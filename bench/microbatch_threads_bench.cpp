@@ -1,8 +1,9 @@
 // A dp 1 step's two microbatches on 2 cores, forward and backward, two ways side by side
 // (interleaved rounds, medians; bench/interleaved.hpp):
 //   sequential  one microbatch after the other, every operator on 2 intra-op threads: what
-//               `fsdpp run recipes/moe-small.json parallel.dp=1` does.
-//   concurrent  both at once, one on each of two threads, every operator on 1 thread. The second
+//               `fsdpp run recipes/moe-small.json parallel.dp=1` does by default.
+//   concurrent  both at once, one on each of two threads, every operator on 1 thread (what
+//               parallel.microbatch_threads=2 does, there on the gathered parameters). The second
 //               thread runs a second copy of the model whose parameters share the first copy's
 //               storage (its own gradients and router statistics, so the threads write nothing in
 //               common); its gradients are then added into the first copy's, which completes the step.

@@ -47,9 +47,10 @@ field() { grep '^RESULT' "$log" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
     echo "- $w: $(grep "^$w:" "$log" | sed 's/.*rounds: *//; s/ /, /g')"
   done
   echo
-  echo "\`fsdpp run\` keeps the sequential way at dp 1: the concurrent one saves what the second intra-op"
-  echo "thread spends waiting, and costs a second copy of the model's gradients. Two threads each running"
-  echo "its own half of the batch is what dp 2 already does, in two processes with one thread each and"
-  echo "the gradients summed by reduce-scatter (\`recipes/moe-small.json\`; bench/results/dp2_threads_intel.md)."
+  echo "\`fsdpp run\` takes the sequential way at dp 1 by default and the concurrent one with"
+  echo "\`parallel.microbatch_threads=2\`: it saves what the second intra-op thread spends waiting, and costs"
+  echo "a second copy of the model's gradients and a second microbatch's activations held at once. Two"
+  echo "threads each running its own half of the batch is also what dp 2 does, in two processes with one"
+  echo "thread each and the gradients summed by reduce-scatter (\`recipes/moe-small.json\`; bench/results/dp2_threads_intel.md)."
 } > "$out"
 echo "wrote $out"

@@ -56,6 +56,7 @@ for round in $(seq "$rounds"); do
   torch_run pytorch-fsdp-dp2 "$fsdpp" launch --nproc 2 -- $peer train --mode fsdp --accum 2 --warmup $warmup --steps $steps
   torch_run pytorch-ddp-dp2 "$fsdpp" launch --nproc 2 -- $peer train --mode ddp --accum 2 --warmup $warmup --steps $steps
   fsdpp_run fsdpp-dp1 recipes/moe-small.json parallel.dp=1
+  fsdpp_run fsdpp-dp1-threads recipes/moe-small.json parallel.dp=1 parallel.microbatch_threads=2
   FSDPP_MKL_VENDOR_CHECK=1 fsdpp_run fsdpp-dp1-torch-kernels recipes/moe-small.json parallel.dp=1 \
     model.onednn_matmul=false model.fused_attention=false
   FSDPP_MKL_VENDOR_CHECK=1 fsdpp_run fsdpp-dp2-torch-kernels recipes/moe-small.json model.onednn_matmul=false \
@@ -139,6 +140,7 @@ row("PyTorch DDP dp=2 (`no_sync` for the first microbatch)", "pytorch-ddp-dp2")
 row("PyTorch DDP dp=2, MKL's kernels by instruction set (`LD_PRELOAD=libfsdpp.so`)", "pytorch-ddp-dp2-isa")
 row(f"fsdpp dp=2 on PyTorch's kernels (`FSDPP_MKL_VENDOR_CHECK=1 model.onednn_matmul=false model.fused_attention=false`: MKL's own choice, {own_choice}, and ATen's flash attention)", "fsdpp-dp2-torch-kernels")
 row("fsdpp dp=1 (`parallel.dp=1`: 2 microbatches of 16, 2 threads)", "fsdpp-dp1")
+row("fsdpp dp=1, `parallel.microbatch_threads=2`: the 2 microbatches at once, one thread each", "fsdpp-dp1-threads")
 row("fsdpp dp=1 on PyTorch's kernels", "fsdpp-dp1-torch-kernels")
 row("PyTorch eager, one process, 2 threads", "pytorch-eager-dp1")
 row("PyTorch eager, MKL's kernels by instruction set (`LD_PRELOAD=libfsdpp.so`)", "pytorch-eager-dp1-isa")
@@ -154,7 +156,8 @@ print(f"- fsdpp dp=2 / PyTorch fully_shard dp=2, both gathering once per step: *
 print(f"- fsdpp dp=2 / PyTorch fully_shard dp=2, both resharding after forward: **{ratio('fsdpp-dp2-reshard', 'pytorch-fsdp-dp2'):.2f}x** (1.2x)")
 print(f"- fsdpp dp=2 / PyTorch DDP dp=2: **{ratio('fsdpp-dp2', 'pytorch-ddp-dp2'):.2f}x** (1.2x); both on PyTorch's kernels: {ratio('fsdpp-dp2-torch-kernels', 'pytorch-ddp-dp2'):.2f}x; both on MKL's AVX-512 kernels: {ratio('fsdpp-dp2', 'pytorch-ddp-dp2-isa'):.2f}x")
 print(f"- fsdpp dp=1 / PyTorch eager: **{ratio('fsdpp-dp1', 'pytorch-eager-dp1'):.2f}x** (2x); both on PyTorch's kernels: {ratio('fsdpp-dp1-torch-kernels', 'pytorch-eager-dp1'):.2f}x; both on MKL's AVX-512 kernels: {ratio('fsdpp-dp1', 'pytorch-eager-dp1-isa'):.2f}x")
-print(f"- fsdpp dp=1 / torch.compile: **{ratio('fsdpp-dp1', 'pytorch-compile-dp1'):.2f}x** (ahead)")
+print(f"- fsdpp dp=1 with `parallel.microbatch_threads=2` / PyTorch eager: **{ratio('fsdpp-dp1-threads', 'pytorch-eager-dp1'):.2f}x** (2x); / the same on MKL's AVX-512 kernels: {ratio('fsdpp-dp1-threads', 'pytorch-eager-dp1-isa'):.2f}x; / fsdpp dp=1 one microbatch after the other: {ratio('fsdpp-dp1-threads', 'fsdpp-dp1'):.2f}x")
+print(f"- fsdpp dp=1 / torch.compile: **{ratio('fsdpp-dp1', 'pytorch-compile-dp1'):.2f}x** (ahead); with `parallel.microbatch_threads=2`: {ratio('fsdpp-dp1-threads', 'pytorch-compile-dp1'):.2f}x")
 print(f"- fsdpp pp=2 / PyTorch Schedule1F1B: **{ratio('fsdpp-pp2', 'pytorch-pp2'):.2f}x** (ahead)")
 print()
 prof = json.load(open(sys.argv[4]))

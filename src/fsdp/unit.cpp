@@ -352,6 +352,6 @@ void Unit::reshard() {
 
 void Unit::set_requires_gradient_sync(bool sync) { tree_->requires_gradient_sync = sync; }
 void Unit::set_reshard_after_backward(bool reshard) { tree_->reshard_after_backward = reshard; }
-void Unit::set_reshard_after_forward(bool reshard) { tree_->reshard_after_forward = reshard; }
+void Unit::set_reshard_after_forward(std::optional<bool> reshard) { tree_->reshard_after_forward = reshard; }
 
 }  // namespace fsdpp::fsdp

@@ -443,6 +443,7 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       p.boolean("keep_stages_unsharded", rc.parallel.keep_stages_unsharded);
       p.integer("unshard_window", rc.parallel.unshard_window, 1, 64);
       p.boolean("reshard_after_forward", rc.parallel.reshard_after_forward);
+      p.integer("microbatch_threads", rc.parallel.microbatch_threads, 1, 64);
       int dp_shard = 0;
       p.integer("ep", rc.parallel.ep, 1, 4096);
       p.integer("dp_replicate", rc.parallel.dp_replicate, 1, 4096);
@@ -624,6 +625,20 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
     if (par.pp > 1 && !par.reshard_after_forward && !par.keep_stages_unsharded)
       top.fail("parallel.reshard_after_forward", "false keeps blocks gathered through the step, which contradicts "
                                                  "parallel.keep_stages_unsharded: false");
+    if (par.microbatch_threads > 1) {
+      const int n = par.microbatch_threads;
+      if (par.pp > 1)
+        top.fail("parallel.microbatch_threads", "only used with pp = 1: a pipeline's microbatches follow its schedule");
+      else if (rc.train.grad_accum % n != 0)
+        top.fail("parallel.microbatch_threads",
+                 fmt::format("must divide train.grad_accum ({}), the step's microbatches, got {}", rc.train.grad_accum, n));
+      if (par.ep > 1)
+        top.fail("parallel.microbatch_threads", "not with expert parallelism (parallel.ep > 1), whose token exchanges "
+                                                "are collectives inside each microbatch's forward and backward");
+      if (rc.train.device != "cpu")
+        top.fail("parallel.microbatch_threads",
+                 fmt::format("runs microbatches on CPU threads; train.device is \"{}\"", rc.train.device));
+    }
     if (par.dp_replicate > 1 && rc.checkpoint.storage == "local")
       top.fail("parallel.dp_replicate", "HSDP writes one copy of each shard, from the first replica group; with "
                                         "checkpoint.storage \"local\" the other nodes could not resume: use \"shared\"");

@@ -30,8 +30,10 @@
 #include "fsdpp/base/device_check.hpp"
 #include "fsdpp/base/files.hpp"
 #include "fsdpp/base/safetensors.hpp"
+#include "fsdpp/base/thread_team.hpp"
 #include "fsdpp/pipeline/executor.hpp"
 #include "fsdpp/pipeline/fsdp_stage.hpp"
+#include "fsdpp/train/activation_checkpoint.hpp"
 #include "fsdpp/train/checkpoints.hpp"
 #include "fsdpp/train/data.hpp"
 #include "fsdpp/train/model_files.hpp"
@@ -126,6 +128,9 @@ class Trainer {
   double train_step(int64_t step);
   void fill_inputs(int64_t step);
   at::Tensor step_body();
+  void make_thread_models();
+  // The step's microbatches on parallel.microbatch_threads threads; adds their losses to loss_sum.
+  void microbatches_on_threads(at::Tensor& loss_sum);
   double evaluate();
   void save_checkpoint(int64_t step);
   int64_t restore();
@@ -186,6 +191,10 @@ class Trainer {
   std::unique_ptr<fsdp::AdamW> optimizer_;
   at::Device device_ = at::kCPU;
   std::vector<at::Tensor> inputs_, targets_;  // static inputs: one [micro_batch, seq_len] pair per microbatch of a step
+  // parallel.microbatch_threads > 1: the model for each thread past the first, and the threads
+  // (made at the first step, so that they start where the computing thread runs, at its nice value).
+  std::vector<models::MoETransformer> thread_models_;
+  std::unique_ptr<ThreadTeam> team_;
   static constexpr int kGraphWarmupSteps = 3;
   int warmup_steps_done_ = 0;
   bool checked_devices_ = false;  // FSDPP_CHECK_DEVICES: the first step ran under DefaultDeviceCheck
@@ -317,6 +326,7 @@ void Trainer::build() {
                       });
   }
   full = nullptr;  // parts of other stages
+  if (par.microbatch_threads > 1) make_thread_models();
   const int64_t per_step = recipe_.train.grad_accum * (par.pp > 1 ? par.microbatches : 1);
   for (int64_t i = 0; i < per_step; ++i) {
     inputs_.push_back(at::zeros({recipe_.micro_batch(), recipe_.data.seq_len}, at::TensorOptions(device_).dtype(at::kLong)));
@@ -357,6 +367,94 @@ void Trainer::build() {
 // every step (train.run checks that from traces; tests/train/test_capture.cpp checks fully_shard's
 // and the optimizer's fixed addresses).
 
+// parallel.microbatch_threads: the copies of the model that the threads past the first run. A
+// copy's parameters are the sharded model's, name for name, as tensors of their own over the same
+// storage (set_data): the bytes a unit's all-gather fills (Note [unshard by storage resize]) are
+// the ones the copy reads, while its gradients and router statistics are its own.
+void Trainer::make_thread_models() {
+  const auto named = roots_.front()->inner().named_parameters();
+  for (int t = 1; t < recipe_.parallel.microbatch_threads; ++t) {
+    auto copy = models::MoETransformer(recipe_.model);
+    if (const int64_t every = recipe_.train.activation_checkpointing; every > 0)
+      copy->wrap_blocks([every](const models::Block& block, int64_t layer) {
+        return checkpoints_layer(every, layer) ? torch::nn::AnyModule(Checkpoint(torch::nn::AnyModule(block)))
+                                               : torch::nn::AnyModule(block);
+      });
+    at::NoGradGuard g;
+    const auto own = copy->named_parameters();
+    if (own.size() != named.size())
+      throw std::logic_error(fmt::format("microbatch threads: a copy of the model has {} parameters, the sharded model {}",
+                                         own.size(), named.size()));
+    for (const auto& item : own) {
+      const at::Tensor* p = named.find(item.key());
+      if (!p)
+        throw std::logic_error(fmt::format("microbatch threads: the sharded model has no parameter '{}'", item.key()));
+      item.value().set_data(p->detach());
+    }
+    thread_models_.push_back(std::move(copy));
+  }
+  log(fmt::format("microbatch threads: {} microbatches at once, one thread each, each operator on one thread",
+                  recipe_.parallel.microbatch_threads));
+}
+
+// Every unit is gathered once, before the threads start, and stays gathered until all are done: no
+// collective runs while they compute. Thread 0 runs the sharded model (its hooks keep the
+// gradients unreduced: gradient sync is off), thread t > 0 the copy thread_models_[t - 1]; thread
+// t runs microbatches t, t + n, ... Then the copies' gradients join the sharded model's, every
+// unit's gradients are reduce-scattered, and the units are resharded for the optimizer step.
+void Trainer::microbatches_on_threads(at::Tensor& loss_sum) {
+  auto& root = roots_.front();
+  const int n = recipe_.parallel.microbatch_threads;
+  const int64_t accum = recipe_.train.grad_accum;
+  if (!team_) team_ = std::make_unique<ThreadTeam>(n);
+  for (auto& copy : thread_models_) {
+    copy->router_stats().reset();
+    copy->router_stats().aux_grad_scale = 1.0 / double(accum);
+  }
+  root->inner().router_stats().aux_grad_scale = 1.0 / double(accum);
+  root->set_requires_gradient_sync(false);
+  root->set_reshard_after_forward(false);
+  root->set_reshard_after_backward(false);
+  root->unshard();
+
+  const auto b0 = std::chrono::system_clock::now();
+  std::vector<at::Tensor> sums(n);
+  const int intra_op = at::get_num_threads();
+  team_->run([&](int t) {
+    at::set_num_threads(1);  // OpenMP's (and MKL's) thread count is the calling thread's own
+    auto sum = at::zeros({}, loss_sum.options());
+    for (int64_t j = t; j < accum; j += n) {
+      const auto logits = t == 0 ? root->forward(inputs_[j]) : thread_models_[t - 1]->forward(inputs_[j]);
+      const auto loss = models::lm_loss(logits, targets_[j]);
+      (loss / double(accum)).backward();
+      sum.add_(loss.detach().to(at::kDouble));
+    }
+    sums[t] = sum;
+  });
+  at::set_num_threads(intra_op);
+  span(fmt::format("forward and backward, {} threads", n), "compute", b0);
+
+  at::NoGradGuard g;
+  for (const auto& sum : sums) loss_sum.add_(sum);
+  const auto params = root->inner().named_parameters();
+  for (auto& copy : thread_models_)
+    for (auto& item : copy->named_parameters()) {
+      auto& grad = item.value().mutable_grad();
+      if (!grad.defined()) continue;  // a parameter this thread's microbatches did not reach
+      auto& to = params[item.key()].mutable_grad();
+      if (to.defined()) to.add_(grad);
+      else to = std::move(grad);
+      grad = at::Tensor();
+    }
+  for (fsdp::Unit* u : root->fsdp_unit().tree_units()) u->group().accumulate_grads();
+  root->fsdp_unit().reduce_grads_async();
+  root->fsdp_unit().wait_reduce_grads();
+  root->reshard();
+  root->set_reshard_after_forward(std::nullopt);
+  root->set_reshard_after_backward(true);
+  root->set_requires_gradient_sync(true);
+}
+
 void Trainer::fill_inputs(int64_t step) {
   current_lr_ = learning_rate(recipe_.optim, step, recipe_.train.steps);
   optimizer_->set_lr(current_lr_);
@@ -377,7 +475,10 @@ at::Tensor Trainer::step_body() {
   const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device_);
   auto loss_sum = at::zeros({}, f64);
   double losses = 0;  // how many losses loss_sum holds; the same every step
-  if (!executor_) {
+  if (!executor_ && !thread_models_.empty()) {
+    microbatches_on_threads(loss_sum);
+    losses += double(accum);
+  } else if (!executor_) {
     auto& root = roots_.front();
     root->inner().router_stats().aux_grad_scale = 1.0 / double(accum);
     for (int64_t j = 0; j < accum; ++j) {
@@ -419,6 +520,8 @@ at::Tensor Trainer::step_body() {
     at::NoGradGuard g;
     for (auto& root : roots_)
       if (const auto& st = root->inner().router_stats(); st.sums.defined()) router.add_(st.sums);
+    for (auto& copy : thread_models_)
+      if (const auto& st = copy->router_stats(); st.sums.defined()) router.add_(st.sums);
   }
   // at::full: a fill on the device, which a capture accepts (a copy from host memory it refuses).
   auto sums = at::cat({at::stack({sq, loss_sum}), at::full({1}, losses, f64), router});
@@ -642,6 +745,11 @@ int64_t Trainer::restore() {
 // length, for bench/run_cpu_rotation_bench.sh to compare both ways within one run.
 std::unique_ptr<CpuRotation> Trainer::start_cpu_rotation(const std::vector<int>& cpus) {
   if (recipe_.dist.cpu_rotation_ms <= 0) return nullptr;
+  if (recipe_.parallel.microbatch_threads > 1 && local_world_ > 1)
+    throw std::invalid_argument(fmt::format(
+        "{}: dist.cpu_rotation_ms moves each rank's computing thread and its intra-op threads between the {} local "
+        "ranks' CPU shares, but not the threads of parallel.microbatch_threads ({}): set dist.cpu_rotation_ms=0",
+        recipe_.source, local_world_, recipe_.parallel.microbatch_threads));
   int64_t alternate_ms = 0;
   if (const char* v = std::getenv("FSDPP_CPU_ROTATION_ALTERNATE_MS"); v && *v) {
     char* end = nullptr;

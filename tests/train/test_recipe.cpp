@@ -205,6 +205,22 @@ TEST_CASE("recipe: parallel.reshard_after_forward, dist.cpu_binding and dist.com
          "dist.cpu_rotation_ms: must be in [0, 60000], got -5");
 }
 
+TEST_CASE("recipe: parallel.microbatch_threads divides train.grad_accum, with pp = 1, ep = 1, on the CPU") {
+  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {}).parallel.microbatch_threads == 1);
+  const auto r = train::parse_recipe(base(), "test.json", kSource + "/recipes",
+                                     {"parallel.microbatch_threads=2", "train.grad_accum=4"});
+  CHECK(r.parallel.microbatch_threads == 2);
+  expect(problems(base(), {"parallel.microbatch_threads=2"}),
+         "parallel.microbatch_threads: must divide train.grad_accum (1), the step's microbatches, got 2");
+  expect(problems(base(), {"parallel.microbatch_threads=0"}), "parallel.microbatch_threads: must be in [1, 64], got 0");
+  expect(problems(base(), {"parallel.microbatch_threads=2", "parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2"}),
+         "parallel.microbatch_threads: only used with pp = 1: a pipeline's microbatches follow its schedule");
+  expect(problems(base(), {"parallel.microbatch_threads=2", "train.grad_accum=2", "parallel.ep=2"}),
+         "parallel.microbatch_threads: not with expert parallelism (parallel.ep > 1)");
+  expect(problems(base(), {"parallel.microbatch_threads=2", "train.grad_accum=2", "train.device=cuda"}),
+         "parallel.microbatch_threads: runs microbatches on CPU threads; train.device is \"cuda\"");
+}
+
 TEST_CASE("recipe: checkpoint storage is shared or local") {
   CHECK(problems(base(), {"checkpoint.storage=local"}) == "valid");
   expect(problems(base(), {"checkpoint.storage=nfs"}), "checkpoint.storage: must be one of");

@@ -130,6 +130,27 @@ void check_close_parameters(const std::string& a, const std::string& b) {
   }
 }
 
+// Per rank-0 step of a traced run in `dir`: how many fully_shard collectives of `kind` (all_gather,
+// reduce_scatter) each unit issued.
+std::map<std::string, int> collectives_per_step(const std::string& dir, const std::string& kind) {
+  const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
+  std::map<std::string, int> count;
+  int steps = 0;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] != "X" || e["pid"] != 0) continue;
+    const std::string name = e["name"];
+    if (name.rfind("step ", 0) == 0) ++steps;
+    const std::string prefix = kind + " fsdp " + kind + " ";  // the operation, then its label
+    if (name.rfind(prefix, 0) == 0) ++count[name.substr(prefix.size())];
+  }
+  REQUIRE(steps > 0);
+  for (auto& [unit, n] : count) {
+    CHECK(n % steps == 0);
+    n /= steps;
+  }
+  return count;
+}
+
 }  // namespace
 
 TEST_CASE("run: an invalid recipe fails before any rank starts, naming the problem") {
@@ -308,32 +329,13 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
 TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per step, not 4 times, and trains "
           "bitwise alike; dist.cpu_binding binds; dist.compute_nice yields; dist.cpu_rotation_ms rotates; the MKL "
           "decision is logged") {
-  // Per rank-0 step: how many all-gathers of each unit, from the trace.
-  const auto gathers_per_step = [](const std::string& dir) {
-    const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
-    std::map<std::string, int> count;
-    int steps = 0;
-    for (const auto& e : trace["traceEvents"]) {
-      if (e["ph"] != "X" || e["pid"] != 0) continue;
-      const std::string name = e["name"];
-      if (name.rfind("step ", 0) == 0) ++steps;
-      const std::string gather = "all_gather fsdp all_gather ";  // the operation, then its label
-      if (name.rfind(gather, 0) == 0) ++count[name.substr(gather.size())];
-    }
-    REQUIRE(steps > 0);
-    for (auto& [unit, n] : count) {
-      CHECK(n % steps == 0);
-      n /= steps;
-    }
-    return count;
-  };
   const std::string common = "train.steps=10 logging.interval=1 eval.interval=0 parallel.dp=2 train.grad_accum=2 --trace";
   const auto freed = fresh_dir("reshard-true"), kept = fresh_dir("reshard-false");
   train_run(freed, common);
   const auto out =
       train_run(kept, common + " parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=1 "
                                "dist.cpu_rotation_ms=5");
-  const auto a = gathers_per_step(freed), b = gathers_per_step(kept);
+  const auto a = collectives_per_step(freed, "all_gather"), b = collectives_per_step(kept, "all_gather");
   CHECK(a == std::map<std::string, int>{{"layers.0", 4}, {"layers.1", 4}, {"root", 2}});
   CHECK(b == std::map<std::string, int>{{"layers.0", 1}, {"layers.1", 1}, {"root", 1}});
   CHECK(losses(kept) == losses(freed));
@@ -348,6 +350,38 @@ TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per
   // What MKL was told (Note [MKL's kernels on other vendors' CPUs]): the same decision as here.
   CHECK(out.find("MKL: " + mkl_dispatch().detail) != std::string::npos);
   for (const auto& d : {freed, kept}) fs::remove_all(d);
+}
+
+TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the other, at dp 1 (also with "
+          "activation checkpointing) and at dp 2, gathering and reducing each block once per step") {
+  const std::string common = "train.steps=10 logging.interval=1 eval.interval=0";
+  const std::map<std::string, int> once{{"layers.0", 1}, {"layers.1", 1}, {"root", 1}};
+  for (const std::string layout : {"parallel.dp=1 train.grad_accum=2", "parallel.dp=1 train.grad_accum=4 "
+                                   "train.activation_checkpointing=full", "parallel.dp=2 train.grad_accum=4"}) {
+    CAPTURE(layout);
+    const auto one = fresh_dir("mb-threads-1"), two = fresh_dir("mb-threads-2");
+    train_run(one, common + " " + layout);
+    const auto out = train_run(two, common + " " + layout + " parallel.microbatch_threads=2 --trace");
+    CHECK(out.find("microbatch threads: 2 microbatches at once, one thread each") != std::string::npos);
+    // The same sums, in another order where a thread runs two microbatches; the products may round
+    // differently on one thread than on two.
+    check_trains_alike(one, two, 1e-5);
+    check_close_parameters(checkpoint(one, 10), checkpoint(two, 10));
+    CHECK(collectives_per_step(two, "all_gather") == once);
+    CHECK(collectives_per_step(two, "reduce_scatter") == once);
+    for (const auto& d : {one, two}) fs::remove_all(d);
+  }
+  // CPU rotation moves each rank's computing thread and its intra-op threads, not these.
+  const auto rotated = fresh_dir("mb-threads-rotated");
+  const auto r = sh(kBin + " run " + kRecipe + " logging.output_dir=" + rotated + " " + common +
+                    " parallel.dp=2 train.grad_accum=2 parallel.microbatch_threads=2 dist.cpu_binding=compute "
+                    "dist.cpu_rotation_ms=5");
+  INFO(r.out);
+  CHECK(r.rc != 0);
+  CHECK(r.out.find("tiny-synthetic.json: dist.cpu_rotation_ms moves each rank's computing thread and its intra-op "
+                   "threads between the 2 local ranks' CPU shares, but not the threads of "
+                   "parallel.microbatch_threads (2): set dist.cpu_rotation_ms=0") != std::string::npos);
+  fs::remove_all(rotated);
 }
 
 TEST_CASE("run: activation checkpointing trains as without it, at dp 2 and at pp 2") {

@@ -174,7 +174,7 @@ class FullyShardImpl
   // Controls, FSDP2's names. On the root they apply to every unit of the model.
   void set_requires_gradient_sync(bool sync) { unit_.set_requires_gradient_sync(sync); }
   void set_reshard_after_backward(bool reshard) { unit_.set_reshard_after_backward(reshard); }
-  void set_reshard_after_forward(bool reshard) { unit_.set_reshard_after_forward(reshard); }
+  void set_reshard_after_forward(std::optional<bool> reshard) { unit_.set_reshard_after_forward(reshard); }
   void unshard(bool async = false) { unit_.unshard(async); }
   void reshard() { unit_.reshard(); }
   // Explicit prefetch, replacing the default of one unit ahead: right after this unit's all-gather

@@ -129,8 +129,9 @@ class Unit {
   void set_requires_gradient_sync(bool sync);
   void set_reshard_after_backward(bool reshard);
   // Replaces every unit's reshard_after_forward option in the tree (false: keep each unit gathered
-  // from its forward to its backward, and across forwards, until reshard()).
-  void set_reshard_after_forward(bool reshard);
+  // from its forward to its backward, and across forwards, until reshard()); nullopt returns each
+  // unit to its own option.
+  void set_reshard_after_forward(std::optional<bool> reshard);
   void set_forward_prefetch(std::vector<Unit*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<Unit*> units) { backward_prefetch_ = std::move(units); }
 

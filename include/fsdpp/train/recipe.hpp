@@ -8,7 +8,7 @@
 //     "data": {"source": "fortunes", "seq_len": 128, "val_fraction": 0.05},
 //     "parallel": {"dp": 2, "pp": 1, "schedule": "1F1B", "microbatches": 1, "stages_per_rank": 1,
 //                  "max_outstanding_sends": 0, "keep_stages_unsharded": true,
-//                  "unshard_window": 3, "reshard_after_forward": true},
+//                  "unshard_window": 3, "reshard_after_forward": true, "microbatch_threads": 1},
 //     "precision": {"param_dtype": "float32", "reduce_dtype": "float32",
 //                   "overrides": [{"match": "*.router.gate.weight", "param_dtype": "float32"}]},
 //     "optim": {"lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 50, "weight_decay": 0.1,
@@ -95,6 +95,13 @@ struct ParallelOptions {
   // as under DDP; one all-gather and one reduce-scatter per block and step). With pp > 1 the plan
   // decides (keep_stages_unsharded, which false contradicts when that is false).
   bool reshard_after_forward = true;
+  // pp = 1: how many of a step's microbatches (train.grad_accum) run at once, each on its own
+  // thread with one intra-op thread, instead of one after the other with every operator on the
+  // rank's threads (bench/results/microbatch_threads.md). Every block is gathered once per step and
+  // kept to the step's end, each thread but the first runs a copy of the model over the gathered
+  // parameters with gradients of its own, and the gradients are reduced once after the last
+  // microbatch: memory for as many microbatches' activations and gradients as threads. CPU only.
+  int microbatch_threads = 1;
 };
 
 struct DtypeOverride {
