@@ -353,11 +353,14 @@ TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per
 }
 
 TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the other, at dp 1 (also with "
-          "activation checkpointing) and at dp 2, gathering and reducing each block once per step") {
+          "activation checkpointing, and in bfloat16), at dp 2 and under HSDP, gathering and reducing each block "
+          "once per step") {
   const std::string common = "train.steps=10 logging.interval=1 eval.interval=0";
   const std::map<std::string, int> once{{"layers.0", 1}, {"layers.1", 1}, {"root", 1}};
-  for (const std::string layout : {"parallel.dp=1 train.grad_accum=2", "parallel.dp=1 train.grad_accum=4 "
-                                   "train.activation_checkpointing=full", "parallel.dp=2 train.grad_accum=4"}) {
+  for (const std::string layout :
+       {"parallel.dp=1 train.grad_accum=2", "parallel.dp=1 train.grad_accum=4 train.activation_checkpointing=full",
+        "parallel.dp=1 train.grad_accum=2 precision.param_dtype=bfloat16", "parallel.dp=2 train.grad_accum=4",
+        "parallel.dp=4 parallel.dp_replicate=2 train.grad_accum=2"}) {
     CAPTURE(layout);
     const auto one = fresh_dir("mb-threads-1"), two = fresh_dir("mb-threads-2");
     train_run(one, common + " " + layout);
