@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Where one dp 1 training step of the default model goes, four ways: on PyTorch's kernels (MKL's own
+# Where one dp 1 training step of the default model goes, five ways: on PyTorch's kernels (MKL's own
 # choice, FSDPP_MKL_VENDOR_CHECK=1, model.onednn_matmul=false and model.fused_attention=false), with
 # the weight products on oneDNN and MKL's own choice for the rest, on MKL's AVX-512 kernels with
-# ATen's flash attention, and as fsdpp runs by default (MKL told to choose by instruction set;
-# oneDNN then unused; fsdpp's attention kernel): `fsdpp run recipes/moe-small.json parallel.dp=1` under
+# ATen's flash attention, as fsdpp runs by default (MKL told to choose by instruction set; oneDNN
+# then unused; fsdpp's attention kernel), and the same with parallel.microbatch_threads=2 (the two
+# microbatches at once, one thread each): `fsdpp run recipes/moe-small.json parallel.dp=1` under
 # `perf record`, each way, samples grouped by what they do, beside the median step time. Needs perf (Debian's linux-perf). Writes
 # bench/results/step_profile.md.
 #   bash bench/run_step_profile.sh [build-dir] [steps]
@@ -18,12 +19,13 @@ out=bench/results/step_profile.md
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 hz=999
-# way: FSDPP_MKL_VENDOR_CHECK, model.onednn_matmul, model.fused_attention
-ways="vendor-aten:1:false:false vendor-onednn:1:true:false isa-sdpa:0:true:false isa:0:true:true"
+# way: FSDPP_MKL_VENDOR_CHECK, model.onednn_matmul, model.fused_attention, parallel.microbatch_threads
+ways="vendor-aten:1:false:false:1 vendor-onednn:1:true:false:1 isa-sdpa:0:true:false:1 isa:0:true:true:1 threads:0:true:true:2"
 for way in $ways; do
-  IFS=: read -r name check onednn attention <<< "$way"
+  IFS=: read -r name check onednn attention threads <<< "$way"
   FSDPP_MKL_VENDOR_CHECK=$check perf record -q -F $hz -o "$work/$name.data" -- "$build/fsdpp" run recipes/moe-small.json \
-    parallel.dp=1 model.onednn_matmul=$onednn model.fused_attention=$attention eval.interval=0 checkpoint.interval=0 logging.plot=false \
+    parallel.dp=1 model.onednn_matmul=$onednn model.fused_attention=$attention parallel.microbatch_threads=$threads \
+    eval.interval=0 checkpoint.interval=0 logging.plot=false \
     logging.output_dir="$work/run-$name" --overwrite --stop-after "$steps" > "$work/$name.log" 2>&1
   perf report -i "$work/$name.data" --no-children --sort dso,sym -F sample,dso,sym 2> /dev/null \
     | grep -v '^#' | grep -v '^$' > "$work/$name.txt"
@@ -58,31 +60,33 @@ def shares(way):
     return {g: 100 * n / total for g, n in groups.items()}
 def step_ms(way):
     return json.load(open(f"{work}/run-{way}/summary.json"))["step_ms_median"]
-ways = ["vendor-aten", "vendor-onednn", "isa-sdpa", "isa"]
+ways = ["vendor-aten", "vendor-onednn", "isa-sdpa", "isa", "threads"]
 share = {w: shares(w) for w in ways}
-print("# Where a dp 1 step goes: on PyTorch's kernels, with oneDNN's products, on MKL's AVX-512 kernels, and with fsdpp's attention kernel")
+print("# Where a dp 1 step goes: on PyTorch's kernels, with oneDNN's products, on MKL's AVX-512 kernels, with fsdpp's attention kernel, and with the microbatches on threads of their own")
 print()
 print(f"Command: `bash bench/run_step_profile.sh {build} {steps}` ({datetime.date.today()}), 2 cores, OPENBLAS_* as set by the machine.")
 print()
 print("`fsdpp run recipes/moe-small.json parallel.dp=1` (32 x 128 tokens per step, 2 microbatches, 2 threads)")
-print(f"under `perf record -F {hz}` for {steps} steps (start-up included: about a second of the run), four ways:")
+print(f"under `perf record -F {hz}` for {steps} steps (start-up included: about a second of the run), five ways:")
 print("`FSDPP_MKL_VENDOR_CHECK=1 model.onednn_matmul=false model.fused_attention=false` (MKL's own choice of")
 print("kernels, its AVX2 ones on this CPU, for every product, and ATen's flash attention: PyTorch's kernels),")
 print("`FSDPP_MKL_VENDOR_CHECK=1 model.fused_attention=false` (the weight products on oneDNN,")
 print("`include/fsdpp/models/matmul.hpp`; attention's blocks and the rest on MKL's AVX2 kernels),")
 print("`model.fused_attention=false` (MKL told to choose by instruction set: its AVX-512 kernels for every")
 print("product, `include/fsdpp/base/mkl_dispatch.hpp`; oneDNN then unused; ATen's flash attention), and the")
-print("default (the same, with fsdpp's attention kernel, `src/models/attention.cpp`: its products on MKL too).")
+print("default (the same, with fsdpp's attention kernel, `src/models/attention.cpp`: its products on MKL too),")
+print("and the default with `parallel.microbatch_threads=2` (the two microbatches at once, one thread each,")
+print("every operator on one thread).")
 print("Both threads' samples, grouped by symbol")
 print("(oneDNN's kernels are compiled at run time and have none: perf's `[JIT]`), as shares of each run;")
 print("one run each way. The step times are the runs' medians (`summary.json`).")
 print()
 print("Median step: " + ", ".join(f"{step_ms(w):.0f} ms {label}" for w, label in
       zip(ways, ["on PyTorch's kernels", "with oneDNN's products", "on MKL's AVX-512 kernels",
-                 "with fsdpp's attention kernel as well"])) + ".")
+                 "with fsdpp's attention kernel as well", "with the microbatches on threads"])) + ".")
 print()
-print("| where | PyTorch's kernels | oneDNN's products | MKL's AVX-512 kernels | and fsdpp's attention |")
-print("|---|---:|---:|---:|---:|")
+print("| where | PyTorch's kernels | oneDNN's products | MKL's AVX-512 kernels | and fsdpp's attention | and microbatch threads |")
+print("|---|---:|---:|---:|---:|---:|")
 for g in [g for g, _ in RULES] + ["other"]:
     print(f"| {g} | " + " | ".join(f"{share[w].get(g, 0):.1f}%" for w in ways) + " |")
 PY
