@@ -354,7 +354,7 @@ TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per
 
 TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the other, at dp 1 (also with "
           "activation checkpointing, and in bfloat16), at dp 2 and under HSDP, gathering and reducing each block "
-          "once per step") {
+          "once per step; resume is bitwise") {
   const std::string common = "train.steps=10 logging.interval=1 eval.interval=0";
   const std::map<std::string, int> once{{"layers.0", 1}, {"layers.1", 1}, {"root", 1}};
   for (const std::string layout :
@@ -373,6 +373,18 @@ TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the
     CHECK(collectives_per_step(two, "all_gather") == once);
     CHECK(collectives_per_step(two, "reduce_scatter") == once);
     for (const auto& d : {one, two}) fs::remove_all(d);
+  }
+  // Resumed from a checkpoint, the run continues bitwise as if uninterrupted.
+  {
+    const std::string args = common + " parallel.dp=1 train.grad_accum=2 parallel.microbatch_threads=2 checkpoint.interval=5";
+    const auto whole = fresh_dir("mb-threads-whole"), split = fresh_dir("mb-threads-split");
+    train_run(whole, args);
+    train_run(split, args + " --stop-after 5");
+    const auto out = train_run(split, args + " --resume");
+    CHECK(out.find("resumed from") != std::string::npos);
+    CHECK(losses(split) == losses(whole));
+    check_same_parameters(checkpoint(whole, 10), checkpoint(split, 10));
+    for (const auto& d : {whole, split}) fs::remove_all(d);
   }
   // CPU rotation moves each rank's computing thread and its intra-op threads, not these.
   const auto rotated = fresh_dir("mb-threads-rotated");
