@@ -194,6 +194,8 @@ class Trainer {
   // parallel.microbatch_threads > 1: the model for each thread past the first, and the threads
   // (made at the first step, so that they start where the computing thread runs, at its nice value).
   std::vector<models::MoETransformer> thread_models_;
+  // Each copy's parameter beside the sharded model's that it shares storage with.
+  std::vector<std::pair<at::Tensor, at::Tensor>> thread_params_;
   std::unique_ptr<ThreadTeam> team_;
   static constexpr int kGraphWarmupSteps = 3;
   int warmup_steps_done_ = 0;
@@ -390,6 +392,7 @@ void Trainer::make_thread_models() {
       if (!p)
         throw std::logic_error(fmt::format("microbatch threads: the sharded model has no parameter '{}'", item.key()));
       item.value().set_data(p->detach());
+      thread_params_.emplace_back(item.value(), *p);
     }
     thread_models_.push_back(std::move(copy));
   }
@@ -436,16 +439,14 @@ void Trainer::microbatches_on_threads(at::Tensor& loss_sum) {
 
   at::NoGradGuard g;
   for (const auto& sum : sums) loss_sum.add_(sum);
-  const auto params = root->inner().named_parameters();
-  for (auto& copy : thread_models_)
-    for (auto& item : copy->named_parameters()) {
-      auto& grad = item.value().mutable_grad();
-      if (!grad.defined()) continue;  // a parameter this thread's microbatches did not reach
-      auto& to = params[item.key()].mutable_grad();
-      if (to.defined()) to.add_(grad);
-      else to = std::move(grad);
-      grad = at::Tensor();
-    }
+  for (const auto& [copy, param] : thread_params_) {
+    auto& grad = copy.mutable_grad();
+    if (!grad.defined()) continue;  // a parameter this thread's microbatches did not reach
+    auto& to = param.mutable_grad();
+    if (to.defined()) to.add_(grad);
+    else to = std::move(grad);
+    grad = at::Tensor();
+  }
   for (fsdp::Unit* u : root->fsdp_unit().tree_units()) u->group().accumulate_grads();
   root->fsdp_unit().reduce_grads_async();
   root->fsdp_unit().wait_reduce_grads();
