@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # fsdpp run at dp 1 on the machine's cores: a step's microbatches one after the other, every operator
 # on all intra-op threads (parallel.microbatch_threads=1, the default), against
-# parallel.microbatch_threads=2 (both at once, one thread each; recipe.hpp says how), on moe-small's
-# recipe (2 microbatches of 16 x 128 tokens a step). Rounds alternate which goes first; tokens/s over
-# the steps after the warm-up, from each run's metrics; peak memory from its summary. Runs with the
-# machine's OPENBLAS_* settings as they are; writes bench/results/dp1_threads.md, or the file given third.
+# parallel.microbatch_threads=2 (both at once, one thread each; recipe.hpp says how), and the same
+# with libgomp's own spin count (GOMP_SPINCOUNT=300000, which `fsdpp run` then leaves as it is, instead
+# of the 10,000 it gives the ranks of such a run: fsdpp/base/openmp_wait.hpp), on moe-small's recipe
+# (2 microbatches of 16 x 128 tokens a step). Rounds rotate which goes first; tokens/s over the steps
+# after the warm-up, from each run's metrics; peak memory from its summary. Runs with the machine's
+# OPENBLAS_* settings as they are; writes bench/results/dp1_threads.md, or the file given third.
 #   bash bench/run_dp1_threads_bench.sh [build-dir] [rounds] [output]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,21 +23,26 @@ steps=40
 results=$work/results.txt
 : > "$results"
 
+# way: label, microbatch_threads, GOMP_SPINCOUNT for `fsdpp run` ("-": unset)
+ways=("1:1:-" "2:2:-" "2-own-spin:2:300000")
 run() {
-  local threads=$1 dir=$work/run
+  local label threads spins dir=$work/run
+  IFS=: read -r label threads spins <<< "$1"
+  local env=(-u GOMP_SPINCOUNT -u OMP_WAIT_POLICY)
+  if [[ $spins != - ]]; then env+=("GOMP_SPINCOUNT=$spins"); fi
   rm -rf "$dir"
-  "$build/fsdpp" run recipes/moe-small.json parallel.dp=1 parallel.microbatch_threads=$threads eval.interval=0 \
+  env "${env[@]}" "$build/fsdpp" run recipes/moe-small.json parallel.dp=1 parallel.microbatch_threads=$threads eval.interval=0 \
     checkpoint.interval=0 logging.interval=$warmup logging.plot=false logging.output_dir="$dir" \
     --overwrite --stop-after $((warmup + steps)) > "$work/log" 2>&1 || { cat "$work/log"; exit 1; }
   read -r tps loss < <("$python" bench/metrics_tokens_per_s.py "$dir/metrics/rank0.jsonl" $warmup $((warmup + steps)) $((32 * 128)))
   local rss
   rss=$("$python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["peak_rss_mib"])' "$dir/summary.json")
-  echo "$threads $tps $loss $rss" >> "$results"
+  echo "$label $tps $loss $rss" >> "$results"
 }
 
 for round in $(seq "$rounds"); do
   echo "round $round of $rounds" >&2
-  if ((round % 2)); then run 1; run 2; else run 2; run 1; fi
+  for i in 0 1 2; do run "${ways[$(((round + i) % 3))]}"; done
 done
 
 "$python" - "$results" "$build" "$rounds" "$cpu" "$warmup" "$steps" "${3:-}" > "$out.tmp" <<'PY'
@@ -55,18 +62,23 @@ print()
 print("`fsdpp run recipes/moe-small.json parallel.dp=1` (2 microbatches of 16 x 128 tokens a step) with")
 print("`parallel.microbatch_threads=1` (the default: one microbatch after the other, every operator on the")
 print("process's 2 intra-op threads) and `=2` (both at once, one on each of two threads, every operator on")
-print(f"one thread). Tokens/s over steps {int(warmup) + 1} to {int(warmup) + int(steps)}, from the run's metrics; rounds alternate which runs first.")
+print("one thread), the latter also with libgomp's own spin count (`2-own-spin`: GOMP_SPINCOUNT=300000 given to")
+print("`fsdpp run`, which then leaves it, where it gives the ranks of a microbatch_threads run 10,000;")
+print(f"fsdpp/base/openmp_wait.hpp). Tokens/s over steps {int(warmup) + 1} to {int(warmup) + int(steps)}, from the run's metrics; rounds rotate which runs first.")
 print()
-print("| microbatch_threads | tokens/s (median) | peak memory (MiB, median) | loss at the last step | rounds (tokens/s) |")
+print("| way (microbatch_threads) | tokens/s (median) | peak memory (MiB, median) | loss at the last step | rounds (tokens/s) |")
 print("|---:|---:|---:|---:|---|")
-for t in sorted(tps):
+for t in ["1", "2", "2-own-spin"]:
     print(f"| {t} | {statistics.median(tps[t]):.0f} | {statistics.median(rss[t]):.0f} | {loss[t][0]:.6f} | "
           f"{' '.join(f'{x:.0f}' for x in tps[t])} |")
-ratios = [b / a for a, b in zip(tps["1"], tps["2"])]
 print()
-print(f"microbatch_threads=2 over 1, round by round: **{statistics.median(ratios):.3f}x** (median; "
-      f"{min(ratios):.3f}x to {max(ratios):.3f}x, {sum(r > 1 for r in ratios)} of {len(ratios)} rounds above 1).")
-same = all(abs(x - loss["1"][0]) <= 1e-4 * abs(loss["1"][0]) for x in loss["1"] + loss["2"])
+for a, b, what in [("1", "2", "microbatch_threads=2 over 1"), ("2-own-spin", "2", "microbatch_threads=2 with the spin count fsdpp run sets over libgomp's own"),
+                   ("1", "2-own-spin", "microbatch_threads=2 with libgomp's own spin count over 1")]:
+    ratios = [y / x for x, y in zip(tps[a], tps[b])]
+    print(f"- {what}, round by round: **{statistics.median(ratios):.3f}x** (median; "
+          f"{min(ratios):.3f}x to {max(ratios):.3f}x, {sum(r > 1 for r in ratios)} of {len(ratios)} rounds above 1).")
+print()
+same = all(abs(x - loss["1"][0]) <= 1e-4 * abs(loss["1"][0]) for t in tps for x in loss[t])
 print(f"The last step's loss agrees across every run within 1e-4: {'yes' if same else 'no'}.")
 PY
 mv "$out.tmp" "$out"

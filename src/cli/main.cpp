@@ -17,6 +17,7 @@
 #include "fsdpp/base/blas.hpp"
 #include "fsdpp/base/files.hpp"
 #include "fsdpp/base/host_memory.hpp"
+#include "fsdpp/base/openmp_wait.hpp"
 #include "fsdpp/pipeline/plan.hpp"
 #include "fsdpp/pipeline/table.hpp"
 #include "fsdpp/pipeline/visualize.hpp"
@@ -260,6 +261,8 @@ int run_recipe(RunArgs& a) {
   if (recipe.dist.keep_freed_memory)
     if (const auto tunables = with_kept_malloc_thresholds(malloc_environment()))
       o.env.push_back("GLIBC_TUNABLES=" + *tunables);
+  if (const auto spins = microbatch_threads_spin_count(recipe.parallel.microbatch_threads, openmp_wait_environment()))
+    o.env.push_back("GOMP_SPINCOUNT=" + *spins);
   for (const auto& ov : a.overrides) o.command.push_back(ov);
   if (a.options.resume) o.command.push_back("--resume");
   if (a.options.overwrite) o.command.push_back("--overwrite");

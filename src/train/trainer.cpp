@@ -26,6 +26,7 @@
 #include "fsdpp/base/cpu_binding.hpp"
 #include "fsdpp/base/host_memory.hpp"
 #include "fsdpp/base/mkl_dispatch.hpp"
+#include "fsdpp/base/openmp_wait.hpp"
 #include "fsdpp/base/cuda_graph.hpp"
 #include "fsdpp/base/device_check.hpp"
 #include "fsdpp/base/files.hpp"
@@ -777,6 +778,7 @@ RunResult Trainer::run() {
                     bound));
   log("MKL: " + mkl_dispatch().detail);  // Note [MKL's kernels on other vendors' CPUs]
   log("host memory: " + describe_malloc_thresholds(malloc_environment()));
+  log("OpenMP: " + describe_openmp_wait(openmp_wait_environment()));
   prepare_output();
   build();
   // After build, so that ATen's intra-op threads exist and move too; before the computing threads'

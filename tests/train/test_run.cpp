@@ -23,6 +23,7 @@
 
 #include "fsdpp/fsdp/checkpoint.hpp"
 #include "fsdpp/base/mkl_dispatch.hpp"
+#include "fsdpp/base/openmp_wait.hpp"
 #include "fsdpp/base/safetensors.hpp"
 #include "fsdpp/train/checkpoints.hpp"
 #include "fsdpp/train/generate.hpp"
@@ -589,17 +590,22 @@ TEST_CASE("run: `fsdpp tokenize` killed mid-way leaves no half-written shard und
   fs::remove_all(dir);
 }
 
+// The line of a one-step run's log that starts with `prefix`; `env` as env(1) takes it.
+std::string rank_log_line(const std::string& dir, const std::string& env, const std::string& args, const std::string& prefix) {
+  fs::remove_all(dir);
+  const auto r = sh("env " + env + " " + kBin + " run " + kRecipe + " logging.output_dir=" + dir +
+                    " train.steps=1 eval.interval=0 checkpoint.enabled=false " + args);
+  INFO(r.out);
+  REQUIRE(r.rc == 0);
+  const auto at = r.out.find(prefix);
+  REQUIRE(at != std::string::npos);
+  return r.out.substr(at, r.out.find('\n', at) - at);
+}
+
 TEST_CASE("run: ranks start with malloc's thresholds fixed high, unless dist.keep_freed_memory=false or the environment sets one") {
   const auto dir = fresh_dir("host-memory");
   const auto run_with = [&](const std::string& env, const std::string& args) {
-    fs::remove_all(dir);
-    const auto r = sh("env " + env + " " + kBin + " run " + kRecipe + " logging.output_dir=" + dir +
-                      " train.steps=1 eval.interval=0 checkpoint.enabled=false " + args);
-    INFO(r.out);
-    REQUIRE(r.rc == 0);
-    const auto at = r.out.find("host memory: ");
-    REQUIRE(at != std::string::npos);
-    return r.out.substr(at, r.out.find('\n', at) - at);
+    return rank_log_line(dir, env, args, "host memory: ");
   };
   // The launcher's own GLIBC_TUNABLES is kept and extended, not passed beside the ranks' value.
   CHECK(run_with("GLIBC_TUNABLES=glibc.malloc.arena_max=4", "") ==
@@ -607,6 +613,21 @@ TEST_CASE("run: ranks start with malloc's thresholds fixed high, unless dist.kee
   CHECK(run_with("-u GLIBC_TUNABLES", "dist.keep_freed_memory=false") == "host memory: malloc's own thresholds");
   CHECK(run_with("GLIBC_TUNABLES=glibc.malloc.trim_threshold=2097152", "") ==
         "host memory: trim threshold 2 MiB (GLIBC_TUNABLES)");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("run: ranks of a run with parallel.microbatch_threads start with OpenMP's spin shortened, unless the environment sets it") {
+  const auto dir = fresh_dir("openmp-wait");
+  const auto run_with = [&](const std::string& env, const std::string& args) {
+    return rank_log_line(dir, "-u GOMP_SPINCOUNT -u OMP_WAIT_POLICY " + env, "parallel.dp=1 train.grad_accum=2 " + args,
+                         "OpenMP: ");
+  };
+  CHECK(run_with("", "parallel.microbatch_threads=2") ==
+        std::string("OpenMP: idle threads spin ") + kMicrobatchThreadsSpinCount + " rounds, then sleep (GOMP_SPINCOUNT)");
+  CHECK(run_with("", "") == "OpenMP: libgomp's own wait (300,000 spin rounds)");
+  CHECK(run_with("GOMP_SPINCOUNT=2000", "parallel.microbatch_threads=2") ==
+        "OpenMP: idle threads spin 2000 rounds, then sleep (GOMP_SPINCOUNT)");
+  CHECK(run_with("OMP_WAIT_POLICY=passive", "parallel.microbatch_threads=2") == "OpenMP: OMP_WAIT_POLICY=passive");
   fs::remove_all(dir);
 }
 

@@ -101,6 +101,7 @@ struct ParallelOptions {
   // kept to the step's end, each thread but the first runs a copy of the model over the gathered
   // parameters with gradients of its own, and the gradients are reduced once after the last
   // microbatch: memory for as many microbatches' activations and gradients as threads. CPU only.
+  // `fsdpp run` shortens OpenMP's idle spin for such runs (fsdpp/base/openmp_wait.hpp).
   int microbatch_threads = 1;
 };
 
