@@ -331,6 +331,22 @@ void stop_watchdog() {
   auto& w = watchdog();
   w.stop = true;
   if (w.thread.joinable()) w.thread.join();
+  std::lock_guard<std::mutex> lock(w.mu);
+  auto& o = w.options;
+  try {
+    if (o.store) {
+      int64_t stopped = o.store->add("watchdogs_stopped", 1);
+      const auto deadline = std::chrono::steady_clock::now() + o.hosted_grace;
+      while (o.hosted && stopped < o.world_size && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        stopped = o.store->add("watchdogs_stopped", 0);
+      }
+    }
+  } catch (const std::exception&) {
+    // The store is gone already (its host ended first); nothing is left to wait for.
+  }
+  o.store.reset();
+  o.hosted.reset();
 }
 
 }  // namespace fsdpp::comm

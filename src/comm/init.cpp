@@ -205,6 +205,8 @@ Comm init_from_env(const InitOptions& options) {
     TcpStoreOptions wo = so;
     wo.is_server = false;
     w.store = make_prefix_store(prefix + "/fr", make_tcp_store(wo));
+    if (so.is_server) w.hosted = store;
+    w.world_size = env.world_size;
     start_watchdog(w);
   }
   return comm;

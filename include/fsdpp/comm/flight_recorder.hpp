@@ -113,6 +113,13 @@ struct WatchdogOptions {
   std::chrono::milliseconds timeout = std::chrono::minutes(3);
   std::string dump_dir = "fsdpp-flight-records";
   std::shared_ptr<Store> store;  // to ask the other ranks to dump; optional
+  // The store server this process hosts, if any (rank 0 without an agent's store). The watchdogs
+  // of all `world_size` ranks poll it: it is kept until this one stops (at the latest when the
+  // process exits) and, up to `hosted_grace`, until every rank's watchdog has said through `store`
+  // that it stopped, so that no poll finds it gone.
+  std::shared_ptr<Store> hosted;
+  int world_size = 1;
+  std::chrono::milliseconds hosted_grace = std::chrono::seconds(5);
   int rank = 0;
   int exit_code = 0;  // 0: dump only
   std::chrono::milliseconds exit_grace = std::chrono::seconds(2);
@@ -123,6 +130,7 @@ constexpr int kWatchdogExitCode = 124;
 
 // Starts (or reconfigures) this process's watchdog thread.
 void start_watchdog(const WatchdogOptions& options);
+// Stops the thread and lets go of the options' stores; at exit if not before.
 void stop_watchdog();
 
 namespace detail {
