@@ -335,11 +335,12 @@ void stop_watchdog() {
   auto& o = w.options;
   try {
     if (o.store) {
-      int64_t stopped = o.store->add("watchdogs_stopped", 1);
+      constexpr const char* kStopped = "watchdogs_stopped";  // how many ranks' watchdogs have stopped
+      int64_t stopped = o.store->add(kStopped, 1);
       const auto deadline = std::chrono::steady_clock::now() + o.hosted_grace;
       while (o.hosted && stopped < o.world_size && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        stopped = o.store->add("watchdogs_stopped", 0);
+        stopped = o.store->add(kStopped, 0);
       }
     }
   } catch (const std::exception&) {

@@ -1,12 +1,11 @@
 // Keeping freed host memory (fsdpp/base/host_memory.hpp): the GLIBC_TUNABLES value `fsdpp run`
 // gives its ranks, and what glibc does with it in a process started with it.
 #include <doctest/doctest.h>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <string>
 
 #include "fsdpp/base/host_memory.hpp"
+#include "train/probe.hpp"
 
 using namespace fsdpp;
 
@@ -15,14 +14,9 @@ namespace {
 // Page faults of reallocating a freed 48 MiB block in a fresh process; `tunables` as GLIBC_TUNABLES
 // (empty: unset).
 long refill_faults(const std::string& tunables) {
-  const std::string cmd = (tunables.empty() ? std::string("env -u GLIBC_TUNABLES ") : "env GLIBC_TUNABLES='" + tunables + "' ") +
-                          FSDPP_MALLOC_PROBE_BIN;
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p);
-  long faults = -1;
-  REQUIRE(std::fscanf(p, "%ld", &faults) == 1);
-  REQUIRE(WEXITSTATUS(pclose(p)) == 0);
-  return faults;
+  return std::stol(test::probe_output(
+      (tunables.empty() ? std::string("env -u GLIBC_TUNABLES ") : "env GLIBC_TUNABLES='" + tunables + "' ") +
+      FSDPP_MALLOC_PROBE_BIN));
 }
 
 }  // namespace

@@ -3,10 +3,10 @@
 // instruction set, newer than the ones it picks by itself there, and FSDPP_MKL_VENDOR_CHECK=1
 // leaves its own choice; elsewhere both are MKL's own.
 #include <doctest/doctest.h>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <string>
+
+#include "train/probe.hpp"
 
 namespace {
 
@@ -20,16 +20,7 @@ struct Probe {
 };
 
 Probe probe(const std::string& env) {
-  const std::string cmd = "env -u FSDPP_MKL_VENDOR_CHECK " + env + " " + FSDPP_MKL_PROBE_BIN + " 2>&1";
-  Probe p;
-  FILE* f = popen(cmd.c_str(), "r");
-  REQUIRE(f);
-  char buf[1024];
-  for (size_t n; (n = fread(buf, 1, sizeof(buf), f)) > 0;) p.out.append(buf, n);
-  const int status = pclose(f);
-  INFO(p.out);
-  REQUIRE((WIFEXITED(status) && WEXITSTATUS(status) == 0));
-  return p;
+  return {fsdpp::test::probe_output("env -u FSDPP_MKL_VENDOR_CHECK " + env + " " + FSDPP_MKL_PROBE_BIN + " 2>&1")};
 }
 
 bool avx512_not_intel() {

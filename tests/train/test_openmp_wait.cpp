@@ -2,14 +2,12 @@
 // GOMP_SPINCOUNT value `fsdpp run` gives its ranks, and what LibTorch's OpenMP does with it in a
 // process started with it.
 #include <doctest/doctest.h>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <string>
-#include <thread>
 
 #include "fsdpp/base/cpu_binding.hpp"
 #include "fsdpp/base/openmp_wait.hpp"
+#include "train/probe.hpp"
 
 using namespace fsdpp;
 
@@ -18,13 +16,7 @@ namespace {
 // CPU time (us) a fresh process spends while its main thread sleeps after parallel regions; `env`
 // as the probe's environment ("-u GOMP_SPINCOUNT", "GOMP_SPINCOUNT=10000").
 double idle_cpu_us(const std::string& env) {
-  const std::string cmd = "env -u OMP_WAIT_POLICY " + env + " " + FSDPP_OPENMP_SPIN_PROBE_BIN;
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p);
-  double us = -1;
-  REQUIRE(std::fscanf(p, "%lf", &us) == 1);
-  REQUIRE(WEXITSTATUS(pclose(p)) == 0);
-  return us;
+  return std::stod(test::probe_output("env -u OMP_WAIT_POLICY " + env + " " + FSDPP_OPENMP_SPIN_PROBE_BIN));
 }
 
 }  // namespace
