@@ -3,11 +3,15 @@
 // SwiGLU's hidden 384), side by side (interleaved rounds, medians), one thread unless --threads:
 //   rms_norm-aten, rms_norm-fused   [rows, 128], weight [128]
 //   swiglu-aten, swiglu-fused        silu(a) * b, a and b [rows, 384]
+//   rotary-aten, rotary-fused        q and k of the attention's projection [rows / 128, 128, 3, 4, 32]
+//                                    rotated (models::rotary_reference, models::rotary_qkv)
 //   fsdpp_kernels_bench [--threads N] [--rounds R] [--rows N] [--bf16 1]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
+#include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <map>
@@ -43,15 +47,37 @@ int main(int argc, char** argv) {
   const auto w = (1 + 0.1 * at::randn({dim})).requires_grad_();
   const auto a = at::randn({rows, hidden}).to(dtype).requires_grad_(), b = at::randn({rows, hidden}).to(dtype).requires_grad_();
   const auto gx = at::randn({rows, dim}).to(dtype), gh = at::randn({rows, hidden}).to(dtype);
+  // The attention's projection [B, T, 3, H, D] at sequence length 128, 4 heads of 32; the
+  // gradients come back [B, H, T, D] laid out [B, T, H, D], as the attention kernel gives them.
+  const int64_t seq = 128, heads = 4, hd = dim / heads, batch = std::max<int64_t>(1, rows / seq);
+  const auto qkv = at::randn({batch, seq, 3, heads, hd}).to(dtype).requires_grad_();
+  const auto [cos, sin] = models::rotary_tables(seq, hd, 10000.0, at::TensorOptions().dtype(dtype));
+  std::vector<at::Tensor> gqkv;
+  for (int i = 0; i < 3; ++i) gqkv.push_back(at::randn({batch, seq, heads, hd}).to(dtype).permute({0, 2, 1, 3}));
+  auto rotary_backward = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    torch::autograd::backward({q, k, v}, gqkv);
+  };
   std::map<std::string, std::function<void()>> ways = {
       {"rms_norm-aten", [&] { models::rms_norm_reference(x, w, 1e-5).backward(gx); }},
       {"rms_norm-fused", [&] { models::rms_norm(x, w, 1e-5).backward(gx); }},
       {"swiglu-aten", [&] { models::swiglu_reference(a, b).backward(gh); }},
       {"swiglu-fused", [&] { models::swiglu(a, b).backward(gh); }},
+      {"rotary-aten",
+       [&] {
+         const auto parts = qkv.permute({2, 0, 3, 1, 4});
+         rotary_backward(models::rotary_reference(parts[0], cos, sin), models::rotary_reference(parts[1], cos, sin),
+                         parts[2]);
+       }},
+      {"rotary-fused",
+       [&] {
+         const auto [q, k, v] = models::rotary_qkv(qkv, cos, sin);
+         rotary_backward(q, k, v);
+       }},
   };
-  const std::vector<std::string> order = {"rms_norm-aten", "rms_norm-fused", "swiglu-aten", "swiglu-fused"};
+  const std::vector<std::string> order = {"rms_norm-aten", "rms_norm-fused", "swiglu-aten",
+                                          "swiglu-fused",  "rotary-aten",    "rotary-fused"};
   auto call = [&](const std::string& way) {
-    for (const auto* t : {&x, &w, &a, &b}) const_cast<at::Tensor&>(*t).mutable_grad() = at::Tensor();
+    for (const auto* t : {&x, &w, &a, &b, &qkv}) const_cast<at::Tensor&>(*t).mutable_grad() = at::Tensor();
     ways[way]();
   };
   const auto t = bench::interleave(order, call, rounds, /*per_round=*/10);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The model's RMSNorm and SwiGLU kernels against the ATen compositions (bench/kernels_bench.cpp),
+# The model's RMSNorm, SwiGLU and rotary kernels against the ATen compositions (bench/kernels_bench.cpp),
 # float32 and bfloat16, at 1 and 2 threads; writes bench/results/kernels.md. Runs with the machine's
 # OPENBLAS_* settings as they are.
 #   bash bench/run_kernels_bench.sh [build-dir] [rounds]
@@ -11,14 +11,17 @@ out=bench/results/kernels.md
 source bench/cpuinfo.sh
 cpu=$(cpuinfo 'model name')
 {
-  echo "# RMSNorm and SwiGLU's gate: single-pass kernels against the ATen compositions"
+  echo "# RMSNorm, SwiGLU's gate and the rotary embedding: single-pass kernels against the ATen compositions"
   echo
   echo "Command: \`bash bench/run_kernels_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores of $cpu, OPENBLAS_* as set by the machine."
   echo
   echo "Forward and backward at moe-small's shapes for one dp 1 step (32 x 128 = 4096 rows): RMSNorm over"
-  echo "dim 128 (gain in float32), SwiGLU's \`silu(a) * b\` over hidden 384. \`aten\` is the composition"
-  echo "(\`models::rms_norm_reference\`, \`models::swiglu_reference\`), \`fused\` the kernel the model runs"
-  echo "(\`models::rms_norm\`, \`models::swiglu\`). In bfloat16 \`models::swiglu\` is the composition (its"
+  echo "dim 128 (gain in float32), SwiGLU's \`silu(a) * b\` over hidden 384, and the rotary embedding of q and k"
+  echo "taken from the attention's projection [32, 128, 3, 4, 32] (4 heads of 32; its v passed through, the"
+  echo "gradients given laid out [B, T, H, D] as the attention kernel gives them). \`aten\` is the composition"
+  echo "(\`models::rms_norm_reference\`, \`models::swiglu_reference\`, \`models::rotary_reference\` on q and k),"
+  echo "\`fused\` the kernel the model runs (\`models::rms_norm\`, \`models::swiglu\`, \`models::rotary_qkv\`)."
+  echo "In bfloat16 \`models::swiglu\` is the composition (its"
   echo "kernel, tried there, measured 0.89x at 1 thread and 1.03x at 2: the conversions cost about what the"
   echo "passes save), so its two rows run the same code: their ratio is the bench's own spread. The ways"
   echo "alternate within each of $rounds rounds of 10 calls, each round starting one way further along;"

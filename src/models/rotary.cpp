@@ -3,11 +3,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
+#include <c10/util/bit_cast.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "fsdpp/models/kernels.hpp"
 #include "vector_clones.hpp"
@@ -28,27 +30,103 @@ at::Tensor rotate_half(const at::Tensor& x) {
 //   y_lo = x_lo c_lo + x_hi s_hi,   y_hi = x_hi c_hi - x_lo s_lo
 // Every product and sum is rounded to the tensors' dtype as ATen rounds each operation's result
 // (a - b and a + (-b) are the same IEEE operation), which is what makes the results those of
-// rotary_reference bit for bit (with float rows contiguous, rotate_span's vector loop: the same
-// operations, each rounded, no fused multiply-adds). A TensorIterator lays out the loop and runs it
-// on ATen's intra-op threads.
-FSDPP_VECTOR_CLONES void rotate_span(float* __restrict y_lo, float* __restrict y_hi, const float* __restrict x_lo,
-                                     const float* __restrict x_hi, const float* __restrict c_lo,
-                                     const float* __restrict c_hi, const float* __restrict s_lo,
-                                     const float* __restrict s_hi, int64_t n, bool backward) {
-  if (!backward)
-    for (int64_t i = 0; i < n; ++i) {
-      y_lo[i] = x_lo[i] * c_lo[i] - x_hi[i] * s_lo[i];
-      y_hi[i] = x_hi[i] * c_hi[i] + x_lo[i] * s_hi[i];
+// rotary_reference bit for bit (the same operations, each rounded, no fused multiply-adds).
+//
+// Rows with contiguous last dimensions (the model's case: x a view of the qkv projection, y laid
+// out [B, T, H, D]) in float32 or bfloat16 take rotate_rows: one call per slice of the B x H
+// (batch, head) pairs, a loop over positions and the half inside it, compiled per instruction set
+// as a whole. A row's half is short (16 values at moe-small's head size 32, one AVX-512 vector of
+// floats), so a call per row, as a TensorIterator's loop would make, costs more than the
+// arithmetic. Other dtypes and layouts go through a TensorIterator.
+struct RowLayout {
+  int64_t B, H, T, half;
+  int64_t y_b, y_h, y_t, x_b, x_h, x_t;  // element strides
+};
+
+// How rotate_rows_body reads and writes an element: float as it is; bfloat16 through float, rounded
+// to nearest even as c10::BFloat16 rounds, NaN to its quiet NaN, written without a branch so that
+// the loops vectorise.
+struct FloatElement {
+  using Stored = float;
+  static float load(float v) { return v; }
+  static float store(float v) { return v; }
+};
+struct BFloat16Element {
+  using Stored = uint16_t;  // a c10::BFloat16's bits
+  static float load(uint16_t v) { return c10::bit_cast<float>(uint32_t(v) << 16); }
+  static uint16_t store(float f) {
+    const uint32_t u = c10::bit_cast<uint32_t>(f);
+    const uint32_t rounded = (u + ((u >> 16) & 1) + UINT32_C(0x7FFF)) >> 16;
+    return (u & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000) ? uint16_t(0x7FC0) : uint16_t(rounded);
+  }
+};
+
+template <typename E, typename S = typename E::Stored>
+C10_ALWAYS_INLINE void rotate_rows_body(S* __restrict y, const S* __restrict x, const S* __restrict cos,
+                                        const S* __restrict sin, const RowLayout& l, int64_t begin, int64_t end,
+                                        bool backward) {
+  // A product or sum as ATen's operation on the dtype gives it: computed in float, rounded.
+  const auto r = [](float v) { return E::load(E::store(v)); };
+  const int64_t h = l.half;
+  for (int64_t bh = begin; bh < end; ++bh) {
+    const int64_t b = bh / l.H, head = bh % l.H;
+    for (int64_t t = 0; t < l.T; ++t) {
+      S* __restrict y_lo = y + b * l.y_b + head * l.y_h + t * l.y_t;
+      const S* __restrict x_lo = x + b * l.x_b + head * l.x_h + t * l.x_t;
+      S* __restrict y_hi = y_lo + h;
+      const S* __restrict x_hi = x_lo + h;
+      const S* __restrict c_lo = cos + t * 2 * h;
+      const S* __restrict s_lo = sin + t * 2 * h;
+      const S* __restrict c_hi = c_lo + h;
+      const S* __restrict s_hi = s_lo + h;
+      if (!backward)
+        for (int64_t i = 0; i < h; ++i) {
+          const float xl = E::load(x_lo[i]), xh = E::load(x_hi[i]);
+          y_lo[i] = E::store(r(xl * E::load(c_lo[i])) - r(xh * E::load(s_lo[i])));
+          y_hi[i] = E::store(r(xh * E::load(c_hi[i])) + r(xl * E::load(s_hi[i])));
+        }
+      else
+        for (int64_t i = 0; i < h; ++i) {
+          const float xl = E::load(x_lo[i]), xh = E::load(x_hi[i]);
+          y_lo[i] = E::store(r(xl * E::load(c_lo[i])) + r(xh * E::load(s_hi[i])));
+          y_hi[i] = E::store(r(xh * E::load(c_hi[i])) - r(xl * E::load(s_lo[i])));
+        }
     }
-  else
-    for (int64_t i = 0; i < n; ++i) {
-      y_lo[i] = x_lo[i] * c_lo[i] + x_hi[i] * s_hi[i];
-      y_hi[i] = x_hi[i] * c_hi[i] - x_lo[i] * s_lo[i];
-    }
+  }
+}
+
+FSDPP_VECTOR_CLONES void rotate_rows(float* y, const float* x, const float* cos, const float* sin, const RowLayout& l,
+                                     int64_t begin, int64_t end, bool backward) {
+  rotate_rows_body<FloatElement>(y, x, cos, sin, l, begin, end, backward);
+}
+
+FSDPP_VECTOR_CLONES void rotate_rows(c10::BFloat16* y, const c10::BFloat16* x, const c10::BFloat16* cos,
+                                     const c10::BFloat16* sin, const RowLayout& l, int64_t begin, int64_t end,
+                                     bool backward) {
+  const auto bits = [](const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
+  rotate_rows_body<BFloat16Element>(reinterpret_cast<uint16_t*>(y), bits(x), bits(cos), bits(sin), l, begin, end,
+                                    backward);
+}
+
+template <typename T>
+void rotate_rows_parallel(const at::Tensor& x, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin,
+                          bool backward) {
+  const RowLayout l{x.size(0),   x.size(1),   x.size(2),   x.size(3) / 2, y.stride(0),
+                    y.stride(1), y.stride(2), x.stride(0), x.stride(1),   x.stride(2)};
+  T* yp = y.data_ptr<T>();
+  const T *xp = x.const_data_ptr<T>(), *cp = cos.const_data_ptr<T>(), *sp = sin.const_data_ptr<T>();
+  // At least 32k elements a task, so that small calls stay on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, l.T * 2 * l.half));
+  at::parallel_for(0, l.B * l.H, grain,
+                   [&](int64_t begin, int64_t end) { rotate_rows(yp, xp, cp, sp, l, begin, end, backward); });
 }
 
 void rotate_into(const at::Tensor& x, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
   const int64_t h = x.size(3) / 2;
+  if (x.stride(3) == 1 && y.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous()) {
+    if (x.scalar_type() == at::kFloat) return rotate_rows_parallel<float>(x, y, cos, sin, backward);
+    if (x.scalar_type() == at::kBFloat16) return rotate_rows_parallel<c10::BFloat16>(x, y, cos, sin, backward);
+  }
   auto lo = [h](const at::Tensor& t) { return t.narrow(-1, 0, h); };
   auto hi = [h](const at::Tensor& t) { return t.narrow(-1, h, h); };
   const at::Tensor halves[] = {lo(y), hi(y), lo(x), hi(x), lo(cos), hi(cos), lo(sin), hi(sin)};
@@ -64,16 +142,9 @@ void rotate_into(const at::Tensor& x, const at::Tensor& y, const at::Tensor& cos
     auto sub = [](T a, T b) { return static_cast<T>(static_cast<M>(a) - static_cast<M>(b)); };
     iter.for_each([&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {
       constexpr int kTensors = 8;
-      bool dense = std::is_same_v<T, float>;  // float rows laid out one after another: the vector loop
-      for (int k = 0; k < kTensors; ++k) dense = dense && strides[k] == sizeof(T);
       for (int64_t j = 0; j < n1; ++j) {
         char* p[kTensors];
         for (int k = 0; k < kTensors; ++k) p[k] = data[k] + j * strides[kTensors + k];
-        if (dense) {
-          auto f = [&](int k) { return reinterpret_cast<float*>(p[k]); };
-          rotate_span(f(0), f(1), f(2), f(3), f(4), f(5), f(6), f(7), n0, backward);
-          continue;
-        }
         for (int64_t i = 0; i < n0; ++i) {
           auto v = [&](int k) -> T& { return *reinterpret_cast<T*>(p[k] + i * strides[k]); };
           const T x_lo = v(2), x_hi = v(3), c_lo = v(4), c_hi = v(5), s_lo = v(6), s_hi = v(7);
