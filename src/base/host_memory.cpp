@@ -5,13 +5,20 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
 #include <string_view>
 #include <vector>
 
 namespace fsdpp {
 namespace {
 
-constexpr std::string_view kMmap = "glibc.malloc.mmap_threshold", kTrim = "glibc.malloc.trim_threshold";
+// Each setting kept: its tunable, the older variable that also sets it, and its name in the log.
+struct Setting {
+  std::string_view tunable, variable, what;
+};
+constexpr Setting kSettings[] = {{"glibc.malloc.mmap_threshold", "MALLOC_MMAP_THRESHOLD_", "mmap threshold"},
+                                 {"glibc.malloc.trim_threshold", "MALLOC_TRIM_THRESHOLD_", "trim threshold"},
+                                 {"glibc.malloc.top_pad", "MALLOC_TOP_PAD_", "top pad"}};
 
 // GLIBC_TUNABLES is a colon-separated list of name=value.
 std::vector<std::pair<std::string_view, std::string_view>> tunables(const char* value) {
@@ -41,38 +48,41 @@ std::string bytes(std::string_view value) {
 
 bool set(const char* v) { return v && *v; }
 
-// Each threshold `env` sets: which ("mmap" or "trim"), its value as written, and the variable.
-struct Threshold {
+// Each setting `env` makes: what it is ("mmap threshold", ...), its value as written, and where.
+struct Found {
   std::string_view what, value, source;
 };
-std::vector<Threshold> thresholds(const MallocEnvironment& env) {
-  std::vector<Threshold> out;
+std::vector<Found> settings(const MallocEnvironment& env) {
+  std::vector<Found> out;
   for (const auto& [name, value] : tunables(env.tunables))
-    if (name == kMmap || name == kTrim) out.push_back({name == kMmap ? "mmap" : "trim", value, "GLIBC_TUNABLES"});
-  if (set(env.mmap_threshold)) out.push_back({"mmap", env.mmap_threshold, "MALLOC_MMAP_THRESHOLD_"});
-  if (set(env.trim_threshold)) out.push_back({"trim", env.trim_threshold, "MALLOC_TRIM_THRESHOLD_"});
+    for (const auto& s : kSettings)
+      if (name == s.tunable) out.push_back({s.what, value, "GLIBC_TUNABLES"});
+  const char* variables[] = {env.mmap_threshold, env.trim_threshold, env.top_pad};
+  for (size_t i = 0; i < std::size(kSettings); ++i)
+    if (set(variables[i])) out.push_back({kSettings[i].what, variables[i], kSettings[i].variable});
   return out;
 }
 
 }  // namespace
 
 MallocEnvironment malloc_environment() {
-  return {std::getenv("GLIBC_TUNABLES"), std::getenv("MALLOC_MMAP_THRESHOLD_"), std::getenv("MALLOC_TRIM_THRESHOLD_")};
+  return {std::getenv("GLIBC_TUNABLES"), std::getenv("MALLOC_MMAP_THRESHOLD_"), std::getenv("MALLOC_TRIM_THRESHOLD_"),
+          std::getenv("MALLOC_TOP_PAD_")};
 }
 
 std::optional<std::string> with_kept_malloc_thresholds(const MallocEnvironment& env) {
-  if (!thresholds(env).empty()) return std::nullopt;
+  if (!settings(env).empty()) return std::nullopt;
   if (!set(env.tunables)) return std::string(kKeptMallocTunables);
   return fmt::format("{}:{}", env.tunables, kKeptMallocTunables);
 }
 
 std::string describe_malloc_thresholds(const MallocEnvironment& env) {
-  const auto found = thresholds(env);
+  const auto found = settings(env);
   if (found.empty()) return "malloc's own thresholds";
   std::vector<std::string> parts;
   std::vector<std::string_view> sources;
   for (const auto& t : found) {
-    parts.push_back(fmt::format("{} threshold {}", t.what, bytes(t.value)));
+    parts.push_back(fmt::format("{} {}", t.what, bytes(t.value)));
     if (sources.empty() || sources.back() != t.source) sources.push_back(t.source);
   }
   return fmt::format("{} ({})", fmt::join(parts, ", "), fmt::join(sources, ", "));

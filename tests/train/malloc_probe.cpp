@@ -1,35 +1,60 @@
-// Minor page faults of allocating and filling a 48 MiB block a second time, after freeing the
-// first; printed for train/test_host_memory.cpp, which starts this program with and without
-// GLIBC_TUNABLES (read by glibc before main, so it needs a process of its own).
+// Minor page faults of allocating and filling memory a second time, after freeing it the first;
+// printed for train/test_host_memory.cpp, which starts this program with and without
+// GLIBC_TUNABLES (read by glibc before main, so it needs a process of its own). Without an
+// argument: one 48 MiB block on the main thread. With `thread`: 160 blocks of 1 MiB on a thread of
+// its own, whose arena outgrows its first 64 MiB heap, all freed, then allocated again; the faults
+// counted are that thread's own.
 #include <sys/resource.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
 
 namespace {
 
-long minor_faults() {
+long minor_faults(int who) {
   rusage u{};
-  getrusage(RUSAGE_SELF, &u);
+  getrusage(who, &u);
   return u.ru_minflt;
 }
 
-void fill(size_t bytes) {
+char* filled(size_t bytes) {
   auto* p = static_cast<char*>(std::malloc(bytes));
   if (!p) std::exit(2);
   std::memset(p, 1, bytes);
   asm volatile("" : : "r"(p) : "memory");  // keep the compiler from eliding the block
-  std::free(p);
+  return p;
+}
+
+void fill(size_t bytes) { std::free(filled(bytes)); }
+
+void fill_blocks(int count, size_t bytes) {
+  std::vector<char*> blocks;
+  for (int i = 0; i < count; ++i) blocks.push_back(filled(bytes));
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) std::free(*it);
 }
 
 }  // namespace
 
-int main() {
-  const size_t bytes = size_t(48) << 20;
-  fill(bytes);
-  const long before = minor_faults();
-  fill(bytes);
-  std::printf("%ld\n", minor_faults() - before);
+int main(int argc, char** argv) {
+  long faults = 0;
+  if (argc > 1 && std::string(argv[1]) == "thread") {
+    std::thread([&] {
+      fill_blocks(160, size_t(1) << 20);
+      const long before = minor_faults(RUSAGE_THREAD);
+      fill_blocks(160, size_t(1) << 20);
+      faults = minor_faults(RUSAGE_THREAD) - before;
+    }).join();
+  } else {
+    const size_t bytes = size_t(48) << 20;
+    fill(bytes);
+    const long before = minor_faults(RUSAGE_SELF);
+    fill(bytes);
+    faults = minor_faults(RUSAGE_SELF) - before;
+  }
+  std::printf("%ld\n", faults);
   return 0;
 }

@@ -610,7 +610,7 @@ TEST_CASE("run: ranks start with malloc's thresholds fixed high, unless dist.kee
   };
   // The launcher's own GLIBC_TUNABLES is kept and extended, not passed beside the ranks' value.
   CHECK(run_with("GLIBC_TUNABLES=glibc.malloc.arena_max=4", "") ==
-        "host memory: mmap threshold 256 MiB, trim threshold 1 GiB (GLIBC_TUNABLES)");
+        "host memory: mmap threshold 256 MiB, trim threshold 1 GiB, top pad 64 MiB (GLIBC_TUNABLES)");
   CHECK(run_with("-u GLIBC_TUNABLES", "dist.keep_freed_memory=false") == "host memory: malloc's own thresholds");
   CHECK(run_with("GLIBC_TUNABLES=glibc.malloc.trim_threshold=2097152", "") ==
         "host memory: trim threshold 2 MiB (GLIBC_TUNABLES)");

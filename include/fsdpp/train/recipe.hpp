@@ -172,9 +172,10 @@ struct DistOptions {
   // CPU the host slows for a while slows every rank alike (fsdpp/base/cpu_binding.hpp, Note
   // [rotating CPUs]); 0: off. Needs cpu_binding "rank" or "compute".
   int cpu_rotation_ms = 0;
-  // `fsdpp run` starts its ranks with malloc's thresholds fixed high (fsdpp/base/host_memory.hpp),
-  // so that a step's large blocks stay in the heaps from step to step instead of being mapped
-  // afresh, at the cost of each rank keeping its largest heap use until it exits. Ranks started
+  // `fsdpp run` starts its ranks with malloc's thresholds and top pad fixed high
+  // (fsdpp/base/host_memory.hpp), so that a step's large blocks, and a microbatch thread's heaps,
+  // stay from step to step instead of being mapped afresh, at the cost of each rank keeping its
+  // largest heap use until it exits. Ranks started
   // another way (torchrun, fsdpp launch) keep whatever their environment sets.
   bool keep_freed_memory = true;
 };
