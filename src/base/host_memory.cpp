@@ -5,20 +5,23 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <iterator>
+#include <string>
 #include <string_view>
 #include <vector>
 
 namespace fsdpp {
 namespace {
 
-// Each setting kept: its tunable, the older variable that also sets it, and its name in the log.
+// Each setting kept: its tunable, the older variable that also sets it (and where
+// MallocEnvironment holds that variable's value), and its name in the log.
 struct Setting {
   std::string_view tunable, variable, what;
+  const char* MallocEnvironment::*value;
 };
-constexpr Setting kSettings[] = {{"glibc.malloc.mmap_threshold", "MALLOC_MMAP_THRESHOLD_", "mmap threshold"},
-                                 {"glibc.malloc.trim_threshold", "MALLOC_TRIM_THRESHOLD_", "trim threshold"},
-                                 {"glibc.malloc.top_pad", "MALLOC_TOP_PAD_", "top pad"}};
+constexpr Setting kSettings[] = {
+    {"glibc.malloc.mmap_threshold", "MALLOC_MMAP_THRESHOLD_", "mmap threshold", &MallocEnvironment::mmap_threshold},
+    {"glibc.malloc.trim_threshold", "MALLOC_TRIM_THRESHOLD_", "trim threshold", &MallocEnvironment::trim_threshold},
+    {"glibc.malloc.top_pad", "MALLOC_TOP_PAD_", "top pad", &MallocEnvironment::top_pad}};
 
 // GLIBC_TUNABLES is a colon-separated list of name=value.
 std::vector<std::pair<std::string_view, std::string_view>> tunables(const char* value) {
@@ -57,17 +60,17 @@ std::vector<Found> settings(const MallocEnvironment& env) {
   for (const auto& [name, value] : tunables(env.tunables))
     for (const auto& s : kSettings)
       if (name == s.tunable) out.push_back({s.what, value, "GLIBC_TUNABLES"});
-  const char* variables[] = {env.mmap_threshold, env.trim_threshold, env.top_pad};
-  for (size_t i = 0; i < std::size(kSettings); ++i)
-    if (set(variables[i])) out.push_back({kSettings[i].what, variables[i], kSettings[i].variable});
+  for (const auto& s : kSettings)
+    if (set(env.*s.value)) out.push_back({s.what, env.*s.value, s.variable});
   return out;
 }
 
 }  // namespace
 
 MallocEnvironment malloc_environment() {
-  return {std::getenv("GLIBC_TUNABLES"), std::getenv("MALLOC_MMAP_THRESHOLD_"), std::getenv("MALLOC_TRIM_THRESHOLD_"),
-          std::getenv("MALLOC_TOP_PAD_")};
+  MallocEnvironment env{std::getenv("GLIBC_TUNABLES")};
+  for (const auto& s : kSettings) env.*s.value = std::getenv(std::string(s.variable).c_str());
+  return env;
 }
 
 std::optional<std::string> with_kept_malloc_thresholds(const MallocEnvironment& env) {

@@ -4,7 +4,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/TensorIterator.h>
 #include <c10/util/bit_cast.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -23,8 +22,8 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
-// Rotates x into y, both [B, H, T, D] with any strides; cos and sin are [T, D]. With lo and hi the
-// first and second halves of the last dimension, forward:
+// Rotates x into y, both [B, H, T, D]; cos and sin are [T, D]. With lo and hi the first and second
+// halves of the last dimension, forward:
 //   y_lo = x_lo c_lo - x_hi s_lo,   y_hi = x_hi c_hi + x_lo s_hi
 // and backward (x the output's gradient, y the input's):
 //   y_lo = x_lo c_lo + x_hi s_hi,   y_hi = x_hi c_hi - x_lo s_lo
@@ -32,27 +31,28 @@ at::Tensor rotate_half(const at::Tensor& x) {
 // (a - b and a + (-b) are the same IEEE operation), which is what makes the results those of
 // rotary_reference bit for bit (the same operations, each rounded, no fused multiply-adds).
 //
-// Rows with contiguous last dimensions (the model's case: x a view of the qkv projection, y laid
-// out [B, T, H, D]) in float32 or bfloat16 take rotate_rows: one call per slice of the B x H
-// (batch, head) pairs, a loop over positions and the half inside it, compiled per instruction set
-// as a whole. A row's half is short (16 values at moe-small's head size 32, one AVX-512 vector of
-// floats), so a call per row, as a TensorIterator's loop would make, costs more than the
-// arithmetic. Other dtypes and layouts go through a TensorIterator.
+// rotate_rows runs one slice of the B x H (batch, head) pairs: a loop over positions and the half
+// inside it, for float32 and bfloat16 compiled per instruction set as a whole. A row's half is
+// short (16 values at moe-small's head size 32, one AVX-512 vector of floats), so a call per row,
+// as a TensorIterator's loop would make, costs more than the arithmetic.
 struct RowLayout {
   int64_t B, H, T, half;
-  int64_t y_b, y_h, y_t, x_b, x_h, x_t;  // element strides
+  int64_t y_b, y_h, y_t, x_b, x_h, x_t;  // element strides; the last dimension's is 1
 };
 
-// How rotate_rows_body reads and writes an element: float as it is; bfloat16 through float, rounded
-// to nearest even as c10::BFloat16 rounds, NaN to its quiet NaN, written without a branch so that
-// the loops vectorise.
-struct FloatElement {
-  using Stored = float;
-  static float load(float v) { return v; }
-  static float store(float v) { return v; }
+// How rotate_rows_body reads and writes an element: in its dtype's math type (ATen's opmath:
+// float for the 16-bit types) and back. bfloat16 is rounded to nearest even as c10::BFloat16
+// rounds, NaN to its quiet NaN, written without a branch so that the loops vectorise.
+template <typename T>
+struct PlainElement {
+  using Stored = T;
+  using Math = at::opmath_type<T>;
+  static Math load(T v) { return static_cast<Math>(v); }
+  static T store(Math v) { return static_cast<T>(v); }
 };
 struct BFloat16Element {
   using Stored = uint16_t;  // a c10::BFloat16's bits
+  using Math = float;
   static float load(uint16_t v) { return c10::bit_cast<float>(uint32_t(v) << 16); }
   static uint16_t store(float f) {
     const uint32_t u = c10::bit_cast<uint32_t>(f);
@@ -65,8 +65,9 @@ template <typename E, typename S = typename E::Stored>
 C10_ALWAYS_INLINE void rotate_rows_body(S* __restrict y, const S* __restrict x, const S* __restrict cos,
                                         const S* __restrict sin, const RowLayout& l, int64_t begin, int64_t end,
                                         bool backward) {
-  // A product or sum as ATen's operation on the dtype gives it: computed in float, rounded.
-  const auto r = [](float v) { return E::load(E::store(v)); };
+  using M = typename E::Math;
+  // A product or sum as ATen's operation on the dtype gives it: computed in M, rounded.
+  const auto r = [](M v) { return E::load(E::store(v)); };
   const int64_t h = l.half;
   for (int64_t bh = begin; bh < end; ++bh) {
     const int64_t b = bh / l.H, head = bh % l.H;
@@ -81,13 +82,13 @@ C10_ALWAYS_INLINE void rotate_rows_body(S* __restrict y, const S* __restrict x, 
       const S* __restrict s_hi = s_lo + h;
       if (!backward)
         for (int64_t i = 0; i < h; ++i) {
-          const float xl = E::load(x_lo[i]), xh = E::load(x_hi[i]);
+          const M xl = E::load(x_lo[i]), xh = E::load(x_hi[i]);
           y_lo[i] = E::store(r(xl * E::load(c_lo[i])) - r(xh * E::load(s_lo[i])));
           y_hi[i] = E::store(r(xh * E::load(c_hi[i])) + r(xl * E::load(s_hi[i])));
         }
       else
         for (int64_t i = 0; i < h; ++i) {
-          const float xl = E::load(x_lo[i]), xh = E::load(x_hi[i]);
+          const M xl = E::load(x_lo[i]), xh = E::load(x_hi[i]);
           y_lo[i] = E::store(r(xl * E::load(c_lo[i])) + r(xh * E::load(s_hi[i])));
           y_hi[i] = E::store(r(xh * E::load(c_hi[i])) - r(xl * E::load(s_lo[i])));
         }
@@ -95,9 +96,16 @@ C10_ALWAYS_INLINE void rotate_rows_body(S* __restrict y, const S* __restrict x, 
   }
 }
 
+// Other dtypes (double, half): the same loop, compiled once.
+template <typename T>
+void rotate_rows(T* y, const T* x, const T* cos, const T* sin, const RowLayout& l, int64_t begin, int64_t end,
+                 bool backward) {
+  rotate_rows_body<PlainElement<T>>(y, x, cos, sin, l, begin, end, backward);
+}
+
 FSDPP_VECTOR_CLONES void rotate_rows(float* y, const float* x, const float* cos, const float* sin, const RowLayout& l,
                                      int64_t begin, int64_t end, bool backward) {
-  rotate_rows_body<FloatElement>(y, x, cos, sin, l, begin, end, backward);
+  rotate_rows_body<PlainElement<float>>(y, x, cos, sin, l, begin, end, backward);
 }
 
 FSDPP_VECTOR_CLONES void rotate_rows(c10::BFloat16* y, const c10::BFloat16* x, const c10::BFloat16* cos,
@@ -108,56 +116,24 @@ FSDPP_VECTOR_CLONES void rotate_rows(c10::BFloat16* y, const c10::BFloat16* x, c
                                     backward);
 }
 
-template <typename T>
-void rotate_rows_parallel(const at::Tensor& x, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin,
-                          bool backward) {
+// y's last dimension is contiguous (made so by RotaryQKV), as are cos and sin (rotary_qkv's
+// condition for the fused path); x's is read in place where it is contiguous (a view of the
+// projection, the attention kernel's gradients) and from a contiguous copy otherwise (an expanded
+// gradient, as a sum's backward gives).
+void rotate_into(const at::Tensor& x_in, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin,
+                 bool backward) {
+  TORCH_INTERNAL_ASSERT(y.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous());
+  const at::Tensor x = x_in.stride(3) == 1 ? x_in : x_in.contiguous();
   const RowLayout l{x.size(0),   x.size(1),   x.size(2),   x.size(3) / 2, y.stride(0),
                     y.stride(1), y.stride(2), x.stride(0), x.stride(1),   x.stride(2)};
-  T* yp = y.data_ptr<T>();
-  const T *xp = x.const_data_ptr<T>(), *cp = cos.const_data_ptr<T>(), *sp = sin.const_data_ptr<T>();
   // At least 32k elements a task, so that small calls stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, l.T * 2 * l.half));
-  at::parallel_for(0, l.B * l.H, grain,
-                   [&](int64_t begin, int64_t end) { rotate_rows(yp, xp, cp, sp, l, begin, end, backward); });
-}
-
-void rotate_into(const at::Tensor& x, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
-  const int64_t h = x.size(3) / 2;
-  if (x.stride(3) == 1 && y.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous()) {
-    if (x.scalar_type() == at::kFloat) return rotate_rows_parallel<float>(x, y, cos, sin, backward);
-    if (x.scalar_type() == at::kBFloat16) return rotate_rows_parallel<c10::BFloat16>(x, y, cos, sin, backward);
-  }
-  auto lo = [h](const at::Tensor& t) { return t.narrow(-1, 0, h); };
-  auto hi = [h](const at::Tensor& t) { return t.narrow(-1, h, h); };
-  const at::Tensor halves[] = {lo(y), hi(y), lo(x), hi(x), lo(cos), hi(cos), lo(sin), hi(sin)};
-  at::TensorIteratorConfig config;
-  config.add_output(halves[0]).add_output(halves[1]).resize_outputs(false);
-  for (int k = 2; k < 8; ++k) config.add_const_input(halves[k]);
-  auto iter = config.build();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fsdpp_rotary", [&] {
     using T = scalar_t;
-    using M = at::opmath_type<T>;
-    auto mul = [](T a, T b) { return static_cast<T>(static_cast<M>(a) * static_cast<M>(b)); };
-    auto add = [](T a, T b) { return static_cast<T>(static_cast<M>(a) + static_cast<M>(b)); };
-    auto sub = [](T a, T b) { return static_cast<T>(static_cast<M>(a) - static_cast<M>(b)); };
-    iter.for_each([&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {
-      constexpr int kTensors = 8;
-      for (int64_t j = 0; j < n1; ++j) {
-        char* p[kTensors];
-        for (int k = 0; k < kTensors; ++k) p[k] = data[k] + j * strides[kTensors + k];
-        for (int64_t i = 0; i < n0; ++i) {
-          auto v = [&](int k) -> T& { return *reinterpret_cast<T*>(p[k] + i * strides[k]); };
-          const T x_lo = v(2), x_hi = v(3), c_lo = v(4), c_hi = v(5), s_lo = v(6), s_hi = v(7);
-          if (!backward) {
-            v(0) = sub(mul(x_lo, c_lo), mul(x_hi, s_lo));
-            v(1) = add(mul(x_hi, c_hi), mul(x_lo, s_hi));
-          } else {
-            v(0) = add(mul(x_lo, c_lo), mul(x_hi, s_hi));
-            v(1) = sub(mul(x_hi, c_hi), mul(x_lo, s_lo));
-          }
-        }
-      }
-    });
+    T* yp = y.data_ptr<T>();
+    const T *xp = x.const_data_ptr<T>(), *cp = cos.const_data_ptr<T>(), *sp = sin.const_data_ptr<T>();
+    at::parallel_for(0, l.B * l.H, grain,
+                     [&](int64_t begin, int64_t end) { rotate_rows(yp, xp, cp, sp, l, begin, end, backward); });
   });
 }
 

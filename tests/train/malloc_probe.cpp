@@ -29,9 +29,7 @@ char* filled(size_t bytes) {
   return p;
 }
 
-void fill(size_t bytes) { std::free(filled(bytes)); }
-
-void fill_blocks(int count, size_t bytes) {
+void fill(int count, size_t bytes) {
   std::vector<char*> blocks;
   for (int i = 0; i < count; ++i) blocks.push_back(filled(bytes));
   for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) std::free(*it);
@@ -43,16 +41,15 @@ int main(int argc, char** argv) {
   long faults = 0;
   if (argc > 1 && std::string(argv[1]) == "thread") {
     std::thread([&] {
-      fill_blocks(160, size_t(1) << 20);
+      fill(160, size_t(1) << 20);
       const long before = minor_faults(RUSAGE_THREAD);
-      fill_blocks(160, size_t(1) << 20);
+      fill(160, size_t(1) << 20);
       faults = minor_faults(RUSAGE_THREAD) - before;
     }).join();
   } else {
-    const size_t bytes = size_t(48) << 20;
-    fill(bytes);
+    fill(1, size_t(48) << 20);
     const long before = minor_faults(RUSAGE_SELF);
-    fill(bytes);
+    fill(1, size_t(48) << 20);
     faults = minor_faults(RUSAGE_SELF) - before;
   }
   std::printf("%ld\n", faults);

@@ -307,6 +307,30 @@ TEST_CASE("rotary_qkv: the fused CPU kernel gives the ATen composition's bits, v
     // The rotation moves values between the halves: not the identity, nor a product with cos alone.
     CHECK_FALSE(at::allclose(fused[0], base.detach().permute({2, 0, 3, 1, 4})[0] * cos));
   }
+  // A gradient whose last dimension is not contiguous (a sum's backward gives an expanded one).
+  {
+    at::manual_seed(8);
+    const int64_t B = 2, T = 4, H = 2, D = 32;
+    const auto angles = at::randn({T, D});
+    const auto cos = angles.cos(), sin = angles.sin();
+    auto grad = [&](bool fused) {
+      const auto base = at::randn({B, T, 3, H, D}, at::TensorOptions().dtype(at::kFloat)).requires_grad_();
+      at::Tensor q, k;
+      if (fused) {
+        std::tie(q, k, std::ignore) = models::rotary_qkv(base, cos, sin);
+      } else {
+        const auto parts = base.permute({2, 0, 3, 1, 4});
+        q = models::rotary_reference(parts[0], cos, sin);
+        k = models::rotary_reference(parts[1], cos, sin);
+      }
+      (q.sum() + 2 * k.sum()).backward();
+      return base.grad();
+    };
+    at::manual_seed(9);
+    const auto fused = grad(true);
+    at::manual_seed(9);
+    CHECK(at::equal(fused, grad(false)));
+  }
   CHECK_THROWS_WITH_AS(models::rotary_qkv(at::zeros({2, 4, 3, 2, 8}), at::zeros({5, 8}), at::zeros({5, 8})),
                        doctest::Contains("cos and sin must be [4, 8]"), c10::Error);
 }
