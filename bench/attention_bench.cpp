@@ -1,9 +1,10 @@
-// The attention core of the MoE model at moe-small's shape, forward and backward, four ways side
+// The attention core of the MoE model at moe-small's shape, forward and backward, five ways side
 // by side (interleaved rounds, medians), one thread unless --threads says otherwise:
 //   composed    rotary by ATen operations, scores written out: softmax(q k^T / sqrt(hd) + mask) v
 //   sdpa        rotary by ATen operations, at::scaled_dot_product_attention(is_causal)
 //   fused-sdpa  models::rotary_qkv (one pass over q, k and v) and scaled_dot_product_attention
-//   fused       models::rotary_qkv and models::causal_attention: the model's path
+//   fused       models::rotary_qkv and models::causal_attention
+//   one-pass    models::rotary_causal_attention: the two in one kernel, the model's path
 //   rotary-aten, rotary-fused   the rotation alone, each way
 //   fsdpp_attention_bench [--threads N] [--rounds R] [--batch B] [--seq T]
 #include <ATen/ATen.h>
@@ -82,8 +83,10 @@ int main(int argc, char** argv) {
          const auto [q, k, v] = models::rotary_qkv(qkv, cos, sin);
          return models::causal_attention(q, k, v);
        }},
+      {"one-pass", [&] { return models::rotary_causal_attention(qkv, cos, sin); }},
   };
-  const std::vector<std::string> order = {"composed", "sdpa", "fused-sdpa", "fused", "rotary-aten", "rotary-fused"};
+  const std::vector<std::string> order = {"composed",    "sdpa",         "fused-sdpa", "fused",
+                                          "rotary-aten", "rotary-fused", "one-pass"};
   auto step = [&](const std::string& way) {
     qkv.mutable_grad() = at::Tensor();
     ways[way]().backward(grad);
@@ -94,5 +97,6 @@ int main(int argc, char** argv) {
                "speedup_over_composed={:.2f}\n",
                w, B, T, D, H, threads, t.median_ms(w), t.ratio("composed", w));
   fmt::print("RESULT attention_kernel threads={} speedup_over_sdpa={:.2f}\n", threads, t.ratio("fused-sdpa", "fused"));
+  fmt::print("RESULT one_pass threads={} speedup_over_fused={:.2f}\n", threads, t.ratio("fused", "one-pass"));
   return 0;
 }

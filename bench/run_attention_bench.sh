@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The model's attention core four ways (bench/attention_bench.cpp), at 1 and 2 threads; writes
+# The model's attention core five ways (bench/attention_bench.cpp), at 1 and 2 threads; writes
 # bench/results/attention.md. Runs with the machine's OPENBLAS_* settings as they are.
 #   bash bench/run_attention_bench.sh [build-dir] [rounds]
 set -euo pipefail
@@ -21,9 +21,12 @@ out=bench/results/attention.md
   echo "[B, H, T, T] scores written out, masked, softmax, matmul. \`sdpa\` keeps that rotary and calls"
   echo "\`at::scaled_dot_product_attention(is_causal)\` (ATen's CPU flash attention: 32-row tiles)."
   echo "\`fused-sdpa\` rotates by \`models::rotary_qkv\` (q and k rotated and v laid out in one pass; bitwise"
-  echo "the composed rotary's values and gradients) and calls the same SDPA. \`fused\` is the model now:"
+  echo "the composed rotary's values and gradients) and calls the same SDPA. \`fused\` is"
   echo "\`models::rotary_qkv\` and \`models::causal_attention\` (\`src/models/attention.cpp\`: blocks of 64"
-  echo "query rows of a whole head, two BLAS products forward and five backward per block)."
+  echo "query rows of a whole head, two BLAS products forward and five backward per block). \`one-pass\`"
+  echo "is the model now: \`models::rotary_causal_attention\`, the two in one kernel (each head's q and k"
+  echo "rotated into a thread's scratch as it attends, v read in place, the projection's gradient written"
+  echo "directly: no [B, H, T, D] tensors of q, k, v or their gradients)."
   echo "\`rotary-aten\` and \`rotary-fused\` time the rotation alone, each way (q + k carries both gradients)."
   echo
   echo "| threads | way | fwd+bwd ms (median) | speedup over composed |"
@@ -38,6 +41,13 @@ out=bench/results/attention.md
   echo
   for t in 1 2; do
     sed -n 's/^RESULT attention_kernel threads=\([0-9]*\) speedup_over_sdpa=\([0-9.]*\)$/- threads \1: **\2x**/p' "$out.$t"
+  done
+  echo
+  echo "\`one-pass\` over \`fused\` (the same operations; what writing and reading q, k, v and their"
+  echo "gradients as tensors cost), median of the per-round ratios:"
+  echo
+  for t in 1 2; do
+    sed -n 's/^RESULT one_pass threads=\([0-9]*\) speedup_over_fused=\([0-9.]*\)$/- threads \1: **\2x**/p' "$out.$t"
     rm -f "$out.$t"
   done
 } > "$out.tmp"

@@ -28,6 +28,7 @@
 #include "fsdpp/base/parallel.hpp"
 #include "fsdpp/models/kernels.hpp"
 #include "float_loops.hpp"
+#include "rotary_rows.hpp"
 #include "vector_clones.hpp"
 
 namespace fsdpp::models {
@@ -126,8 +127,11 @@ at::Tensor like_heads(const at::Tensor& x) {
   return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).permute({0, 2, 1, 3});
 }
 
-std::vector<float>& scratch(size_t n) {
-  thread_local std::vector<float> buf;
+// A thread's scratch: slot 0 the blocks' scores (forward_head, backward_head), slot 1 a head's
+// rotated rows and their gradients (RotaryCausalAttention).
+std::vector<float>& scratch(size_t n, int slot = 0) {
+  thread_local std::vector<float> bufs[2];
+  auto& buf = bufs[slot];
   if (buf.size() < n) buf.resize(n);
   return buf;
 }
@@ -204,6 +208,75 @@ struct CausalAttention : torch::autograd::Function<CausalAttention> {
   }
 };
 
+// One head of the attention's projection qkv [B, T, 3, H, D]: part 0 (q), 1 (k) or 2 (v) of pair
+// bh = b H + h, rows a position apart.
+Head qkv_head(const at::Tensor& qkv, int64_t bh, int64_t part) {
+  const int64_t H = qkv.size(3);
+  return {const_cast<float*>(qkv.const_data_ptr<float>()) + (bh / H) * qkv.stride(0) + part * qkv.stride(2) +
+              (bh % H) * qkv.stride(3),
+          qkv.stride(1)};
+}
+
+// Head bh's q and k rows of the projection, rotated into q and k.
+void rotate_qk(const at::Tensor& qkv, int64_t bh, Head q, Head k, const float* cos, const float* sin) {
+  const int64_t T = qkv.size(1), D = qkv.size(4);
+  const Head qs = qkv_head(qkv, bh, 0), ks = qkv_head(qkv, bh, 1);
+  detail::rotate_head(q.p, q.ld, qs.p, qs.ld, cos, sin, T, D, false);
+  detail::rotate_head(k.p, k.ld, ks.p, ks.ld, cos, sin, T, D, false);
+}
+
+// rotary_qkv and causal_attention in one pass per head. Forward, each head's q and k rows are
+// rotated into the thread's scratch (T x D each, kept in its cache) and v is read where the
+// projection left it; backward rotates them again and writes the projection's gradient itself: dv
+// by the products, dq and dk from the scratch through the rotation's gradient. No [B, H, T, D]
+// tensor of q, k, v or their gradients is written, and the projection is what is saved.
+struct RotaryCausalAttention : torch::autograd::Function<RotaryCausalAttention> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    const int64_t B = qkv.size(0), T = qkv.size(1), H = qkv.size(3), D = qkv.size(4);
+    const float scale = 1.0f / std::sqrt(float(D));
+    auto o = at::empty({B, T, H, D}, qkv.options()).permute({0, 2, 1, 3});
+    auto lse = at::empty({B, H, T}, qkv.options());
+    float* lp = lse.mutable_data_ptr<float>();
+    const float *cp = cos.const_data_ptr<float>(), *sp = sin.const_data_ptr<float>();
+    parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
+      float* rows = scratch(size_t(2 * T * D), 1).data();
+      const Head q{rows, D}, k{rows + T * D, D};
+      for (int64_t bh = h0; bh < h1; ++bh) {
+        rotate_qk(qkv, bh, q, k, cp, sp);
+        forward_head(q, k, qkv_head(qkv, bh, 2), head(o, bh), lp + bh * T, T, D, scale);
+      }
+    });
+    ctx->save_for_backward({qkv, cos, sin, o, lse});
+    return o;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &qkv = saved[0], &cos = saved[1], &sin = saved[2], &o = saved[3], &lse = saved[4];
+    if (!grads[0].defined()) return {at::zeros_like(qkv), at::Tensor(), at::Tensor()};
+    const auto dout = rows_dense(grads[0]);
+    const int64_t B = qkv.size(0), T = qkv.size(1), H = qkv.size(3), D = qkv.size(4);
+    const float scale = 1.0f / std::sqrt(float(D));
+    auto g = at::empty_like(qkv, at::MemoryFormat::Contiguous);
+    const float *lp = lse.const_data_ptr<float>(), *cp = cos.const_data_ptr<float>(), *sp = sin.const_data_ptr<float>();
+    parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
+      float* rows = scratch(size_t(4 * T * D), 1).data();
+      const Head q{rows, D}, k{rows + T * D, D}, dq{rows + 2 * T * D, D}, dk{rows + 3 * T * D, D};
+      for (int64_t bh = h0; bh < h1; ++bh) {
+        rotate_qk(qkv, bh, q, k, cp, sp);
+        backward_head(q, k, qkv_head(qkv, bh, 2), head(o, bh), head(dout, bh), lp + bh * T, dq, dk,
+                      qkv_head(g, bh, 2), T, D, scale);
+        const Head gq = qkv_head(g, bh, 0), gk = qkv_head(g, bh, 1);
+        detail::rotate_head(gq.p, gq.ld, dq.p, dq.ld, cp, sp, T, D, true);
+        detail::rotate_head(gk.p, gk.ld, dk.p, dk.ld, cp, sp, T, D, true);
+      }
+    });
+    return {g, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 bool causal_attention_available() { return blas_sgemm() != nullptr; }
@@ -221,6 +294,21 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                    q.size(2) <= std::numeric_limits<int>::max() / kBlockRows && causal_attention_available();
   if (!own) return causal_attention_reference(q, k, v);
   return CausalAttention::apply(q, k, v);
+}
+
+at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
+  const bool own = qkv.dim() == 5 && qkv.size(2) == 3 && qkv.size(4) % 2 == 0 && qkv.is_cpu() &&
+                   qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && qkv.numel() > 0 &&
+                   qkv.size(1) <= std::numeric_limits<int>::max() / kBlockRows &&
+                   qkv.stride(1) <= std::numeric_limits<int>::max() && cos.scalar_type() == at::kFloat &&
+                   sin.scalar_type() == at::kFloat && cos.sizes() == at::IntArrayRef({qkv.size(1), qkv.size(4)}) &&
+                   sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous() && !cos.requires_grad() &&
+                   !sin.requires_grad() && causal_attention_available();
+  if (!own) {  // rotary_qkv checks the shapes
+    const auto [q, k, v] = rotary_qkv(qkv, cos, sin);
+    return causal_attention(q, k, v);
+  }
+  return RotaryCausalAttention::apply(qkv, cos, sin);
 }
 
 }  // namespace fsdpp::models

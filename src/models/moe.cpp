@@ -162,12 +162,19 @@ const std::pair<at::Tensor, at::Tensor>& AttentionImpl::rope_tables(int64_t T, i
 at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
   const auto& [cos, sin] = rope_tables(T, hd, x);
-  const auto [q, k, v] = rotary_qkv(linear(x, qkv->weight, onednn).view({B, T, 3, heads, hd}), cos, sin);  // [B, H, T, hd] each
-  // Causal softmax(q k^T / sqrt(hd)) v in one fused kernel (models::causal_attention's on the CPU,
-  // else the backend scaled_dot_product_attention picks: flash attention on the CPU): no
-  // [B, H, T, T] score tensor is materialised, forward or backward. The result is laid out
-  // [B, T, H, hd] in memory, so the reshape below is a view.
-  const auto y = fused ? causal_attention(q, k, v) : causal_attention_reference(q, k, v);
+  const auto projected = linear(x, qkv->weight, onednn).view({B, T, 3, heads, hd});
+  // Rotary embedding and causal softmax(q k^T / sqrt(hd)) v: with fused kernels in one pass per
+  // head (models::rotary_causal_attention on the CPU), else rotary_qkv and the attention the backend
+  // scaled_dot_product_attention picks (flash attention on the CPU). No [B, H, T, T] score tensor
+  // is materialised, forward or backward. The result is laid out [B, T, H, hd] in memory, so the
+  // reshape below is a view.
+  at::Tensor y;
+  if (fused) {
+    y = rotary_causal_attention(projected, cos, sin);
+  } else {
+    const auto [q, k, v] = rotary_qkv(projected, cos, sin);  // [B, H, T, hd] each
+    y = causal_attention_reference(q, k, v);
+  }
   return linear(y.transpose(1, 2).reshape({B, T, D}), out->weight, onednn);
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "fsdpp/models/kernels.hpp"
+#include "rotary_rows.hpp"
 #include "vector_clones.hpp"
 
 namespace fsdpp::models {
@@ -175,6 +176,12 @@ struct RotaryQKV : torch::autograd::Function<RotaryQKV> {
 };
 
 }  // namespace
+
+void detail::rotate_head(float* y, int64_t y_ld, const float* x, int64_t x_ld, const float* cos, const float* sin,
+                         int64_t T, int64_t D, bool backward) {
+  const RowLayout l{1, 1, T, D / 2, 0, 0, y_ld, 0, 0, x_ld};
+  rotate_rows(y, x, cos, sin, l, 0, 1, backward);
+}
 
 std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t hd, double theta, at::TensorOptions options) {
   at::NoGradGuard no_grad;

@@ -579,6 +579,63 @@ TEST_CASE("causal_attention: large scores stay finite, rows see only earlier key
       at::randn({3, B, H, T, D}));
 }
 
+TEST_CASE("rotary_causal_attention: the one-pass kernel gives rotary_qkv then causal_attention, values and gradients") {
+  REQUIRE(models::causal_attention_available());
+  // One block, a partial block, several blocks with a partial last one; head sizes whose rotated
+  // half is under, at and past one AVX-512 vector of floats.
+  for (const auto& [T, D] : std::vector<std::pair<int64_t, int64_t>>{{1, 8}, {7, 32}, {64, 32}, {65, 16}, {200, 42}}) {
+    CAPTURE(T);
+    CAPTURE(D);
+    at::manual_seed(24);
+    const int64_t B = 2, H = 3;
+    const auto angles = at::randn({T, D});
+    const auto cos = angles.cos(), sin = angles.sin();
+    const auto qkv = at::randn({B, T, 3, H, D});
+    const auto g = at::randn({B, H, T, D});
+    auto run = [&](bool one_pass) {
+      const auto x = qkv.clone().requires_grad_();
+      at::Tensor y;
+      if (one_pass) {
+        y = models::rotary_causal_attention(x, cos, sin);
+      } else {
+        const auto [q, k, v] = models::rotary_qkv(x, cos, sin);
+        y = models::causal_attention(q, k, v);
+      }
+      y.backward(g);
+      return std::pair{y.detach(), x.grad()};
+    };
+    const auto [y, grad] = run(true);
+    const auto [y2, grad2] = run(false);
+    CHECK(y.transpose(1, 2).is_contiguous());  // [B, T, H, D] in memory: the model's reshape is a view
+    // The same float operations on the same values; the BLAS is handed other leading dimensions
+    // (a head's rows in scratch against [B, T, H, D] tensors), which may regroup no sum but is
+    // allowed the last bit.
+    CHECK(worst(y, y2, y2.pow(2).mean().sqrt().item<double>()) < 1e-6);
+    CHECK(worst(grad, grad2, grad2.pow(2).mean().sqrt().item<double>()) < 1e-6);
+    // And the float64 composition: rotation and attention, q and k rotated, v not.
+    const auto p = qkv.to(at::kDouble).permute({2, 0, 3, 1, 4});
+    const auto cd = cos.to(at::kDouble), sd = sin.to(at::kDouble);
+    const auto expected = attention_f64(models::rotary_reference(p[0], cd, sd), models::rotary_reference(p[1], cd, sd), p[2]);
+    CHECK(worst(y, expected, expected.pow(2).mean().sqrt().item<double>()) < 1e-5);
+  }
+  // Heads are split between threads whole: 1 and 2 threads give the same bits.
+  at::manual_seed(25);
+  const int64_t B = 2, H = 2, T = 70, D = 32;
+  const auto angles = at::randn({T, D});
+  const auto cos = angles.cos(), sin = angles.sin();
+  const auto w = at::randn({B, H, T, D});
+  check_thread_independent([&](const at::Tensor& x) { return models::rotary_causal_attention(x, cos, sin) * w; },
+                           at::randn({B, T, 3, H, D}));
+  // Elsewhere (double) the two calls; a bad shape is refused with rotary_qkv's message.
+  const auto qd = at::randn({1, 9, 3, 2, 8}, at::kDouble);
+  const auto cd = angles.narrow(0, 0, 9).narrow(1, 0, 8).cos().to(at::kDouble),
+             sd = angles.narrow(0, 0, 9).narrow(1, 0, 8).sin().to(at::kDouble);
+  const auto [q, k, v] = models::rotary_qkv(qd, cd, sd);
+  CHECK(at::equal(models::rotary_causal_attention(qd, cd, sd), models::causal_attention(q, k, v)));
+  CHECK_THROWS_WITH_AS(models::rotary_causal_attention(at::zeros({2, 4, 3, 2, 8}), at::zeros({5, 8}), at::zeros({5, 8})),
+                       doctest::Contains("cos and sin must be [4, 8]"), c10::Error);
+}
+
 TEST_CASE("causal_attention: other dtypes go to scaled_dot_product_attention; mismatched shapes are refused") {
   at::manual_seed(23);
   const auto q = at::randn({1, 2, 9, 8}, at::kDouble), k = at::randn({1, 2, 9, 8}, at::kDouble),

@@ -32,9 +32,9 @@ struct MoEConfig {
   // the ATen compositions, bit for bit what PyTorch's eager modules compute. How the model computes,
   // not what it is: not part of a checkpoint's model description.
   bool fused_kernels = true;
-  // With fused_kernels, causal attention on the CPU by models::causal_attention's kernel (float32);
-  // false: scaled_dot_product_attention, ATen's flash attention there. Not part of a checkpoint's
-  // model description either.
+  // With fused_kernels, the rotary embedding and causal attention on the CPU in one kernel
+  // (models::rotary_causal_attention, float32); false: scaled_dot_product_attention, ATen's flash
+  // attention there. Not part of a checkpoint's model description either.
   bool fused_attention = true;
   // Float32 matrix products on the CPU by oneDNN's kernels (models/matmul.hpp) where they beat
   // ATen's BLAS: this LibTorch and CPU run them, and its MKL is not on AVX-512 kernels already

@@ -65,6 +65,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv,
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
+// causal_attention(rotary_qkv(qkv, cos, sin)): the attention's projection qkv [B, T, 3, H, head_dim]
+// to the attention's output [B, H, T, head_dim], laid out [B, T, H, head_dim] in memory. On the CPU
+// in float32 (contiguous qkv, contiguous float32 cos and sin) one kernel rotates each head's q and k
+// into a thread's scratch as it attends, reads v in place and writes the projection's gradient
+// directly: none of the [B, H, T, head_dim] tensors of q, k, v and their gradients that the two
+// calls write and read again. The same operations on the same values as the two calls, which it
+// is elsewhere.
+at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin);
+
 // Whether causal_attention has its CPU kernel in this process (LibTorch's BLAS found).
 bool causal_attention_available();
 
