@@ -297,14 +297,13 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
-  const bool own = qkv.dim() == 5 && qkv.size(2) == 3 && qkv.size(4) % 2 == 0 && qkv.is_cpu() &&
-                   qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && qkv.numel() > 0 &&
+  detail::check_rotary_shapes(qkv, cos, sin);
+  const bool own = qkv.is_cpu() && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && qkv.numel() > 0 &&
                    qkv.size(1) <= std::numeric_limits<int>::max() / kBlockRows &&
                    qkv.stride(1) <= std::numeric_limits<int>::max() && cos.scalar_type() == at::kFloat &&
-                   sin.scalar_type() == at::kFloat && cos.sizes() == at::IntArrayRef({qkv.size(1), qkv.size(4)}) &&
-                   sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous() && !cos.requires_grad() &&
-                   !sin.requires_grad() && causal_attention_available();
-  if (!own) {  // rotary_qkv checks the shapes
+                   sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                   !cos.requires_grad() && !sin.requires_grad() && causal_attention_available();
+  if (!own) {
     const auto [q, k, v] = rotary_qkv(qkv, cos, sin);
     return causal_attention(q, k, v);
   }

@@ -196,13 +196,17 @@ at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at
   return x * cos + rotate_half(x) * sin;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos,
-                                                          const at::Tensor& sin) {
+void detail::check_rotary_shapes(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(qkv.dim() == 5 && qkv.size(2) == 3 && qkv.size(4) % 2 == 0,
               "rotary_qkv: expected [B, T, 3, H, D] with an even D, got ", qkv.sizes());
   const int64_t T = qkv.size(1), D = qkv.size(4);
   TORCH_CHECK(cos.sizes() == at::IntArrayRef({T, D}) && sin.sizes() == cos.sizes(), "rotary_qkv: cos and sin must be [",
               T, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                          const at::Tensor& sin) {
+  detail::check_rotary_shapes(qkv, cos, sin);
   const bool fused = qkv.is_cpu() && qkv.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
                      sin.scalar_type() == qkv.scalar_type() && cos.is_contiguous() && sin.is_contiguous() &&
                      !cos.requires_grad() && !sin.requires_grad();

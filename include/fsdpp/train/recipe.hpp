@@ -175,8 +175,8 @@ struct DistOptions {
   // `fsdpp run` starts its ranks with malloc's thresholds and top pad fixed high
   // (fsdpp/base/host_memory.hpp), so that a step's large blocks, and a microbatch thread's heaps,
   // stay from step to step instead of being mapped afresh, at the cost of each rank keeping its
-  // largest heap use until it exits. Ranks started
-  // another way (torchrun, fsdpp launch) keep whatever their environment sets.
+  // largest heap use until it exits. Ranks started another way (torchrun, fsdpp launch) keep
+  // whatever their environment sets.
   bool keep_freed_memory = true;
 };
 
