@@ -6,14 +6,16 @@
 # on the computing thread) and recorded by `perf record -e cpu-clock` on the same clock, so the CPU
 # time of the traced steps alone is split into computing, fsdpp's collectives and the kernel; what
 # is left of 2 CPUs over those steps is time no thread of the run was running. Needs perf (Debian's
-# linux-perf). Writes bench/results/dp2_profile.md, or the file given third.
-#   bash bench/run_dp2_profile.sh [build-dir] [rounds] [output]
+# linux-perf). Writes bench/results/dp2_profile.md, or the file given third; recipe overrides after it
+# apply to the dp 2 runs (another placement: dist.compute_policy=idle dist.compute_nice=0, say).
+#   bash bench/run_dp2_profile.sh [build-dir] [rounds] [output] [override...]
 # Runs with the machine's OPENBLAS_* settings as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
 rounds=${2:-3}
 out=${3:-bench/results/dp2_profile.md}
+overrides=("${@:4}")
 command -v perf > /dev/null || { echo "needs perf (apt-get install linux-perf)"; exit 1; }
 source bench/preamble.sh
 hz=999
@@ -27,7 +29,8 @@ run_way() {
               --stop-after $((traced + 1)) --trace --trace-steps $traced)
   local rec=(perf record -q -k realtime -e cpu-clock -F $hz -o "$d.data" --)
   if [ "$way" = dp2 ]; then
-    "${rec[@]}" "$fsdpp" run recipes/moe-small.json "${args[@]}" logging.output_dir="$d-0" > "$d.log" 2>&1 ||
+    "${rec[@]}" "$fsdpp" run recipes/moe-small.json "${args[@]}" "${overrides[@]}" logging.output_dir="$d-0" \
+      > "$d.log" 2>&1 ||
       { cat "$d.log"; exit 1; }
   else
     "${rec[@]}" bash -c '
@@ -77,9 +80,9 @@ for r in $(seq "$rounds"); do
   done
 done
 
-"$python" - "$work" "$rounds" "$traced" "$hz" "$build" "$cpu" "$(date +%F)" > "$out.tmp" <<'PY'
+"$python" - "$work" "$rounds" "$traced" "$hz" "$build" "$cpu" "$(date +%F)" "${3:-}" "${overrides[*]}" > "$out.tmp" <<'PY'
 import collections, json, re, statistics, sys
-work, rounds, traced, hz, build, cpu, date = sys.argv[1:]
+work, rounds, traced, hz, build, cpu, date, output, overrides = sys.argv[1:]
 rounds, traced, hz = int(rounds), int(traced), int(hz)
 GROUPS = [  # first match wins
     ("computing: LibTorch, fsdpp's model, FSDP and trainer, libc", lambda dso, s: not dso.startswith("[kernel") and not dso.startswith("libfsdpp_gloo")),
@@ -140,9 +143,11 @@ ratio = statistics.median(a / b for a, b in zip(figs["dp2"]["tokens/s"], figs["f
 
 print("# dp = 2 beside the communication-free limit: where a step's time goes")
 print()
-print(f"Command: `bash bench/run_dp2_profile.sh {build} {rounds}` ({date}), 2 cores of {cpu}, OPENBLAS_* as set by the machine.")
+args = " ".join(a for a in (build, str(rounds), output, overrides) if a)
+print(f"Command: `bash bench/run_dp2_profile.sh {args}` ({date}), 2 cores of {cpu}, OPENBLAS_* as set by the machine.")
 print()
-print("`fsdpp run recipes/moe-small.json` at dp = 2 as the recipe places it (each block gathered once per")
+placed = f"with `{overrides}`" if overrides else "as the recipe places it"
+print(f"`fsdpp run recipes/moe-small.json` at dp = 2 {placed} (each block gathered once per")
 print("step, 2 microbatches of 8 sequences per rank), and the communication-free limit: two independent")
 print("one-rank runs of half the batch each (`parallel.dp=1 train.global_batch=16`, one thread each, started")
 print(f"together: the same compute with no collectives). The ways alternate, {rounds} rounds. Each run is traced")
@@ -174,6 +179,33 @@ print("|---|" + "---:|" * (len(WAYS) + 1))
 for p in PHASES:
     a, b = (statistics.mean(ph[w][p]) for w in WAYS)
     print(f"| {p} | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
+
+# Each collective of the dp = 2 runs from the later rank's issue to the later rank's completion:
+# how long the pair took once both had asked (the communicator's worker runs them in order, so it
+# includes waiting behind the one before).
+lat = collections.defaultdict(list)
+for r in range(1, rounds + 1):
+    t = json.load(open(f"{work}/dp2-{r}-0/trace.json"))
+    by = collections.defaultdict(lambda: collections.defaultdict(list))
+    for e in (t["traceEvents"] if isinstance(t, dict) else t):
+        if e.get("ph") == "X" and str(e.get("cat", "")).startswith("comm"):
+            by[e["name"]][e["pid"]].append(e)
+    for name, ranks in by.items():
+        if len(ranks) != 2:
+            continue
+        a, b = (sorted(v, key=lambda e: e["ts"]) for v in ranks.values())
+        for x, y in zip(a, b):
+            lat[name].append((max(x["ts"] + x["dur"], y["ts"] + y["dur"]) - max(x["ts"], y["ts"])) / 1e3)
+print()
+print("Each collective of the dp = 2 runs, from the later rank's issue to the later rank's completion (ms;")
+print("every traced step of every round; a collective waits behind the one its communicator runs before it):")
+print()
+print("| collective | median | mean | max | over 2 ms |")
+print("|---|---:|---:|---:|---:|")
+for name in sorted(lat, key=lambda n: (n.split()[0], n)):
+    v = lat[name]
+    print(f"| {name} | {statistics.median(v):.2f} | {statistics.mean(v):.2f} | {max(v):.2f} | "
+          f"{100 * sum(x > 2 for x in v) / len(v):.0f}% |")
 PY
 mv "$out.tmp" "$out"
 echo "wrote $out"

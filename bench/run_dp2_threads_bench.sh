@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Where the threads of a dp = 2 run should sit on this machine's 2 cores, measured: `fsdpp run` on
-# recipes/moe-small.json (global batch 32 x 128, 2 microbatches of 8 per rank) placed several ways,
+# recipes/moe-small.json (global batch 32 x 128, 2 microbatches of 8 per rank) placed several ways
+# (dist.cpu_binding, dist.compute_nice or dist.compute_policy=idle, dist.cpu_rotation_ms),
 # beside the communication-free limit: two independent one-rank runs of half the batch each
 # (parallel.dp=1, global batch 16, the same microbatches), started together, no collectives at all.
 # Rounds alternate the placements so that a busy machine slows all alike; figures are medians.
@@ -25,6 +26,9 @@ steps=20
 results=$work/results.txt
 # The rotation period of moe-small's own placement, for the rotating row.
 rotation=$("$python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dist"]["cpu_rotation_ms"])' recipes/moe-small.json)
+# and its computing threads' scheduling class, for the summary of its placement
+policy=$("$python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["dist"].get("compute_policy", "normal"))' \
+  recipes/moe-small.json)
 : > "$results"
 # Every step logged: the communication-free runs' step times are paired step by step below. The
 # computing threads stay where they are placed unless a run asks for rotation (dist.cpu_rotation_ms).
@@ -60,17 +64,20 @@ PY
 }
 
 # Two one-rank runs of half the batch each, started together, one thread each; their rates add
-# up. $2 = pin: each on its own CPU (taskset); nice: each at dist.compute_nice=19. Every run here
-# names its placement: the recipe's own (dist) would apply otherwise.
+# up. $2 = pin: each on its own CPU (taskset); nice: each at dist.compute_nice=19; idle: each in
+# dist.compute_policy=idle. Every run here names its placement: the recipe's own (dist) would apply
+# otherwise.
 comm_free() {
   local name=$1 pin=$2
   local pids=()
   for r in 0 1; do
-    local wrap="" nice=0
+    local wrap="" nice=0 policy=normal
     [ "$pin" = pin ] && wrap="taskset -c $r"
     [ "$pin" = nice ] && nice=19
+    [ "$pin" = idle ] && policy=idle
     OMP_NUM_THREADS=1 $wrap "$fsdpp" run recipes/moe-small.json parallel.dp=1 train.global_batch=16 "${common[@]}" \
-      dist.cpu_binding=none dist.compute_nice=$nice logging.output_dir="$work/$name-$r" > "$work/$name-$r.log" 2>&1 &
+      dist.cpu_binding=none dist.compute_nice=$nice dist.compute_policy=$policy logging.output_dir="$work/$name-$r" \
+      > "$work/$name-$r.log" 2>&1 &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || { cat "$work/$name"-*.log; exit 1; }; done
@@ -93,7 +100,9 @@ print(f"{sum(map(max, x, y)) / ((sum(x) + sum(y)) / 2):.4f}")
 PY
 }
 
-# Placements: dist.cpu_binding / dist.compute_nice.
+# Placements: dist.cpu_binding / dist.compute_nice (dist.compute_policy normal).
+normal=(dist.compute_policy=normal)
+idle=(dist.compute_nice=0 dist.compute_policy=idle)
 once=(none/0 rank/0 compute/0 none/19 compute/19)  # gathered once per step
 again=(none/0 compute/0 compute/19)                # reshard after forward
 for round in $(seq "$rounds"); do
@@ -101,20 +110,27 @@ for round in $(seq "$rounds"); do
   comm_free comm-free-none ""
   comm_free comm-free-pinned pin
   comm_free comm-free-nice nice
+  comm_free comm-free-idle idle
   for p in "${once[@]}"; do
-    dp2 "dp2-false-${p%/*}-${p#*/}" parallel.reshard_after_forward=false dist.cpu_binding=${p%/*} dist.compute_nice=${p#*/}
+    dp2 "dp2-false-${p%/*}-${p#*/}" parallel.reshard_after_forward=false dist.cpu_binding=${p%/*} dist.compute_nice=${p#*/} \
+      "${normal[@]}"
   done
   for p in "${again[@]}"; do
-    dp2 "dp2-true-${p%/*}-${p#*/}" parallel.reshard_after_forward=true dist.cpu_binding=${p%/*} dist.compute_nice=${p#*/}
+    dp2 "dp2-true-${p%/*}-${p#*/}" parallel.reshard_after_forward=true dist.cpu_binding=${p%/*} dist.compute_nice=${p#*/} \
+      "${normal[@]}"
   done
   dp2 dp2-false-rotate parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=19 \
-    dist.cpu_rotation_ms="$rotation"
+    dist.compute_policy=normal dist.cpu_rotation_ms="$rotation"
+  dp2 dp2-false-idle parallel.reshard_after_forward=false dist.cpu_binding=compute "${idle[@]}"
+  dp2 dp2-false-idle-rotate parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=0 \
+    dist.compute_policy=idle dist.cpu_rotation_ms="$rotation"
   dp2 dp2-false-bf16 parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=19 \
-    precision.reduce_dtype=bfloat16
-  OMP_NUM_THREADS=2 dp2 dp2-false-omp2 parallel.reshard_after_forward=false dist.cpu_binding=none dist.compute_nice=0
+    "${normal[@]}" precision.reduce_dtype=bfloat16
+  OMP_NUM_THREADS=2 dp2 dp2-false-omp2 parallel.reshard_after_forward=false dist.cpu_binding=none dist.compute_nice=0 \
+    "${normal[@]}"
 done
 
-"$python" - "$results" "$build" "$rounds" "${3:-}" "$cpu" "$rotation" > "$out.tmp" <<'PY'
+"$python" - "$results" "$build" "$rounds" "${3:-}" "$cpu" "$rotation" "$policy" > "$out.tmp" <<'PY'
 import datetime, statistics, sys
 from collections import defaultdict
 runs, split = defaultdict(list), defaultdict(list)
@@ -129,7 +145,7 @@ for line in open(sys.argv[1]):
 med = {k: statistics.median(v) for k, v in runs.items()}
 build, rounds = sys.argv[2], sys.argv[3]
 # Each run against the same round's limit (the best communication-free placement), side by side.
-comm_free = ("comm-free-none", "comm-free-pinned", "comm-free-nice")
+comm_free = ("comm-free-none", "comm-free-pinned", "comm-free-nice", "comm-free-idle")
 limits = [max(r) for r in zip(*(runs[k] for k in comm_free))]
 def bound(name):  # 1 - the others' share of the ranks' CPU, median over rounds
     return 1 - statistics.median(s[3] for s in split[name])
@@ -148,7 +164,7 @@ print("thread per rank (the launcher's OMP_NUM_THREADS=1). Beside it, the commun
 print("independent one-rank runs of half the batch each (`parallel.dp=1 train.global_batch=16`, one")
 print("thread each), started together, their rates added: the same compute with no collectives at all.")
 print("Tokens/s over steps 6-25, median over interleaved rounds. \"Of the limit\": each run divided by its")
-print("round's limit (the best of the three communication-free placements), median over rounds.")
+print("round's limit (the best of the four communication-free placements), median over rounds.")
 print()
 print("Each rank has three kinds of threads: the one that computes (forward, backward, optimizer; no")
 print("OpenMP pool at one thread), one worker per communicator that runs its collectives in order, and")
@@ -157,7 +173,10 @@ print("`none` leaves them to the kernel, `rank` binds all of a rank's threads to
 print("binds only the computing thread, so a rank's communication threads can run on the other CPU")
 print("while its own CPU computes. `dist.compute_nice` adds to the computing thread's nice value (0:")
 print("off); the communication threads keep nice 0, so they run as soon as bytes arrive or can leave")
-print("instead of when a computing thread's time slice ends. `parallel.reshard_after_forward` decides")
+print("instead of when a computing thread's time slice ends. `dist.compute_policy=idle` puts the")
+print("computing thread in Linux's SCHED_IDLE class instead: a communication thread that wakes on its")
+print("CPU takes it at once, where at nice 19 it may still wait for the scheduler's next decision (up to")
+print("a time slice). `parallel.reshard_after_forward` decides")
 print("how often blocks are gathered: `true` frees them after forward and gathers again for backward")
 print("(4 all-gathers per block per step with 2 microbatches), `false` gathers each block once per step")
 print("and keeps it through both microbatches (1 all-gather per block per step, as much traffic as")
@@ -189,13 +208,16 @@ def row(label, name):
 row("communication-free, unbound", "comm-free-none")
 row("communication-free, each run on its own CPU", "comm-free-pinned")
 row("communication-free, each run at compute_nice 19", "comm-free-nice")
+row("communication-free, each run in compute_policy idle", "comm-free-idle")
 for g, what in (("false", "gathered once per step"), ("true", "reshard after forward")):
-    for name in sorted((n for n in runs if n.startswith(f"dp2-{g}-") and n not in ("dp2-false-omp2", "dp2-false-bf16", "dp2-false-rotate")),
+    for name in sorted((n for n in runs if n.startswith(f"dp2-{g}-") and n not in ("dp2-false-omp2", "dp2-false-bf16", "dp2-false-rotate", "dp2-false-idle", "dp2-false-idle-rotate")),
                        key=lambda n: (int(n.rsplit("-", 1)[1]), ("none", "rank", "compute").index(n.split("-")[2]))):
         _, _, b, nice = name.split("-")
         row(f"dp = 2, {what}, cpu_binding {b}, compute_nice {nice}", name)
 rotation = sys.argv[6]
 row(f"dp = 2, gathered once per step, cpu_binding compute, compute_nice 19, computing threads rotating every {rotation} ms", "dp2-false-rotate")
+row("dp = 2, gathered once per step, cpu_binding compute, compute_policy idle", "dp2-false-idle")
+row(f"dp = 2, gathered once per step, cpu_binding compute, compute_policy idle, computing threads rotating every {rotation} ms", "dp2-false-idle-rotate")
 row("dp = 2, gathered once per step, cpu_binding compute, compute_nice 19, gradients reduced in bfloat16", "dp2-false-bf16")
 row("dp = 2, gathered once per step, 2 OpenMP threads per rank, unbound", "dp2-false-omp2")
 print()
@@ -205,10 +227,11 @@ print("float32): the reduce-scatter carries half the bytes at 2 ranks, and each 
 print("bfloat16 before the sum and after it; a different computation, shown for what the bytes cost.")
 print(f"Rotating (`dist.cpu_rotation_ms={rotation}`, recipes/moe-small.json's; Note [rotating CPUs] in")
 print(f"include/fsdpp/base/cpu_binding.hpp): every {rotation} ms the two ranks' computing threads swap CPUs, at the same instants.")
-name = "dp2-false-rotate"  # moe-small's placement
+idle = sys.argv[7] == "idle"  # moe-small's placement
+name, how = ("dp2-false-idle-rotate", "compute_policy idle") if idle else ("dp2-false-rotate", "nice 19")
 cost = barrier_cost([x for k in comm_free for x in barrier[k]])
 print()
-print(f"moe-small's placement (gathered once, `compute`, nice 19, rotating every {rotation} ms): the others' CPU bounds it at {bound(name):.3f}x;")
+print(f"moe-small's placement (gathered once, `compute`, {how}, rotating every {rotation} ms): the others' CPU bounds it at {bound(name):.3f}x;")
 print(f"a barrier per step with this machine's jitter costs {100 * cost:.1f}% (median over every")
 print(f"communication-free pair); both together leave {bound(name) * (1 - cost):.3f}x. Measured: {share[name]:.3f}x.")
 PY

@@ -126,6 +126,16 @@ std::string lower_compute_priority(int increment) {
   return fmt::format("computing thread{} at nice {} (was {})", tids.size() > 1 ? "s" : "", target, before);
 }
 
+std::string make_compute_idle() {
+  const auto tids = computing_threads();
+  const sched_param param{};  // SCHED_IDLE's only static priority is 0
+  for (const int tid : tids)
+    if (sched_setscheduler(static_cast<pid_t>(tid), SCHED_IDLE, &param) != 0 && errno != ESRCH)
+      throw std::runtime_error(fmt::format("compute policy idle: sched_setscheduler of thread {} to SCHED_IDLE failed: {}",
+                                           tid, std::strerror(errno)));
+  return fmt::format("computing thread{} in SCHED_IDLE", tids.size() > 1 ? "s" : "");
+}
+
 CpuRotation::CpuRotation(const std::vector<int>& cpus, int local_rank, int local_world,
                          std::chrono::milliseconds period, std::chrono::milliseconds alternate)
     : local_rank_(local_rank),

@@ -548,6 +548,11 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       d.boolean("check_collectives", rc.dist.check_collectives);
       d.string("cpu_binding", rc.dist.cpu_binding, {"none", "rank", "compute"});
       d.integer("compute_nice", rc.dist.compute_nice, 0, 19);
+      d.string("compute_policy", rc.dist.compute_policy, {"normal", "idle"});
+      if (rc.dist.compute_policy == "idle" && rc.dist.compute_nice != 0)
+        d.fail("compute_nice", fmt::format("{} has no effect with dist.compute_policy \"idle\" (a SCHED_IDLE thread has "
+                                           "no nice value): set dist.compute_nice=0 or dist.compute_policy=normal",
+                                           rc.dist.compute_nice));
       d.integer("cpu_rotation_ms", rc.dist.cpu_rotation_ms, 0, 60000);
       if (rc.dist.cpu_rotation_ms > 0 && rc.dist.cpu_binding == "none")
         d.fail("cpu_rotation_ms", fmt::format("{} moves the computing threads between the CPU shares that dist.cpu_binding "

@@ -787,6 +787,7 @@ RunResult Trainer::run() {
   // After build: every communicator (the expert-parallel ones are made there) has its threads.
   if (const auto niced = lower_compute_priority(recipe_.dist.compute_nice); !niced.empty())
     log(fmt::format("compute nice ({}): rank 0's {}", recipe_.dist.compute_nice, niced));
+  if (recipe_.dist.compute_policy == "idle") log(fmt::format("compute policy (idle): rank 0's {}", make_compute_idle()));
   if (options_.restart > 0)
     log(fmt::format("restart {}: {}", options_.restart,
                     options_.resume ? "continuing from the latest checkpoint that verifies" : "no checkpoint yet, starting afresh"));

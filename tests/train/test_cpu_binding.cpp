@@ -1,7 +1,7 @@
 // Binding a rank's threads to its share of the CPUs: the shares, and the masks the kernel reports
 // for the calling thread and for threads that existed before. Lowering the computing threads'
-// priority: the nice values the kernel reports for each. Rotating the computing threads over the
-// shares: the masks two local ranks' threads see over time.
+// priority: the nice values and scheduling classes the kernel reports for each. Rotating the
+// computing threads over the shares: the masks two local ranks' threads see over time.
 #include <ATen/Parallel.h>
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -154,6 +154,42 @@ TEST_CASE("compute nice: the calling thread and its intra-op threads yield; thre
     CHECK(n == target);
   }
   CHECK(nice_of(before_tid) == before_nice);
+}
+
+TEST_CASE("compute policy idle: the calling thread and its intra-op threads go to SCHED_IDLE; threads made before keep theirs") {
+  Idle before;  // like a communicator's worker
+  const int before_tid = before.tid.get_future().get();
+  const int before_policy = sched_getscheduler(before_tid);
+  REQUIRE(before_policy != SCHED_IDLE);
+  const int threads = at::get_num_threads();
+  std::string said;
+  int own_before = -1, own_after = -1, later = -1;
+  std::map<int, int> pool;  // intra-op thread -> policy, read in a parallel region after the change
+  std::mutex mu;
+  std::thread([&] {
+    at::set_num_threads(2);
+    own_before = sched_getscheduler(0);
+    parallel_ranges(2, 1, [](int64_t, int64_t) {});  // the intra-op threads exist before the change
+    said = make_compute_idle();
+    own_after = sched_getscheduler(0);
+    parallel_ranges(2, 1, [&](int64_t, int64_t) {
+      const int policy = sched_getscheduler(0);
+      std::lock_guard<std::mutex> lock(mu);
+      pool[gettid_()] = policy;
+    });
+    std::thread([&] { later = sched_getscheduler(0); }).join();  // started after: inherits the class
+  }).join();
+  at::set_num_threads(threads);
+  CHECK(said == "computing threads in SCHED_IDLE");
+  CHECK(own_before == SCHED_OTHER);
+  CHECK(own_after == SCHED_IDLE);
+  CHECK(later == SCHED_IDLE);
+  CHECK(pool.size() == 2);
+  for (const auto& [tid, policy] : pool) {
+    CAPTURE(tid);
+    CHECK(policy == SCHED_IDLE);
+  }
+  CHECK(sched_getscheduler(before_tid) == before_policy);
 }
 
 namespace {

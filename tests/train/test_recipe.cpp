@@ -180,7 +180,7 @@ TEST_CASE("recipe: parallel.unshard_window goes into the plan, with pp > 1 only"
          "parallel.unshard_window: must be in [1, 64], got 0");
 }
 
-TEST_CASE("recipe: parallel.reshard_after_forward, dist.cpu_binding and dist.compute_nice") {
+TEST_CASE("recipe: parallel.reshard_after_forward, dist.cpu_binding, dist.compute_nice and dist.compute_policy") {
   const auto r = train::parse_recipe(base(), "test.json", kSource + "/recipes",
                                      {"parallel.reshard_after_forward=false", "dist.cpu_binding=compute", "dist.compute_nice=7"});
   CHECK(!r.parallel.reshard_after_forward);
@@ -193,6 +193,13 @@ TEST_CASE("recipe: parallel.reshard_after_forward, dist.cpu_binding and dist.com
   expect(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.reshard_after_forward=false",
                            "parallel.keep_stages_unsharded=false"}),
          "parallel.reshard_after_forward: false keeps blocks gathered through the step, which contradicts");
+  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {}).dist.compute_policy == "normal");
+  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {"dist.compute_policy=idle"}).dist.compute_policy ==
+        "idle");
+  expect(problems(base(), {"dist.compute_policy=batch"}), "dist.compute_policy: must be one of normal | idle, got \"batch\"");
+  expect(problems(base(), {"dist.compute_policy=idle", "dist.compute_nice=19"}),
+         "dist.compute_nice: 19 has no effect with dist.compute_policy \"idle\" (a SCHED_IDLE thread has no nice value): "
+         "set dist.compute_nice=0 or dist.compute_policy=normal");
   expect(problems(base(), {"dist.cpu_binding=cores"}), "dist.cpu_binding: must be one of none | rank | compute, got \"cores\"");
   const auto rotated = train::parse_recipe(base(), "test.json", kSource + "/recipes",
                                            {"dist.cpu_binding=rank", "dist.cpu_rotation_ms=20"});

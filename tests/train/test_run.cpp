@@ -329,11 +329,11 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
 }
 
 TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per step, not 4 times, and trains "
-          "bitwise alike; dist.cpu_binding binds; dist.compute_nice yields; dist.cpu_rotation_ms rotates; the MKL "
-          "decision is logged") {
+          "bitwise alike; dist.cpu_binding binds; dist.compute_nice and dist.compute_policy yield; dist.cpu_rotation_ms "
+          "rotates; the MKL decision is logged") {
   const std::string common = "train.steps=10 logging.interval=1 eval.interval=0 parallel.dp=2 train.grad_accum=2 --trace";
   const auto freed = fresh_dir("reshard-true"), kept = fresh_dir("reshard-false");
-  train_run(freed, common);
+  const auto idle_out = train_run(freed, common + " dist.compute_policy=idle");
   const auto out =
       train_run(kept, common + " parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=1 "
                                "dist.cpu_rotation_ms=5");
@@ -346,6 +346,8 @@ TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per
                      out.find("cpu binding (compute): not bound: 2 local ranks for 1 CPU") != std::string::npos;
   CHECK(bound);
   CHECK(out.find("compute nice (1): rank 0's computing thread") != std::string::npos);
+  CHECK(idle_out.find("compute policy (idle): rank 0's computing thread in SCHED_IDLE") != std::string::npos);
+  CHECK(out.find("compute policy") == std::string::npos);
   const bool rotated = out.find("cpu rotation (5 ms): rank 0's 1 computing thread, 2 shares, every 5 ms") != std::string::npos ||
                        out.find("cpu rotation (5 ms): not rotated: 2 local ranks for 1 CPU") != std::string::npos;
   CHECK(rotated);

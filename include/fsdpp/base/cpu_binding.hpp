@@ -45,6 +45,18 @@ std::string bind_cpus(CpuBinding binding, int local_rank, int local_world);
 // bench/results/dp2_threads.md measures it at dp = 2 on 2 cores.
 std::string lower_compute_priority(int increment);
 
+// Puts the computing threads (the calling thread and ATen's intra-op threads, as
+// lower_compute_priority chooses them) in Linux's SCHED_IDLE class. A thread of the normal class
+// that wakes on a CPU where one of them runs takes that CPU at once, where a nice value only
+// shortens the computing thread's share and leaves the woken thread to wait for the scheduler's
+// next decision (up to a time slice): a communicator's worker or Gloo's event loop then moves its
+// bytes as soon as they arrive. The computing threads still get every CPU cycle nobody else wants,
+// and yield to every other process of the machine even more than at nice 19. Call it where
+// lower_compute_priority would be called; threads the computing thread starts later inherit the
+// class. Returns what was done, for the log. Throws std::runtime_error when the system refuses.
+// bench/results/dp2_threads.md measures it at dp = 2 on 2 cores.
+std::string make_compute_idle();
+
 // Note [rotating CPUs]
 // On a shared host (a virtual machine beside other tenants' work), one CPU often runs slower than
 // another for a few hundred milliseconds at a time. Ranks bound each to its own CPU then drift

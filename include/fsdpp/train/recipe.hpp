@@ -19,7 +19,8 @@
 //     "checkpoint": {"interval": 0, "keep": 2, "storage": "shared"},
 //     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"},
 //     "dist": {"watchdog_timeout_s": 300, "check_collectives": false, "cpu_binding": "none",
-//              "compute_nice": 0, "cpu_rotation_ms": 0, "keep_freed_memory": true}
+//              "compute_nice": 0, "compute_policy": "normal", "cpu_rotation_ms": 0,
+//              "keep_freed_memory": true}
 //   }
 //
 // Every key has a default (the values above, from the option structs below). Validation reports
@@ -168,6 +169,10 @@ struct DistOptions {
   // rank's communication threads, which keep the process's priority, run as soon as they have work
   // instead of waiting for the computing threads' time slices to end.
   int compute_nice = 0;
+  // The computing threads' scheduling class (fsdpp/base/cpu_binding.hpp): "normal", or "idle"
+  // (Linux's SCHED_IDLE: any other thread that wakes on their CPU runs at once, so a rank's
+  // communication threads never wait for a time slice to end). "idle" takes no compute_nice.
+  std::string compute_policy = "normal";
   // Every this many milliseconds the local ranks' computing threads change CPU shares, so that a
   // CPU the host slows for a while slows every rank alike (fsdpp/base/cpu_binding.hpp, Note
   // [rotating CPUs]); 0: off. Needs cpu_binding "rank" or "compute".
