@@ -782,7 +782,8 @@ RunResult Trainer::run() {
   prepare_output();
   build();
   // After build, so that ATen's intra-op threads exist and move too; before the computing threads'
-  // nice value goes up, which the rotating thread would otherwise inherit.
+  // nice value goes up or their class becomes SCHED_IDLE, which the rotating thread would otherwise
+  // inherit.
   const auto rotation = start_cpu_rotation(all_cpus);
   // After build: every communicator (the expert-parallel ones are made there) has its threads.
   if (const auto niced = lower_compute_priority(recipe_.dist.compute_nice); !niced.empty())
