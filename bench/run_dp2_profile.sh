@@ -81,7 +81,7 @@ for r in $(seq "$rounds"); do
 done
 
 "$python" - "$work" "$rounds" "$traced" "$hz" "$build" "$cpu" "$(date +%F)" "${3:-}" "${overrides[*]}" > "$out.tmp" <<'PY'
-import collections, json, re, statistics, sys
+import collections, functools, json, re, statistics, sys
 work, rounds, traced, hz, build, cpu, date, output, overrides = sys.argv[1:]
 rounds, traced, hz = int(rounds), int(traced), int(hz)
 GROUPS = [  # first match wins
@@ -103,10 +103,13 @@ def cpu_time(path):  # seconds of CPU time by group (cpu-clock periods are nanos
 # microbatch, clipping with its all-reduce, the optimizer; steps track: the whole step).
 PHASES = ["forward, 1st microbatch (all-gathers)", "backward, 1st microbatch", "forward, 2nd microbatch",
           "backward, 2nd microbatch (reduce-scatters)", "clipping (the all-reduce)", "optimizer", "step"]
-def phases(path, pid):
+@functools.cache
+def spans(path):  # a trace's complete events, read once: a dp 2 trace serves both ranks' phases and the collectives
     t = json.load(open(path))
-    ev = sorted((e for e in (t["traceEvents"] if isinstance(t, dict) else t)
-                 if e.get("ph") == "X" and e.get("pid") == pid and e.get("tid") in (0, 1)), key=lambda e: e["ts"])
+    return [e for e in (t["traceEvents"] if isinstance(t, dict) else t) if e.get("ph") == "X"]
+
+def phases(path, pid):
+    ev = sorted((e for e in spans(path) if e.get("pid") == pid and e.get("tid") in (0, 1)), key=lambda e: e["ts"])
     out, n = collections.defaultdict(list), {"forward": 0, "backward": 0}
     for e in ev:
         ms = e["dur"] / 1e3
@@ -185,10 +188,9 @@ for p in PHASES:
 # includes waiting behind the one before).
 lat = collections.defaultdict(list)
 for r in range(1, rounds + 1):
-    t = json.load(open(f"{work}/dp2-{r}-0/trace.json"))
     by = collections.defaultdict(lambda: collections.defaultdict(list))
-    for e in (t["traceEvents"] if isinstance(t, dict) else t):
-        if e.get("ph") == "X" and str(e.get("cat", "")).startswith("comm"):
+    for e in spans(f"{work}/dp2-{r}-0/trace.json"):
+        if str(e.get("cat", "")).startswith("comm"):
             by[e["name"]][e["pid"]].append(e)
     for name, ranks in by.items():
         if len(ranks) != 2:
