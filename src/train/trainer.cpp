@@ -423,6 +423,7 @@ void Trainer::microbatches_on_threads(at::Tensor& loss_sum) {
 
   const auto b0 = std::chrono::system_clock::now();
   std::vector<at::Tensor> sums(n);
+  std::vector<std::chrono::system_clock::time_point> ends(n);  // each thread's, for the trace
   const int intra_op = at::get_num_threads();
   team_->run([&](int t) {
     at::set_num_threads(1);  // OpenMP's (and MKL's) thread count is the calling thread's own
@@ -434,9 +435,13 @@ void Trainer::microbatches_on_threads(at::Tensor& loss_sum) {
       sum.add_(loss.detach().to(at::kDouble));
     }
     sums[t] = sum;
+    ends[t] = std::chrono::system_clock::now();
   });
   at::set_num_threads(intra_op);
   span(fmt::format("forward and backward, {} threads", n), "compute", b0);
+  if (tracer_.active())  // one track per thread: a thread that finishes early shows as a gap on its track
+    for (int t = 0; t < n; ++t)
+      tracer_.span(fmt::format("forward and backward, thread {}", t), fmt::format("microbatch thread {}", t), b0, ends[t]);
 
   at::NoGradGuard g;
   for (const auto& sum : sums) loss_sum.add_(sum);

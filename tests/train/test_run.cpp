@@ -153,6 +153,44 @@ std::map<std::string, int> collectives_per_step(const std::string& dir, const st
   return count;
 }
 
+// A traced run with parallel.microbatch_threads = n in `dir`: every rank's span of the threads'
+// forward and backward has one span for each thread on a track of its own, starting with it and
+// ending within it.
+void check_thread_spans(const std::string& dir, int n) {
+  const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
+  std::map<std::pair<int, std::string>, int> tracks;  // (rank, track name) -> tid
+  for (const auto& e : trace["traceEvents"])
+    if (e["ph"] == "M" && e["name"] == "thread_name") tracks[{e["pid"].get<int>(), e["args"]["name"].get<std::string>()}] = e["tid"];
+  std::map<int, std::vector<json>> whole;  // by rank
+  std::map<std::pair<int, int>, std::map<int64_t, json>> by_thread;  // (rank, thread) -> start -> span
+  const std::string all = fmt::format("forward and backward, {} threads", n);
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    const int rank = e["pid"];
+    if (e["name"] == all) whole[rank].push_back(e);
+    for (int t = 0; t < n; ++t)
+      if (e["name"] == fmt::format("forward and backward, thread {}", t)) {
+        const auto track = tracks.find({rank, fmt::format("microbatch thread {}", t)});
+        REQUIRE(track != tracks.end());
+        CHECK(e["tid"] == track->second);
+        by_thread[{rank, t}][e["ts"].get<int64_t>()] = e;
+      }
+  }
+  REQUIRE_FALSE(whole.empty());
+  for (const auto& [rank, spans] : whole)
+    for (const auto& span : spans) {
+      const int64_t ts = span["ts"], end = ts + span["dur"].get<int64_t>();
+      for (int t = 0; t < n; ++t) {
+        INFO("rank ", rank, ", thread ", t, ", span at ", ts);
+        const auto& mine = by_thread[{rank, t}];
+        const auto it = mine.find(ts);
+        REQUIRE(it != mine.end());
+        CHECK(ts + it->second["dur"].get<int64_t>() <= end);
+      }
+    }
+  for (const auto& [key, spans] : by_thread) CHECK(spans.size() == whole[key.first].size());
+}
+
 }  // namespace
 
 TEST_CASE("run: an invalid recipe fails before any rank starts, naming the problem") {
@@ -376,6 +414,7 @@ TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the
     check_close_parameters(checkpoint(one, 10), checkpoint(two, 10));
     CHECK(collectives_per_step(two, "all_gather") == once);
     CHECK(collectives_per_step(two, "reduce_scatter") == once);
+    check_thread_spans(two, 2);
     for (const auto& d : {one, two}) fs::remove_all(d);
   }
   // Resumed from a checkpoint, the run continues bitwise as if uninterrupted.
