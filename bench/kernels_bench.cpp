@@ -5,6 +5,12 @@
 //   swiglu-aten, swiglu-fused        silu(a) * b, a and b [rows, 384]
 //   rotary-aten, rotary-fused        q and k of the attention's projection [rows / 128, 128, 3, 4, 32]
 //                                    rotated (models::rotary_reference, models::rotary_qkv)
+//   router-aten, router-fused        the router's softmax, top 2 of 4 (normalised) and logsumexp on
+//                                    [rows, 4] logits, every output used (models::softmax_top_k)
+//   moe_rows-aten, moe_rows-fused    dropless routing's rows around the experts, [rows, 128] to
+//                                    [rows * 2, 128] and back weighted (4 experts, top 2): at::sort,
+//                                    index_select, a multiply and index_add into zeros, against
+//                                    models::sort_by_expert, dispatch_rows and combine_rows
 //   fsdpp_kernels_bench [--threads N] [--rounds R] [--rows N] [--bf16 1]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -57,6 +63,17 @@ int main(int argc, char** argv) {
   auto rotary_backward = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     torch::autograd::backward({q, k, v}, gqkv);
   };
+  // Dropless routing of `rows` tokens to 4 experts, top 2.
+  const int64_t experts = 4, top_k = 2;
+  const auto choices = std::get<1>(at::topk(at::randn({rows, experts}), top_k, -1));
+  const auto xm = at::randn({rows, dim}).to(dtype).requires_grad_();
+  const auto wm = at::rand({rows, top_k}).to(dtype).requires_grad_();
+  const auto gm = at::randn({rows, dim}).to(dtype);
+  const auto logits = at::randn({rows, experts}).to(dtype).requires_grad_();
+  const auto g_scores = at::randn({rows, experts}).to(dtype), g_weights = at::randn({rows, top_k}).to(dtype);
+  auto router_backward = [&](const models::RouterTopK& r) {
+    ((r.scores * g_scores).sum() + r.lse.pow(2).mean() + (r.weights * g_weights).sum()).backward();
+  };
   std::map<std::string, std::function<void()>> ways = {
       {"rms_norm-aten", [&] { models::rms_norm_reference(x, w, 1e-5).backward(gx); }},
       {"rms_norm-fused", [&] { models::rms_norm(x, w, 1e-5).backward(gx); }},
@@ -73,11 +90,28 @@ int main(int argc, char** argv) {
          const auto [q, k, v] = models::rotary_qkv(qkv, cos, sin);
          rotary_backward(q, k, v);
        }},
+      {"router-aten", [&] { router_backward(models::softmax_top_k_reference(logits, top_k, true)); }},
+      {"router-fused", [&] { router_backward(models::softmax_top_k(logits, top_k, true)); }},
+      {"moe_rows-aten",
+       [&] {
+         const auto flat = choices.reshape(-1);
+         models::ExpertOrder o;
+         o.top_k = top_k;
+         o.order = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
+         o.counts = at::zeros({experts}, flat.options()).scatter_add_(0, flat, at::ones_like(flat));
+         models::combine_rows_reference(models::dispatch_rows_reference(xm, o), wm, o).backward(gm);
+       }},
+      {"moe_rows-fused",
+       [&] {
+         const auto o = models::sort_by_expert(choices, experts);
+         models::combine_rows(models::dispatch_rows(xm, o), wm, o).backward(gm);
+       }},
   };
-  const std::vector<std::string> order = {"rms_norm-aten", "rms_norm-fused", "swiglu-aten",
-                                          "swiglu-fused",  "rotary-aten",    "rotary-fused"};
+  const std::vector<std::string> order = {"rms_norm-aten", "rms_norm-fused", "swiglu-aten", "swiglu-fused",
+                                          "rotary-aten",   "rotary-fused",   "router-aten", "router-fused",
+                                          "moe_rows-aten", "moe_rows-fused"};
   auto call = [&](const std::string& way) {
-    for (const auto* t : {&x, &w, &a, &b, &qkv}) const_cast<at::Tensor&>(*t).mutable_grad() = at::Tensor();
+    for (const auto* t : {&x, &w, &a, &b, &qkv, &xm, &wm, &logits}) const_cast<at::Tensor&>(*t).mutable_grad() = at::Tensor();
     ways[way]();
   };
   const auto t = bench::interleave(order, call, rounds, /*per_round=*/10);

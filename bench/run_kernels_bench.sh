@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The model's RMSNorm, SwiGLU and rotary kernels against the ATen compositions (bench/kernels_bench.cpp),
+# The model's RMSNorm, SwiGLU, rotary, router and MoE row kernels against the ATen compositions (bench/kernels_bench.cpp),
 # float32 and bfloat16, at 1 and 2 threads; writes bench/results/kernels.md. Runs with the machine's
 # OPENBLAS_* settings as they are.
 #   bash bench/run_kernels_bench.sh [build-dir] [rounds]
@@ -11,7 +11,7 @@ out=bench/results/kernels.md
 source bench/cpuinfo.sh
 cpu=$(cpuinfo 'model name')
 {
-  echo "# RMSNorm, SwiGLU's gate and the rotary embedding: single-pass kernels against the ATen compositions"
+  echo "# RMSNorm, SwiGLU's gate, the rotary embedding, the router and the MoE layer's rows: single-pass kernels against the ATen compositions"
   echo
   echo "Command: \`bash bench/run_kernels_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores of $cpu, OPENBLAS_* as set by the machine."
   echo
@@ -21,6 +21,14 @@ cpu=$(cpuinfo 'model name')
   echo "gradients given laid out [B, T, H, D] as the attention kernel gives them). \`aten\` is the composition"
   echo "(\`models::rms_norm_reference\`, \`models::swiglu_reference\`, \`models::rotary_reference\` on q and k),"
   echo "\`fused\` the kernel the model runs (\`models::rms_norm\`, \`models::swiglu\`, \`models::rotary_qkv\`)."
+  echo "\`router\`: the router's softmax over 4 experts, top 2 normalised and logsumexp (\`models::softmax_top_k\`"
+  echo "against ATen's softmax, topk, a division and logsumexp), every output given a gradient."
+  echo "\`moe_rows\`: dropless routing's rows around the experts, 4096 tokens of 128 to 4 experts, top 2, the"
+  echo "gather to [8192, 128] and the weighted sum back (no expert in between), forward and backward: \`aten\`"
+  echo "as the model computed it before (\`at::sort\`, \`index_select\`, a multiply, \`index_add\` into zeros),"
+  echo "\`fused\` \`models::sort_by_expert\`, \`models::dispatch_rows\` and \`models::combine_rows\`. In bfloat16"
+  echo "the router's kernel and the rows' take the ATen operations (only the rows' sort differs): those rows'"
+  echo "ratios are the bench's spread."
   echo "In bfloat16 \`models::swiglu\` is the composition (its"
   echo "kernel, tried there, measured 0.89x at 1 thread and 1.03x at 2: the conversions cost about what the"
   echo "passes save), so its two rows run the same code: their ratio is the bench's own spread. The ways"

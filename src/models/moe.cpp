@@ -243,22 +243,32 @@ Routing MoEImpl::route(const at::Tensor& flat) const {
   // so that near-ties between experts are decided the same way whatever the compute dtype.
   const auto& gw = router->gate->weight;
   r.logits = at::matmul(flat.to(gw.scalar_type()), gw.t()).to(at::kFloat);
-  r.scores = config.score == "sigmoid" ? at::sigmoid(r.logits) : at::softmax(r.logits, -1);
-  auto [w, idx] = at::topk(r.scores, config.top_k, -1);
-  if (config.normalize_top_k && (config.top_k > 1 || config.score == "sigmoid"))
-    w = w / w.sum(-1, /*keepdim=*/true);
-  r.weights = w;
-  r.experts = idx;
+  const bool normalize = config.normalize_top_k && (config.top_k > 1 || config.score == "sigmoid");
+  at::Tensor lse;
+  if (config.score == "sigmoid") {
+    r.scores = at::sigmoid(r.logits);
+    auto [w, idx] = at::topk(r.scores, config.top_k, -1);
+    r.weights = normalize ? w / w.sum(-1, /*keepdim=*/true) : w;
+    r.experts = idx;
+    lse = at::logsumexp(r.logits, -1);
+  } else {
+    auto top = config.fused_kernels ? softmax_top_k(r.logits, config.top_k, normalize)
+                                    : softmax_top_k_reference(r.logits, config.top_k, normalize);
+    r.scores = std::move(top.scores);
+    r.weights = std::move(top.weights);
+    r.experts = std::move(top.experts);
+    lse = std::move(top.lse);
+  }
   const int64_t T = flat.size(0), E = config.experts;
   // f_e: share of the T*k assignments that went to e (not differentiable); P_e: mean score of e,
   // scores normalised to sum to 1 per token.
   // A scatter rather than bincount, which reads the largest index on the host (no capture).
-  const auto flat_idx = idx.reshape(-1);
+  const auto flat_idx = r.experts.reshape(-1);
   const auto counts = at::zeros({E}, r.scores.options()).scatter_add_(0, flat_idx, at::ones(flat_idx.sizes(), r.scores.options()));
   const auto f = counts / double(T * config.top_k);
   const auto probs = config.score == "sigmoid" ? r.scores / r.scores.sum(-1, true) : r.scores;
   r.aux_loss = double(E) * (f * probs.mean(0)).sum();
-  r.z_loss = at::logsumexp(r.logits, -1).pow(2).mean();
+  r.z_loss = lse.pow(2).mean();
   return r;
 }
 
@@ -290,15 +300,12 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     out = (y.index_select(0, slots) * w_kept.unsqueeze(1)).view({k, T, -1}).sum(0);
     dropped = double(T * k) - keep.sum().to(at::kDouble);
   } else {
-    // Dropless: the assignments sorted by expert, every expert on exactly its rows (the counts stay
-    // a tensor: a scatter, not bincount, which reads the largest index on the host).
-    const auto e_flat = r.experts.reshape(-1);  // [T*k], token-major
-    const auto order = std::get<1>(at::sort(e_flat, /*stable=*/true, 0, false));
-    const auto counts = at::zeros({E}, e_flat.options()).scatter_add_(0, e_flat, at::ones_like(e_flat));
-    const auto tok = at::floor_divide(order, k);  // assignment i belongs to token i / k
-    const auto y = run_experts(flat.index_select(0, tok), counts) *
-                   weights.reshape(-1).index_select(0, order).unsqueeze(1);
-    out = at::zeros_like(flat).index_add(0, tok, y);
+    // Dropless: the assignments sorted by expert, every expert on exactly its rows (on a device
+    // the counts stay a tensor: no host read, so the layer can be captured).
+    const auto o = sort_by_expert(r.experts, E);
+    const bool fused = config.fused_kernels;
+    const auto y = run_experts(fused ? dispatch_rows(flat, o) : dispatch_rows_reference(flat, o), o.counts);
+    out = fused ? combine_rows(y, weights, o) : combine_rows_reference(y, weights, o);
   }
   if (shared) out = out + shared(flat);
 

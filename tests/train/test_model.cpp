@@ -636,6 +636,140 @@ TEST_CASE("rotary_causal_attention: the one-pass kernel gives rotary_qkv then ca
                        doctest::Contains("cos and sin must be [4, 8]"), c10::Error);
 }
 
+TEST_CASE("softmax_top_k: the CPU kernel agrees with softmax, topk and logsumexp, values and gradients") {
+  at::manual_seed(33);
+  // One expert, k = E, a width past one vector of floats; normalised and not.
+  for (const auto& [T, E, k, normalize] : std::vector<std::tuple<int64_t, int64_t, int64_t, bool>>{
+           {5, 1, 1, true}, {40, 4, 2, true}, {40, 4, 4, true}, {33, 19, 3, false}, {300, 8, 1, false}}) {
+    CAPTURE(T);
+    CAPTURE(E);
+    CAPTURE(k);
+    CAPTURE(normalize);
+    const auto logits = 3 * at::randn({T, E});
+    const auto gs = at::randn({T, E}), gz = at::randn({T}), gw = at::randn({T, k});
+    auto run = [&](bool fused) {
+      const auto l = logits.clone().requires_grad_();
+      const auto r = fused ? models::softmax_top_k(l, k, normalize) : models::softmax_top_k_reference(l, k, normalize);
+      ((r.scores * gs).sum() + (r.lse * gz).sum() + (r.weights * gw).sum()).backward();
+      return std::tuple{r, l.grad()};
+    };
+    const auto [r, dl] = run(true);
+    const auto [r2, dl2] = run(false);
+    CHECK(at::equal(r.experts, r2.experts));
+    CHECK(worst(r.scores, r2.scores, 1e-3) < 1e-6);
+    CHECK(worst(r.lse, r2.lse, 1e-3) < 1e-6);
+    CHECK(worst(r.weights, r2.weights, 1e-3) < 1e-6);
+    CHECK(worst(dl, dl2, dl2.pow(2).mean().sqrt().item<double>()) < 1e-5);
+    CHECK_FALSE(r.experts.requires_grad());
+  }
+  // Only the weights used (the others' gradients never arrive), and equal logits: the lower expert
+  // wins the tie, its weight and gradient as for distinct ones.
+  auto l = at::tensor({0.5f, 2.0f, 2.0f, -1.0f}).view({1, 4}).requires_grad_();
+  const auto r = models::softmax_top_k(l, 2, true);
+  CHECK(r.experts.view(-1)[0].item<int64_t>() == 1);
+  CHECK(r.experts.view(-1)[1].item<int64_t>() == 2);
+  CHECK(r.weights.view(-1)[0].item<float>() == doctest::Approx(0.5));
+  r.weights.select(1, 0).sum().backward();
+  const auto l2 = l.detach().clone().requires_grad_();
+  const auto s2 = at::softmax(l2, -1);
+  (s2.select(1, 1) / (s2.select(1, 1) + s2.select(1, 2))).sum().backward();
+  CHECK(at::allclose(l.grad(), l2.grad(), 1e-5, 1e-6));
+  // Rows split between threads: 1 and 2 threads give the same bits.
+  const auto mix = at::randn({5000, 6});
+  check_thread_independent(
+      [&](const at::Tensor& x) {
+        const auto r = models::softmax_top_k(x, 2, true);
+        return (r.scores * mix).sum(-1) + r.lse + r.weights.sum(-1) * 0.5;
+      },
+      at::randn({5000, 6}));
+  // Other dtypes take the reference; a k the logits cannot give is refused.
+  const auto ld = at::randn({7, 4}, at::kDouble);
+  CHECK(at::equal(models::softmax_top_k(ld, 2, true).weights, models::softmax_top_k_reference(ld, 2, true).weights));
+  CHECK_THROWS_WITH_AS(models::softmax_top_k(at::zeros({3, 4}), 5, true), doctest::Contains("1 <= k <= experts"),
+                       c10::Error);
+}
+
+TEST_CASE("sort_by_expert: the stable sort by expert, its inverse and the counts; a choice out of range is named") {
+  at::manual_seed(31);
+  const int64_t T = 37, k = 3, E = 6;
+  const auto experts = at::randint(0, E - 1, {T, k}, at::kLong);  // expert 5 gets no rows
+  const auto o = models::sort_by_expert(experts, E);
+  CHECK(o.top_k == k);
+  CHECK(at::equal(o.order, std::get<1>(at::sort(experts.reshape(-1), /*stable=*/true, 0, false))));
+  CHECK(at::equal(o.counts, at::bincount(experts.reshape(-1), {}, E)));
+  CHECK(o.counts[E - 1].item<int64_t>() == 0);
+  CHECK(at::equal(o.position.index_select(0, o.order), at::arange(T * k, at::kLong)));
+  auto bad = experts.clone();
+  bad[4][1] = 7;
+  CHECK_THROWS_WITH_AS(models::sort_by_expert(bad, E), doctest::Contains("token 4's choice 1 is expert 7, outside [0, 6)"),
+                       std::out_of_range);
+  CHECK_THROWS_WITH_AS(models::sort_by_expert(experts.to(at::kInt), E), doctest::Contains("int64 [tokens, top_k]"),
+                       c10::Error);
+}
+
+TEST_CASE("dispatch_rows and combine_rows: the CPU kernels give index_select and index_add's bits, values and gradients") {
+  at::manual_seed(32);
+  // A width that is no multiple of the vector lanes; tokens choosing one expert twice as well as
+  // distinct ones (each token's rows are summed in ascending position either way).
+  for (const auto& [T, k, E, D] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>{
+           {1, 1, 1, 8}, {29, 2, 4, 37}, {300, 2, 4, 128}, {50, 4, 3, 16}}) {
+    CAPTURE(T);
+    CAPTURE(k);
+    CAPTURE(D);
+    const auto o = models::sort_by_expert(at::randint(0, E, {T, k}, at::kLong), E);
+    const auto x = at::randn({T, D}), y = at::randn({T * k, D}), w = at::rand({T, k});
+    const auto gx = at::randn({T * k, D}), gout = at::randn({T, D});
+    auto dispatch = [&](bool fused) {
+      const auto xi = x.clone().requires_grad_();
+      const auto rows = fused ? models::dispatch_rows(xi, o) : models::dispatch_rows_reference(xi, o);
+      rows.backward(gx);
+      return std::pair{rows.detach(), xi.grad()};
+    };
+    const auto [rows, dx] = dispatch(true);
+    const auto [rows2, dx2] = dispatch(false);
+    CHECK(at::equal(rows, rows2));
+    CHECK(at::equal(dx, dx2));
+    auto combine = [&](bool fused) {
+      const auto yi = y.clone().requires_grad_(), wi = w.clone().requires_grad_();
+      const auto out = fused ? models::combine_rows(yi, wi, o) : models::combine_rows_reference(yi, wi, o);
+      out.backward(gout);
+      return std::tuple{out.detach(), yi.grad(), wi.grad()};
+    };
+    const auto [out, dy, dw] = combine(true);
+    const auto [out2, dy2, dw2] = combine(false);
+    CHECK(at::equal(out, out2));
+    CHECK(at::equal(dy, dy2));
+    // The weights' gradients are dot products over D, summed in another order than ATen's sum:
+    // within float32 rounding of the float64 sums, as ATen's are.
+    const auto yd = y.to(at::kDouble).index_select(0, o.position).view({T, k, D});
+    const auto dw64 = (yd * gout.to(at::kDouble).unsqueeze(1)).sum(2);
+    const double scale = dw64.pow(2).mean().sqrt().item<double>();
+    CHECK(worst(dw, dw64, scale) < 1e-6);
+    CHECK(worst(dw2, dw64, scale) < 1e-6);
+    CHECK_FALSE(at::equal(dw.select(1, 0), at::zeros({T})));
+    // And by hand in float64: out[t] = sum_j w[t, j] y[position[t k + j]].
+    const auto out64 = (yd * w.to(at::kDouble).unsqueeze(2)).sum(1);
+    CHECK(worst(out, out64, out64.pow(2).mean().sqrt().item<double>()) < 1e-6);
+  }
+  // Tokens split between threads: 1 and 2 threads give the same bits.
+  const int64_t T = 3000, k = 2, E = 4, D = 64;
+  const auto o = models::sort_by_expert(at::randint(0, E, {T, k}, at::kLong), E);
+  const auto w = at::rand({T, k}).requires_grad_();
+  const auto mix = at::randn({T * k, D});
+  check_thread_independent(
+      [&](const at::Tensor& x) { return models::combine_rows(models::dispatch_rows(x, o) * mix, w, o); },
+      at::randn({T, D}), {w});
+  // Other dtypes take the reference; shapes that do not fit the order are refused.
+  const auto xd = at::randn({T, D}, at::kDouble);
+  CHECK(at::equal(models::dispatch_rows(xd, o), models::dispatch_rows_reference(xd, o)));
+  const auto yd = at::randn({T * k, D}, at::kDouble), wd = at::rand({T, k}, at::kDouble);
+  CHECK(at::equal(models::combine_rows(yd, wd, o), models::combine_rows_reference(yd, wd, o)));
+  CHECK_THROWS_WITH_AS(models::dispatch_rows(at::zeros({T + 1, D}), o), doctest::Contains("does not hold the 3000 tokens"),
+                       c10::Error);
+  CHECK_THROWS_WITH_AS(models::combine_rows(at::zeros({T * k, D}), at::zeros({T, k + 1}), o),
+                       doctest::Contains("do not match the order of 6000 assignments, top-2"), c10::Error);
+}
+
 TEST_CASE("causal_attention: other dtypes go to scaled_dot_product_attention; mismatched shapes are refused") {
   at::manual_seed(23);
   const auto q = at::randn({1, 2, 9, 8}, at::kDouble), k = at::randn({1, 2, 9, 8}, at::kDouble),

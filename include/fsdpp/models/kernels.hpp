@@ -1,6 +1,7 @@
 #pragma once
 // Single-pass CPU kernels for the model's elementwise work, forward and backward, next to the ATen
-// compositions they stand for: RMSNorm, SwiGLU's gate and the rotary embedding of q and k.
+// compositions they stand for: RMSNorm, SwiGLU's gate, the rotary embedding of q and k, the
+// router's softmax and top-k, and the MoE layer's rows to and from its experts.
 //
 // For RMSNorm and SwiGLU the compositions take several passes over the activations each way
 // (RMSNorm: square, mean, add, rsqrt and two multiplies forward, about twice as many backward, and
@@ -15,7 +16,8 @@
 // than the passes saved). Rows and elements run on ATen's intra-op threads, and the results do not
 // depend on how many there are.
 //
-// The rotary embedding's kernel is the composition's bits (below).
+// The rotary embedding's kernel is the composition's bits (below), as are dropless routing's row
+// movements around the experts (dispatch_rows, combine_rows) but for the routing weights' gradient.
 //
 // Causal attention's kernel computes what scaled_dot_product_attention(is_causal) computes, in
 // fewer and larger matrix products than ATen's CPU flash attention (bench/results/attention.md),
@@ -76,5 +78,46 @@ at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos,
 
 // Whether causal_attention has its CPU kernel in this process (LibTorch's BLAS found).
 bool causal_attention_available();
+
+// The router's softmax and top-k over each token's logits [T, E]: scores = softmax(logits), lse =
+// logsumexp(logits) [T] (the z-loss's), experts [T, k] (int64) the k highest scores, weights [T, k]
+// their scores, divided by their sum when `normalize`; differentiable in the logits through scores,
+// lse and weights. On the CPU in float32 one pass over each row each way, exp from a polynomial
+// (the same function rounded differently, within a few float32 ulps), the lower expert first among
+// equal scores; elsewhere, and in the reference, ATen's softmax, topk, a division and logsumexp.
+struct RouterTopK {
+  at::Tensor scores, lse, weights, experts;
+};
+RouterTopK softmax_top_k(const at::Tensor& logits, int64_t k, bool normalize);
+RouterTopK softmax_top_k_reference(const at::Tensor& logits, int64_t k, bool normalize);
+
+// Dropless routing's rows around the experts. Token t's j-th choice is assignment a = t * k + j;
+// sorted by expert (stably: ascending a within an expert), assignment order[p] is at position p.
+// `position` is the inverse (assignment a sits at position[a]); on the CPU only, undefined
+// elsewhere. `counts` holds each expert's rows (int64 [E]).
+struct ExpertOrder {
+  at::Tensor order, position, counts;
+  int64_t top_k = 1;
+};
+// From the choices `experts` [T, k] (int64, each in [0, num_experts)): on the CPU one counting
+// pass (an out-of-range choice is an error naming it), elsewhere at::sort(stable) and a scatter.
+ExpertOrder sort_by_expert(const at::Tensor& experts, int64_t num_experts);
+
+// The experts' input: the row of x [T, D] each position's assignment belongs to, [T * k, D] in
+// expert order (x.index_select(0, order / k)). On the CPU in float32 the gradient of x is each
+// token's k rows summed, in ascending position, into a tensor it writes once; the reference's
+// (index_add's) bits, without its zero-filled tensor and its sort of the index.
+at::Tensor dispatch_rows(const at::Tensor& x, const ExpertOrder& o);
+at::Tensor dispatch_rows_reference(const at::Tensor& x, const ExpertOrder& o);
+
+// The experts' output y [T * k, D] (expert order) back to the tokens, weighted by the router:
+// out[t] = sum over t's choices j of weights[t, j] * y[position[t * k + j]], summed from zero in
+// ascending position as index_add sums ([T, D]; weights [T, k]). On the CPU in float32 one pass
+// each way: the values and y's gradient are the reference's bits; the weights' gradient, each a
+// dot product over D, is summed in another order than ATen's reduction (a few float32 ulps apart).
+// The reference is what the model computed before: index_select, a multiply and index_add into
+// zeros, about four passes over [T * k, D] forward and five backward.
+at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& weights, const ExpertOrder& o);
+at::Tensor combine_rows_reference(const at::Tensor& y, const at::Tensor& weights, const ExpertOrder& o);
 
 }  // namespace fsdpp::models
