@@ -28,9 +28,10 @@ struct MoEConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   double init_std = 0.02;
-  // RMSNorm and SwiGLU's silu(a) * b as single-pass kernels on the CPU (models/kernels.hpp); false:
-  // the ATen compositions, bit for bit what PyTorch's eager modules compute. How the model computes,
-  // not what it is: not part of a checkpoint's model description.
+  // RMSNorm, SwiGLU's silu(a) * b, the router's softmax and top-k and dropless routing's rows as
+  // single-pass kernels on the CPU (models/kernels.hpp); false: the ATen compositions, bit for bit
+  // what PyTorch's eager modules compute. How the model computes, not what it is: not part of a
+  // checkpoint's model description.
   bool fused_kernels = true;
   // With fused_kernels, the rotary embedding and causal attention on the CPU in one kernel
   // (models::rotary_causal_attention, float32); false: scaled_dot_product_attention, ATen's flash
