@@ -8,6 +8,15 @@ namespace fsdpp::models::loops {
 
 constexpr int kLanes = 16;
 
+// The kernels' work handed to one intra-op thread at a time: at least this many elements.
+constexpr int64_t kElementsPerTask = 16384;
+
+// Rows of `row_elements` elements per such range (at least one; empty rows count as one element).
+inline int64_t rows_per_task(int64_t row_elements) {
+  const int64_t rows = kElementsPerTask / (row_elements > 1 ? row_elements : 1);
+  return rows > 1 ? rows : 1;
+}
+
 // exp(x) for float x: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial (Cephes'
 // expf coefficients), 2^n put into the exponent bits. Within 2 ulps of the correctly rounded value
 // over [-87, 88], the range clamped to (below it the result is 0 to float precision for our uses:

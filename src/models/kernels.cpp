@@ -22,6 +22,8 @@ namespace {
 
 using loops::dot;
 using loops::exp_poly;
+using loops::kElementsPerTask;
+using loops::rows_per_task;
 
 // ------------------------------------------------------------------ float loops
 
@@ -129,7 +131,6 @@ bool fusable(const at::Tensor& t) {
 // sum in row order, then the blocks' sums in block order: the same bits however the blocks fall on
 // threads.
 constexpr int64_t kRowsPerBlock = 32;
-constexpr int64_t kElementsPerTask = 16384;  // at least this much work per range handed to a thread
 
 struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& weight,
@@ -144,7 +145,7 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
       auto* yp = y.mutable_data_ptr<scalar_t>();
       auto* rp = rstd.mutable_data_ptr<float>();
       const float* wp = w.const_data_ptr<float>();
-      parallel_ranges(N, std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+      parallel_ranges(N, rows_per_task(D), [&](int64_t r0, int64_t r1) {
         std::vector<float> xs, ys;
         for (int64_t r = r0; r < r1; ++r) {
           const float* xf = as_float(xp + r * D, D, xs);
@@ -174,7 +175,7 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
       const float* rp = rstd.const_data_ptr<float>();
       const float* wp = w.const_data_ptr<float>();
       float* dwp = dw_blocks.mutable_data_ptr<float>();
-      const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(D * kRowsPerBlock, 1));
+      const int64_t grain = rows_per_task(D * kRowsPerBlock);
       parallel_ranges(blocks, grain, [&](int64_t b0, int64_t b1) {
         std::vector<float> xs, gs, dxs, gw(static_cast<size_t>(D));
         for (int64_t b = b0; b < b1; ++b)

@@ -26,13 +26,8 @@ namespace fsdpp::models {
 
 namespace {
 
-constexpr int64_t kElementsPerTask = 16384;  // at least this much work per range handed to a thread
-
 using loops::exp_poly;
-
-int64_t rows_per_task(int64_t row_elements) {
-  return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(row_elements, 1));
-}
+using loops::rows_per_task;
 
 // Token t's k positions, ascending: the order in which index_add adds its rows.
 void positions_of(const int64_t* position, int64_t t, int64_t k, int64_t* out) {
@@ -171,7 +166,6 @@ struct DispatchRows : torch::autograd::Function<DispatchRows> {
       for (int64_t p = p0; p < p1; ++p) std::memcpy(rp + p * D, xp + op[p] / k * D, D * sizeof(float));
     });
     ctx->saved_data["k"] = k;
-    ctx->saved_data["tokens"] = x.size(0);
     ctx->save_for_backward({position});
     return rows;
   }
@@ -179,7 +173,7 @@ struct DispatchRows : torch::autograd::Function<DispatchRows> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto position = ctx->get_saved_variables()[0];
-    const int64_t k = ctx->saved_data["k"].toInt(), T = ctx->saved_data["tokens"].toInt();
+    const int64_t k = ctx->saved_data["k"].toInt(), T = position.numel() / k;
     const auto g = grads[0].contiguous();
     const int64_t D = g.size(1);
     auto dx = at::empty({T, D}, g.options());
