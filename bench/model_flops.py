@@ -10,7 +10,13 @@ twice forward). Embedding lookups, norms and element-wise work count nothing: th
 work that matrix-multiply kernels must do, so FLOP/s from it are a lower bound of what they ran.
 Then times one-thread float32 matrix multiplies through PyTorch (torch.mm, 1024 x 1024 by 1024 x
 1024, and the model's own shapes: [rows, dim] by [dim, out] for a microbatch of 16 sequences), the
-best of several repeats: what one core reaches on this machine's kernels. Prints, for each
+best of several repeats: what one core reaches on this machine's kernels. Then times the model's own
+weight products for one microbatch of 16 sequences, each layer's forward and both its gradients
+(x W^T, dY W, dY^T x) at its own shape, the experts' each on its share of the routed rows (rows x
+top_k / experts), the median of several repeats: what one core spends on them before anything else
+runs; and again with the caches cleared (64 MB written) before each call, as a training step meets
+operands written long before. With attention's two products counted at the best speed, that gives the most tokens/s that
+one thread per core can reach on these kernels, every other operation free. Prints, for each
 NAME=TOKENS_PER_S, the GFLOP/s that rate implies and what fraction of the cores' matrix-multiply
 speed it is. Run it with libfsdpp.so preloaded on a non-Intel CPU so that MKL uses the same
 kernels as fsdpp (bench/run_dp1_flops.sh does).
@@ -34,6 +40,44 @@ def macs_per_token(c, seq_len):
     attention = layers * 2 * d * (seq_len + 1) / 2
     return {"projections": proj, "dense SwiGLU": ffn, "experts (top-k)": experts, "routers": router,
             "head": head, "attention products": attention}
+
+
+def weight_products(c, rows):
+    """(name, rows, in, out, count): the weight products of one microbatch of `rows` tokens."""
+    d, layers = c["dim"], c["layers"]
+    dense = c.get("dense_layers", layers if not c.get("experts") else 0)
+    moe = layers - dense if c.get("experts") else 0
+    out = [("qkv projection", rows, d, 3 * d, layers), ("output projection", rows, d, d, layers)]
+    if dense:
+        h = c["ffn_hidden"]
+        out += [("dense w1, w3", rows, d, h, 2 * dense), ("dense w2", rows, h, d, dense)]
+    if moe:
+        e, h = c["experts"], c["expert_hidden"]
+        share = rows * c["top_k"] // e
+        out += [("expert w1, w3", share, d, h, 2 * e * moe), ("expert w2", share, h, d, e * moe),
+                ("router", rows, d, e, moe)]
+    return out + [("head", rows, d, c["vocab_size"], 1)]
+
+
+def median_ms(f, repeats=15, before=None):
+    for _ in range(3):
+        f()
+    times = []
+    for _ in range(repeats):
+        if before:
+            before()
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def product_ms(m, k, n, before=None):
+    """Forward, input gradient and weight gradient of x W^T for x [m, k], W [n, k]: ms each, `before`
+    run ahead of each timed call."""
+    x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+    return (median_ms(lambda: torch.mm(x, w.t()), before=before), median_ms(lambda: torch.mm(dy, w), before=before),
+            median_ms(lambda: torch.mm(dy.t(), x), before=before))
 
 
 def mm_gflops(m, k, n, repeats=30):
@@ -67,7 +111,28 @@ def main():
     print(f"training FLOP per token (3 x forward, 2 FLOP per multiply-add): {step_flop_per_token / 1e6:.2f} M")
     for name, g in speeds.items():
         print(f"one thread, torch.mm {name}: {g:.1f} GFLOP/s")
-    print(f"RESULT core_gflops={core:.1f} flop_per_token={step_flop_per_token:.0f}")
+    products = weight_products(c, rows)
+    weight_macs = sum(m * k * n * count for _, m, k, n, count in products)
+    assert abs(weight_macs - rows * (fwd - parts["attention products"])) < 1, "weight products miscounted"
+    # In a training step a product's operands were mostly written long before (the saved
+    # activations, the gradient of the layer above): timed again with the caches cleared first.
+    junk = torch.empty(64 << 20, dtype=torch.uint8)
+    total_ms = cold_ms = 0.0
+    for name, m, k, n, count in products:
+        f, dx, dw = product_ms(m, k, n)
+        cold = sum(product_ms(m, k, n, before=lambda: junk.fill_(1)))
+        total_ms += count * (f + dx + dw)
+        cold_ms += count * cold
+        print(f"one thread, {name} [{m} x {k}] by [{k} x {n}], x{count} a microbatch: forward {f:.3f} ms, "
+              f"input gradient {dx:.3f} ms, weight gradient {dw:.3f} ms ({6 * m * k * n / (f + dx + dw) / 1e6:.0f} GFLOP/s); "
+              f"all three {cold:.3f} ms with the caches cleared before each")
+    attention_ms = 6 * rows * parts["attention products"] / (core * 1e6)
+    bound = rows / ((total_ms + attention_ms) / 1e3)
+    print(f"one microbatch of {rows} tokens: weight products {total_ms:.1f} ms "
+          f"({6 * weight_macs / total_ms / 1e6:.0f} GFLOP/s; {cold_ms:.1f} ms with the caches cleared before each, "
+          f"{cold_ms / total_ms:.2f}x), attention's products {attention_ms:.1f} ms at "
+          f"{core:.0f} GFLOP/s: at most {bound:,.0f} tokens/s a core with everything else free")
+    print(f"RESULT core_gflops={core:.1f} flop_per_token={step_flop_per_token:.0f} products_bound_per_core={bound:.0f}")
     for arg in sys.argv[3:]:
         name, rate = arg.split("=")
         g = float(rate) * step_flop_per_token / 1e9
