@@ -14,9 +14,10 @@ best of several repeats: what one core reaches on this machine's kernels. Then t
 weight products for one microbatch of 16 sequences, each layer's forward and both its gradients
 (x W^T, dY W, dY^T x) at its own shape, the experts' each on its share of the routed rows (rows x
 top_k / experts), the median of several repeats: what one core spends on them before anything else
-runs; and again with the caches cleared (64 MB written) before each call, as a training step meets
-operands written long before. With attention's two products counted at the best speed, that gives the most tokens/s that
-one thread per core can reach on these kernels, every other operation free. Prints, for each
+runs; and again with the caches cleared (64 MB written) before each call, as a training step
+meets operands written long before. With attention's two products counted at the best speed, that
+gives the most tokens/s that one thread per core can reach on these kernels, every other operation
+free. Prints, for each
 NAME=TOKENS_PER_S, the GFLOP/s that rate implies and what fraction of the cores' matrix-multiply
 speed it is. Run it with libfsdpp.so preloaded on a non-Intel CPU so that MKL uses the same
 kernels as fsdpp (bench/run_dp1_flops.sh does).
@@ -28,10 +29,16 @@ import time
 import torch
 
 
+def layer_kinds(c):
+    """(dense, moe): how many layers have a dense SwiGLU and how many an MoE layer."""
+    layers = c["layers"]
+    dense = c.get("dense_layers", layers if not c.get("experts") else 0)
+    return dense, layers - dense if c.get("experts") else 0
+
+
 def macs_per_token(c, seq_len):
     d, layers = c["dim"], c["layers"]
-    dense = c.get("dense_layers", layers if not c.get("experts") else 0)
-    moe = layers - dense if c.get("experts") else 0
+    dense, moe = layer_kinds(c)
     proj = layers * (d * 3 * d + d * d)
     ffn = dense * 3 * d * c["ffn_hidden"]
     experts = moe * c.get("top_k", 0) * 3 * d * c.get("expert_hidden", 0)
@@ -45,8 +52,7 @@ def macs_per_token(c, seq_len):
 def weight_products(c, rows):
     """(name, rows, in, out, count): the weight products of one microbatch of `rows` tokens."""
     d, layers = c["dim"], c["layers"]
-    dense = c.get("dense_layers", layers if not c.get("experts") else 0)
-    moe = layers - dense if c.get("experts") else 0
+    dense, moe = layer_kinds(c)
     out = [("qkv projection", rows, d, 3 * d, layers), ("output projection", rows, d, d, layers)]
     if dense:
         h = c["ffn_hidden"]
@@ -59,7 +65,8 @@ def weight_products(c, rows):
     return out + [("head", rows, d, c["vocab_size"], 1)]
 
 
-def median_ms(f, repeats=15, before=None):
+def call_times(f, repeats, before=None):
+    """Seconds of each of `repeats` calls of f after 3 untimed ones, `before` run ahead of each."""
     for _ in range(3):
         f()
     times = []
@@ -69,7 +76,12 @@ def median_ms(f, repeats=15, before=None):
         t0 = time.perf_counter()
         f()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
+    return times
+
+
+def median_ms(f, repeats=15, before=None):
+    times = sorted(call_times(f, repeats, before))
+    return times[len(times) // 2] * 1e3
 
 
 def product_ms(m, k, n, before=None):
@@ -82,14 +94,7 @@ def product_ms(m, k, n, before=None):
 
 def mm_gflops(m, k, n, repeats=30):
     a, b = torch.randn(m, k), torch.randn(k, n)
-    for _ in range(3):
-        torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * m * k * n / best / 1e9
+    return 2 * m * k * n / min(call_times(lambda: torch.mm(a, b), repeats)) / 1e9
 
 
 def main():

@@ -34,8 +34,9 @@ print("sequence length 128 (forward multiply-adds, times 2 FLOP, times 3 for for
 print("element-wise work and lookups count nothing) and times one-thread `torch.mm` on MKL's AVX-512")
 print("kernels, the best of 30 calls, with the other core idle; then the model's own weight products for one")
 print("microbatch of 16 sequences, each layer's forward and both gradients at its own shape (the experts'")
-print("on their share of the routed rows), medians of 15 calls. These with attention's products at the")
-print("best speed bound the tokens/s of one thread per core on these kernels, every other operation free:")
+print("on their share of the routed rows), medians of 15 calls, warm and with the caches cleared before each.")
+print("The warm ones with attention's products at the best speed bound the tokens/s of one thread per core")
+print("on these kernels, every other operation free:")
 print()
 for l in lines:
     if not l.startswith(("RESULT", "RUN")):
