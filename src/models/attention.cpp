@@ -11,8 +11,8 @@
 //   dV[0:r1] += P^T dO[r0:r1],   dP = dO[r0:r1] V[0:r1]^T,   dS = scale P (dP - D)
 //   dQ[r0:r1] = dS K[0:r1],      dK[0:r1] += dS^T Q[r0:r1]
 // A block's S and dP stay in a thread's cache; nothing [T, T] is kept between forward and backward.
-// Heads run on ATen's intra-op threads, each head on one thread, so the results do not depend on
-// how many there are. The products go to ATen's BLAS (MKL in PyTorch's wheels), called once per
+// Heads run on ATen's intra-op threads, each head and its products on one thread, so the results do
+// not depend on how many there are. The products go to ATen's BLAS (MKL in PyTorch's wheels), called once per
 // block where ATen's flash attention calls it per 32 x 32 tile.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -45,24 +45,53 @@ using loops::kLanes;
 // 0.79-0.90 (bench/attention_bench.cpp, each block size in turn).
 constexpr int64_t kBlockRows = 64;
 
-// The Fortran BLAS's sgemm_, from the library that holds ATen (LibTorch's own BLAS, the one ATen's
-// products use; null where LibTorch has none).
+// A symbol of the library that holds ATen (LibTorch's own BLAS lives there, the one ATen's products
+// use), or null.
+template <class F>
+F torch_symbol(const char* name) {
+  Dl_info info{};
+  if (!dladdr(reinterpret_cast<void*>(&at::_ops::empty_memory_format::call), &info) || !info.dli_fname)
+    return nullptr;
+  void* lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+  if (!lib) return nullptr;
+  auto f = reinterpret_cast<F>(dlsym(lib, name));
+  dlclose(lib);  // the reference RTLD_NOLOAD took; the library stays loaded
+  return f;
+}
+
+// The Fortran BLAS's sgemm_ (null where LibTorch has none).
 using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                        const int*, const float*, const int*, const float*, float*, const int*);
 
 Sgemm blas_sgemm() {
-  static const Sgemm f = []() -> Sgemm {
-    Dl_info info{};
-    if (!dladdr(reinterpret_cast<void*>(&at::_ops::empty_memory_format::call), &info) || !info.dli_fname)
-      return nullptr;
-    void* lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
-    if (!lib) return nullptr;
-    auto sgemm = reinterpret_cast<Sgemm>(dlsym(lib, "sgemm_"));
-    dlclose(lib);  // the reference RTLD_NOLOAD took; the library stays loaded
-    return sgemm;
-  }();
+  static const auto f = torch_symbol<Sgemm>("sgemm_");
   return f;
 }
+
+// While it lives, the calling thread's BLAS products run on that thread alone. MKL otherwise
+// splits a product by the OpenMP thread count it sees, and on its AVX2 kernels some splits round
+// otherwise than one thread: the kernel's bits would depend on ATen's thread count. MKL's Fortran
+// entry takes its argument by address and returns the thread's setting before (0: the process's).
+class BlasOnThisThread {
+ public:
+  BlasOnThisThread() {
+    const int one = 1;
+    if (set_local_threads()) before_ = set_local_threads()(&one);
+  }
+  ~BlasOnThisThread() {
+    if (set_local_threads()) set_local_threads()(&before_);
+  }
+  BlasOnThisThread(const BlasOnThisThread&) = delete;
+  BlasOnThisThread& operator=(const BlasOnThisThread&) = delete;
+
+ private:
+  using SetLocalThreads = int (*)(const int*);
+  static SetLocalThreads set_local_threads() {
+    static const auto f = torch_symbol<SetLocalThreads>("mkl_set_num_threads_local_");  // null without MKL
+    return f;
+  }
+  int before_ = 0;
+};
 
 // Row-major C[m, n] = alpha op(A) op(B) + beta C, op(X) = X^T where asked; each matrix row-major
 // with its leading dimension. A row-major matrix is its transpose in the BLAS's column-major
@@ -137,6 +166,7 @@ std::vector<float>& scratch(size_t n, int slot = 0) {
 }
 
 void forward_head(Head q, Head k, Head v, Head o, float* lse, int64_t T, int64_t D, float scale) {
+  const BlasOnThisThread one_thread;
   float* s = scratch(size_t(kBlockRows * T)).data();
   for (int64_t r0 = 0; r0 < T; r0 += kBlockRows) {
     const int64_t r1 = std::min(T, r0 + kBlockRows), rows = r1 - r0, keys = r1;
@@ -148,6 +178,7 @@ void forward_head(Head q, Head k, Head v, Head o, float* lse, int64_t T, int64_t
 
 void backward_head(Head q, Head k, Head v, Head o, Head dout, const float* lse, Head dq, Head dk, Head dv, int64_t T,
                    int64_t D, float scale) {
+  const BlasOnThisThread one_thread;
   float* buf = scratch(size_t(2 * kBlockRows * T + T)).data();
   float *p = buf, *dp = buf + kBlockRows * T, *delta = buf + 2 * kBlockRows * T;
   for (int64_t i = 0; i < T; ++i) delta[i] = loops::dot(dout.p + i * dout.ld, o.p + i * o.ld, D);
