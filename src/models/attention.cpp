@@ -11,9 +11,9 @@
 //   dV[0:r1] += P^T dO[r0:r1],   dP = dO[r0:r1] V[0:r1]^T,   dS = scale P (dP - D)
 //   dQ[r0:r1] = dS K[0:r1],      dK[0:r1] += dS^T Q[r0:r1]
 // A block's S and dP stay in a thread's cache; nothing [T, T] is kept between forward and backward.
-// Heads run on ATen's intra-op threads, each head and its products on one thread, so the results do
-// not depend on how many there are. The products go to ATen's BLAS (MKL in PyTorch's wheels), called once per
-// block where ATen's flash attention calls it per 32 x 32 tile.
+// Heads run on ATen's intra-op threads, each head and its products on one thread, so the results
+// do not depend on how many there are. The products go to ATen's BLAS (MKL in PyTorch's wheels),
+// called once per block where ATen's flash attention calls it per 32 x 32 tile.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 

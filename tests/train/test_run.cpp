@@ -400,14 +400,15 @@ TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the
           "once per step; resume is bitwise") {
   const std::string common = "train.steps=10 logging.interval=1 eval.interval=0";
   const std::map<std::string, int> once{{"layers.0", 1}, {"layers.1", 1}, {"root", 1}};
-  // grad_accum counts a rank's microbatches a step: at 2, each thread runs one microbatch of each step.
-  const std::vector<std::pair<std::string, bool>> layouts{
-      {"parallel.dp=1 train.grad_accum=2", true},
-      {"parallel.dp=1 train.grad_accum=4 train.activation_checkpointing=full", false},
-      {"parallel.dp=1 train.grad_accum=2 precision.param_dtype=bfloat16", true},
-      {"parallel.dp=2 train.grad_accum=4", false},
-      {"parallel.dp=4 parallel.dp_replicate=2 train.grad_accum=2", true}};
-  for (const auto& [layout, one_each] : layouts) {
+  // Each layout with a rank's microbatches a step (train.grad_accum).
+  const std::vector<std::pair<std::string, int>> layouts{
+      {"parallel.dp=1", 2},
+      {"parallel.dp=1 train.activation_checkpointing=full", 4},
+      {"parallel.dp=1 precision.param_dtype=bfloat16", 2},
+      {"parallel.dp=2", 4},
+      {"parallel.dp=4 parallel.dp_replicate=2", 2}};
+  for (const auto& [parallel, accum] : layouts) {
+    const std::string layout = parallel + " train.grad_accum=" + std::to_string(accum);
     CAPTURE(layout);
     const auto one = fresh_dir("mb-threads-1"), two = fresh_dir("mb-threads-2");
     // The reference runs every operator on one thread, as each microbatch thread does: a product
@@ -417,9 +418,10 @@ TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the
     const auto out = train_run(two, common + " " + layout + " parallel.microbatch_threads=2 --trace");
     CHECK(out.find("microbatch threads: 2 microbatches at once, one thread each") != std::string::npos);
     check_trains_alike(one, two, 1e-5);
-    // With one microbatch a thread, the threads add the same gradients in the same order as one
-    // microbatch after the other; with two, each thread first sums its own, and the rounding differs.
-    if (one_each) check_same_parameters(checkpoint(one, 10), checkpoint(two, 10));
+    // With 2 microbatches a step, each thread runs one, and the threads add the same gradients in the
+    // same order as one microbatch after the other; with 4, each thread first sums its own two, and
+    // the rounding differs.
+    if (accum == 2) check_same_parameters(checkpoint(one, 10), checkpoint(two, 10));
     else check_close_parameters(checkpoint(one, 10), checkpoint(two, 10));
     CHECK(collectives_per_step(two, "all_gather") == once);
     CHECK(collectives_per_step(two, "reduce_scatter") == once);
