@@ -51,7 +51,10 @@ TEST_CASE("openmp wait: after a parallel region, LibTorch's idle intra-op thread
   const double shortened = idle_cpu_us(std::string("GOMP_SPINCOUNT=") + kMicrobatchThreadsSpinCount);
   CAPTURE(own);
   CAPTURE(shortened);
-  // 300,000 rounds are some milliseconds after each of the 5 regions (7 ms on a Zen 4 core), 10,000
-  // about half a millisecond.
-  CHECK(own >= 4 * shortened + 2000);
+  // 300,000 rounds are some milliseconds after each of the 5 regions (7 ms on a Zen 4 core, 4-7 ms on
+  // an Intel Xeon virtual machine), 10,000 a thirtieth of that; but what a sleep costs besides the
+  // spin varies from process to process on a shared machine: with 10,000 rounds the probe printed
+  // 290-1,900 us on the Xeon run by run, and 6,410 us once within a full test run (own 25,513), 0 rounds
+  // 200-320 us. Half is what the check asks: a spin count that did not take effect fails it.
+  CHECK(own >= 2 * shortened + 2000);
 }
