@@ -68,14 +68,14 @@ struct BFloat16Element {
 // the loop (bench/results/rotary_prefetch.md).
 constexpr int64_t kRowsAhead = 16;
 
-// Asks for the cache lines of p[0, n): every 64 bytes from p, and the last byte's line, which an
-// unaligned row reaches.
-template <typename S>
-C10_ALWAYS_INLINE void prefetch_row(const S* p, int64_t n, bool write) {
+// Asks for the cache lines of p[0, n), to write them or to read: every 64 bytes from p, and the last
+// byte's line, which an unaligned row reaches.
+template <int Write, typename S>
+C10_ALWAYS_INLINE void prefetch_row(const S* p, int64_t n) {
   const auto* c = reinterpret_cast<const char*>(p);
   const int64_t bytes = n * int64_t(sizeof(S));
-  for (int64_t off = 0; off < bytes; off += 64) write ? __builtin_prefetch(c + off, 1) : __builtin_prefetch(c + off);
-  write ? __builtin_prefetch(c + bytes - 1, 1) : __builtin_prefetch(c + bytes - 1);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, Write);
+  __builtin_prefetch(c + bytes - 1, Write);
 }
 
 template <typename E, typename S = typename E::Stored>
@@ -88,15 +88,17 @@ C10_ALWAYS_INLINE void rotate_rows_body(S* __restrict y, const S* __restrict x, 
   const int64_t h = l.half;
   for (int64_t bh = begin; bh < end; ++bh) {
     const int64_t b = bh / l.H, head = bh % l.H;
+    S* const y_head = y + b * l.y_b + head * l.y_h;
+    const S* const x_head = x + b * l.x_b + head * l.x_h;
     const auto ask = [&](int64_t t) {
-      prefetch_row(x + b * l.x_b + head * l.x_h + t * l.x_t, 2 * h, false);
-      prefetch_row(y + b * l.y_b + head * l.y_h + t * l.y_t, 2 * h, true);
+      prefetch_row</*Write=*/0>(x_head + t * l.x_t, 2 * h);
+      prefetch_row</*Write=*/1>(y_head + t * l.y_t, 2 * h);
     };
     for (int64_t t = 0; t < std::min(kRowsAhead, l.T); ++t) ask(t);
     for (int64_t t = 0; t < l.T; ++t) {
       if (t + kRowsAhead < l.T) ask(t + kRowsAhead);
-      S* __restrict y_lo = y + b * l.y_b + head * l.y_h + t * l.y_t;
-      const S* __restrict x_lo = x + b * l.x_b + head * l.x_h + t * l.x_t;
+      S* __restrict y_lo = y_head + t * l.y_t;
+      const S* __restrict x_lo = x_head + t * l.x_t;
       S* __restrict y_hi = y_lo + h;
       const S* __restrict x_hi = x_lo + h;
       const S* __restrict c_lo = cos + t * 2 * h;
