@@ -209,6 +209,14 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const a
   if (dnnl || ends.is_cpu()) {  // (ends on a GPU are not read on the host)
     auto checked = group_ends(ends, x.size(0), weight.size(0));
     if (dnnl) return OneDnnGroupedLinear::apply(x, weight, std::move(checked));
+    // at::_grouped_mm leaves the rows past the last end unwritten, in its result and in x's
+    // gradient (whatever the memory held): those rows are left out of it and given zeros here.
+    const int64_t end = checked.empty() ? 0 : checked.back(), past = x.size(0) - end;
+    if (past > 0) {
+      const auto zeros = at::zeros({past, weight.size(1)}, x.options());
+      if (end == 0) return zeros;  // no rows in any group: no product, no gradient
+      return at::cat({at::_grouped_mm(x.narrow(0, 0, end), weight.transpose(1, 2), ends), zeros});
+    }
   }
   return at::_grouped_mm(x, weight.transpose(1, 2), ends);
 }

@@ -124,6 +124,36 @@ TEST_CASE("grouped_linear: each group's rows by its own weight; empty groups, ro
   CHECK(scaled_error(aten.index({grouped}), yd.index({grouped}), ya.index({grouped})) < 1e-5);
 }
 
+TEST_CASE("grouped_linear: on ATen's product too, rows past the last end are zero, values and x's gradient") {
+  // at::_grouped_mm leaves those rows unwritten (whatever the memory held: zeros in one call, old
+  // values in the next), so each round makes and frees tensors of the same size first.
+  at::manual_seed(7);
+  const std::vector<int64_t> ends = {5, 5, 1200};
+  const int64_t rows = 2000, in = 8, out = 16;
+  const auto w = (at::randn({3, out, in}) * 0.1).requires_grad_();
+  for (int round = 0; round < 4; ++round) {
+    CAPTURE(round);
+    { const auto litter = at::full({rows, out}, 7.0f) + at::full({rows, in}, 3.0f).sum(); }
+    const auto x = at::randn({rows, in}).requires_grad_();
+    const auto y = models::grouped_linear(x, w, ends_tensor(ends), false);
+    CHECK(at::equal(y.narrow(0, 1200, rows - 1200), at::zeros({rows - 1200, out})));
+    const auto [xd, xa] = references(x);
+    const auto [wd, wa] = references(w);
+    const auto yd = grouped_reference(xd, wd, ends), ya = grouped_reference(xa, wa, ends);
+    CHECK(scaled_error(y, yd, ya) < 1e-5);
+    w.mutable_grad() = at::Tensor();
+    const auto g = at::randn({rows, out});
+    y.backward(g);
+    yd.backward(g.to(at::kDouble));
+    ya.backward(g.to(at::kDouble).abs());
+    CHECK(at::equal(x.grad().narrow(0, 1200, rows - 1200), at::zeros({rows - 1200, in})));
+    CHECK(scaled_error(x.grad(), xd.grad(), xa.grad()) < 1e-5);
+    CHECK(scaled_error(w.grad(), wd.grad(), wa.grad()) < 1e-5);
+  }
+  // No rows in any group: zeros.
+  CHECK(at::equal(models::grouped_linear(at::randn({6, in}), w.detach(), ends_tensor({0, 0, 0}), false), at::zeros({6, out})));
+}
+
 TEST_CASE("grouped_linear: a row's result does not depend on how many rows its group has, nor on the groups before it") {
   // Groups of different sizes run in calls of different row counts, overlapping differently at
   // their ends or reaching back into the group before; a row computed twice must get one value,

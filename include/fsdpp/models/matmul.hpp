@@ -45,8 +45,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool onednn);
 // One product per group of rows: x [rows, in] sorted by group, weight [groups, out, in], `ends`
 // (int32 or int64 [groups] on the host, non-decreasing, the last at most rows) the cumulative row
 // counts, group g taking rows [ends[g-1], ends[g]). Row r of the result is x[r] W_g^T; rows past
-// the last end are zero. Differentiable in x and weight. Elsewhere than float32 on the CPU with
-// `onednn`: at::_grouped_mm(x, weight^T, ends).
+// the last end are zero, and so is x's gradient there. Differentiable in x and weight. Elsewhere
+// than float32 on the CPU with `onednn`: at::_grouped_mm(x, weight^T, ends), on the rows up to the
+// last end where `ends` are on the host (ATen's leaves the others unwritten, forward and backward;
+// with `ends` on a GPU every row goes to it).
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends, bool onednn);
 
 }  // namespace fsdpp::models
