@@ -11,6 +11,7 @@
 
 #include <cstring>
 #include <functional>
+#include <span>
 
 namespace fsdpp::fsdp {
 
@@ -128,6 +129,9 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
   comm_size_ = n;
   comm_rank_ = rank;
   std::optional<at::ScalarType> widest_grad;
+  // Alone in the shard group, the gather slot is laid out as the unsharded buffer is (Note
+  // [one-rank buffers]).
+  const int64_t slot_align = n == 1 ? kParamAlign : kAlign;
   for (auto& spec : specs) {
     const std::string& name = spec.names.front();
     const at::Tensor& p = spec.param;
@@ -177,7 +181,7 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
 
     q.gather_offset = gather_slot_bytes_;
     q.gather_bytes = q.padded_numel() * at::elementSize(compute);
-    gather_slot_bytes_ += align_up(q.gather_bytes);
+    gather_slot_bytes_ += align_up(q.gather_bytes, slot_align);
     if (p.requires_grad()) {
       q.reduce_offset = reduce_slot_numel_;
       reduce_slot_numel_ += q.padded_numel();
@@ -218,6 +222,7 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     q.param.set_data(q.unsharded);
   }
   host_ = device_.is_cpu();
+  alone_ = host_ && n == 1;
   for (auto& q : params_)
     if (host_ && q.padded.scalar_type() == q.compute_dtype) q.padded_raw = bytes_of(q.padded);
   make_views();
@@ -255,16 +260,34 @@ std::vector<const void*> ParamGroup::buffer_addresses() const {
 // packs or unpacks them is made here, once, while the storage exists; a view keeps pointing at the
 // storage object across resizes. A step then costs one copy per parameter and direction, not a
 // chain of narrow/view calls, which matters for models of many small units.
+//
+// Note [one-rank buffers]
+// A CPU unit alone in its shard group (one rank, or HSDP with one rank per shard group) gathers
+// and reduces over one rank, where each collective's output is its input. Its gather buffer is then
+// the unsharded buffer itself (the gather slot is laid out as that is: every parameter at its
+// 64-byte aligned place, and one rank has no padding rows), so unsharding copies each shard once,
+// straight into its parameter, and the all-gather copies nothing. The reduce-scatter's output is
+// its input, so reducing copies each gradient in and the result out, and nothing in between. The
+// collectives are still issued: the flight recorder, HSDP's replica average and expert
+// parallelism's blocks see the same operations as at any size.
 void ParamGroup::make_views() {
   const int64_t n = comm_.size();
-  gather_buf_ = at::empty({n * gather_slot_bytes_}, at::TensorOptions(device_).dtype(at::kByte));
+  if (alone_) {
+    TORCH_INTERNAL_ASSERT(gather_slot_bytes_ == unsharded_buf_.numel(), "fsdp: ", label_,
+                          "'s gather slot is not laid out as its unsharded buffer");
+    gather_buf_ = unsharded_buf_;
+  } else {
+    gather_buf_ = at::empty({n * gather_slot_bytes_}, at::TensorOptions(device_).dtype(at::kByte));
+  }
   gather_slot_ = gather_buf_.narrow(0, comm_.rank() * gather_slot_bytes_, gather_slot_bytes_);
   const auto rows = gather_buf_.view({n, gather_slot_bytes_});
-  // The reduce-scatter's input and output share one storage, the output after the input.
-  reduce_buf_ = at::empty({(n + 1) * reduce_slot_numel_}, at::TensorOptions(device_).dtype(reduce_dtype_));
+  // The reduce-scatter's input and output share one storage, the output after the input (alone,
+  // the output is the input).
+  reduce_buf_ = at::empty({(alone_ ? n : n + 1) * reduce_slot_numel_},
+                          at::TensorOptions(device_).dtype(reduce_dtype_));
   reduce_in_ = reduce_buf_.narrow(0, 0, n * reduce_slot_numel_);
   const auto reduce_rows = reduce_in_.view({n, reduce_slot_numel_});
-  reduce_out_ = reduce_buf_.narrow(0, n * reduce_slot_numel_, reduce_slot_numel_);
+  reduce_out_ = alone_ ? reduce_in_ : reduce_buf_.narrow(0, n * reduce_slot_numel_, reduce_slot_numel_);
   for (auto& q : params_) {
     const int64_t pn = q.padded_numel();
     if (pn == 0) continue;
@@ -274,8 +297,11 @@ void ParamGroup::make_views() {
     const auto src = rows.narrow(1, q.gather_offset, q.gather_bytes).view(q.compute_dtype);
     const auto dst = q.unsharded.view(-1);
     const int64_t full = q.full_pieces(), rest = q.last_piece();
-    if (full > 0) q.copy_out.emplace_back(dst.narrow(0, 0, full * pn).view({full, pn}), src.narrow(0, 0, full));
-    if (rest > 0) q.copy_out.emplace_back(dst.narrow(0, full * pn, rest), src[full].narrow(0, 0, rest));
+    TORCH_INTERNAL_ASSERT(!alone_ || q.gather_offset == q.unsharded_offset);
+    if (!alone_) {  // alone, the gathered bytes are the unsharded parameters
+      if (full > 0) q.copy_out.emplace_back(dst.narrow(0, 0, full * pn).view({full, pn}), src.narrow(0, 0, full));
+      if (rest > 0) q.copy_out.emplace_back(dst.narrow(0, full * pn, rest), src[full].narrow(0, 0, rest));
+    }
     if (q.reduce_offset < 0) continue;
     q.reduce_all = reduce_rows.narrow(1, q.reduce_offset, pn);
     if (full > 0) q.pack.push_back({q.reduce_all.narrow(0, 0, full), 0});
@@ -364,7 +390,8 @@ void ParamGroup::wait_unshard() {
   gather_work_.reset();
   const char* gathered = host_ ? gathered_raw_ : nullptr;
   char* unsharded = allocate(unsharded_buf_, unsharded_buf_.numel());
-  for (auto& q : params_) {
+  // Note [one-rank buffers]: alone, the gather filled the parameters
+  for (auto& q : alone_ ? std::span<Param>() : std::span<Param>(params_)) {
     const int64_t pn = q.padded_numel();
     if (!gathered) {
       for (auto& [dst, src] : q.copy_out) copy_block(dst, src);
@@ -376,7 +403,7 @@ void ParamGroup::wait_unshard() {
       if (rest > 0) std::memcpy(dst + full * pn * es, src + full * gather_slot_bytes_, rest * es);
     }
   }
-  if (!group_comm_) release(gather_buf_);  // reshard_to_group still needs it
+  if (!group_comm_ && !alone_) release(gather_buf_);  // reshard_to_group still needs it
   unsharded_ = true;
 }
 
@@ -467,8 +494,8 @@ void ParamGroup::finish_reduce() {
   }
   NoGradFromHere no_grad;
   const bool keep_spares = host_ && host_buffer_cache_limit() > 0;
-  // reduce_out_ follows the ranks' slots of the input
-  const char* reduced = host_ ? reduce_raw_ + comm_size_ * reduce_slot_numel_ * at::elementSize(reduce_dtype_) : nullptr;
+  // reduce_out_ follows the ranks' slots of the input (alone, it is the input)
+  const char* reduced = host_ ? reduce_raw_ + reduce_out_.storage_offset() * at::elementSize(reduce_dtype_) : nullptr;
   for (auto& q : params_) {
     if (q.reduce_offset < 0) continue;
     at::Tensor& g = q.sharded.mutable_grad();

@@ -144,6 +144,18 @@ TEST_CASE("HSDP: sharded within groups of 2 and replicated across 2 groups, 10 A
     });
 }
 
+// Note [one-rank buffers]: each rank alone in its shard group, the average over the replicas alone.
+TEST_CASE("HSDP: shard groups of one rank replicated across 2 (data parallel), 10 AdamW steps match plain LibTorch") {
+  const auto want = train_reference(1);
+  for (int micro : {1, 3})  // 6 samples per rank: 1 or 3 microbatches
+    test::run_ranks(2, [&](comm::Comm& world) {
+      auto alone = world.split(world.rank(), 0);
+      fsdp::FullyShardOptions o;
+      o.replicate = world.split(0, world.rank());
+      check_same(train_sharded(alone, micro, o, &world), want, "HSDP 1 x 2, " + std::to_string(micro) + " microbatches");
+    });
+}
+
 TEST_CASE("HSDP: the first replica group saves the one copy, which loads at another layout") {
   const auto dir = test::fresh_store_path() + "-hsdp";
   test::run_ranks(4, [&](comm::Comm& world) {

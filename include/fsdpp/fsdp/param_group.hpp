@@ -168,6 +168,9 @@ class ParamGroup {
   // fixed here (with many small units, reading the views of Note [persistent views] costs more
   // cache misses than the bytes they describe); the views serve the rest (casts, CUDA).
   bool host_ = false;
+  // Note [one-rank buffers]: a CPU group alone in its shard group; its gather buffer is its
+  // unsharded buffer and its reduce-scatter's output its input.
+  bool alone_ = false;
   int64_t comm_rank_ = 0, comm_size_ = 1;
   at::Device device_ = at::kCPU;  // of every parameter, buffer and plan-check tensor of the group
   // Storage management behind unshard/reshard (Note [unshard by storage resize]); with static
@@ -176,9 +179,9 @@ class ParamGroup {
   char* allocate(const at::Tensor& t, size_t nbytes) const;
   void release(const at::Tensor& t) const;
   at::Tensor unsharded_buf_;  // bytes behind every unsharded parameter, allocated while unsharded
-  at::Tensor gather_buf_;   // [ranks x slot] bytes, storage allocated only while in use
+  at::Tensor gather_buf_;   // [ranks x slot] bytes, storage allocated only while in use (alone: unsharded_buf_)
   at::Tensor gather_slot_;  // this rank's slot of gather_buf_
-  at::Tensor reduce_buf_;              // likewise, in reduce_dtype: [ranks x slot] input, then a slot of output
+  at::Tensor reduce_buf_;              // likewise, in reduce_dtype: [ranks x slot] input, then a slot of output (alone: one slot, both)
   at::Tensor reduce_in_, reduce_out_;  // its two parts
   // The starts of the gather and reduce buffers' bytes while allocated, as allocate returned them
   // (Note [raw copies]).
