@@ -456,7 +456,7 @@ bool ParamGroup::has_stray_grads() const {
 void ParamGroup::reduce_grads_async() {
   accumulate_grads();
   if (reduce_slot_numel_ == 0) return;
-  TORCH_INTERNAL_ASSERT(!reduce_work_, "fsdp: reduce-scatter issued twice for ", label_);
+  TORCH_INTERNAL_ASSERT(!reduce_pending_, "fsdp: reduce-scatter issued twice for ", label_);
   char* reduce_in = reduce_raw_ = allocate(reduce_buf_, reduce_buf_.numel() * reduce_buf_.element_size());
   {
     NoGradFromHere no_grad;
@@ -477,9 +477,22 @@ void ParamGroup::reduce_grads_async() {
   }
   comm::OpLabel op_label(&reduce_label_);
   reduce_work_ = comm_.reduce_scatter(reduce_out_, reduce_in_, {comm::ReduceOp::kAvg});
+  reduce_pending_ = true;
+  // Alone in the shard group, on every rank alike, the reduce-scatter is done already (Note
+  // [one-rank buffers]): the replicas' average can go out now, while the backward goes on.
+  if (alone_) average_replicas_async();
 }
 
-void ParamGroup::finish_reduce() {
+// Note [replica average]
+// With replicas (HSDP), a unit's reduced shard is averaged again across them by an all-reduce,
+// which can only go out once the reduce-scatter has landed. It is issued, not waited for: in a
+// shard group of one rank (HSDP as data parallelism), where the reduce-scatter completes as it is
+// issued, from the unit's post-backward, so that the all-reduce overlaps the rest of the backward
+// as reduce-scatters do; otherwise at the end of the backward, every unit's before the first is
+// waited for, so that the replica communicator runs them back to back. Either way every rank of
+// a replica group issues them in the same order: which case applies depends on the shard group's
+// size only, the same on every rank.
+void ParamGroup::average_replicas_async() {
   if (!reduce_work_) return;
   reduce_work_->wait();
   reduce_work_.reset();
@@ -490,8 +503,18 @@ void ParamGroup::finish_reduce() {
     // HSDP: the shard group's average, averaged again over the replicas (equal group sizes make
     // it the average over every data-parallel rank).
     comm::OpLabel op_label(&replicate_label_);
-    replicate_->all_reduce(reduce_out_, {comm::ReduceOp::kAvg}).wait();
+    replicate_work_ = replicate_->all_reduce(reduce_out_, {comm::ReduceOp::kAvg});
   }
+}
+
+void ParamGroup::finish_reduce() {
+  if (!reduce_pending_) return;
+  average_replicas_async();
+  if (replicate_work_) {
+    replicate_work_->wait();
+    replicate_work_.reset();
+  }
+  reduce_pending_ = false;
   NoGradFromHere no_grad;
   const bool keep_spares = host_ && host_buffer_cache_limit() > 0;
   // reduce_out_ follows the ranks' slots of the input (alone, it is the input)

@@ -311,6 +311,7 @@ void Unit::finish_backward(const std::shared_ptr<detail::Tree>& tree) {
   // Parameters may stay unsharded across no-sync microbatches; after a synchronising backward the
   // optimizer is about to change them, so the unsharded copies must go.
   const bool reshard = tree->reshard_after_backward || tree->requires_gradient_sync;
+  for (Unit* u : tree->units) u->group_->average_replicas_async();  // Note [replica average]
   for (Unit* u : tree->units) {
     u->group_->finish_reduce();
     if (u->group_->has_stray_grads())
@@ -343,6 +344,7 @@ void Unit::reduce_grads_async() {
 }
 
 void Unit::wait_reduce_grads() {
+  for (Unit* u : tree_units()) u->group().average_replicas_async();  // Note [replica average]
   for (Unit* u : tree_units()) u->group().finish_reduce();
 }
 

@@ -1,6 +1,6 @@
 #pragma once
-// An event log for ordering tests, and a communicator decorator that writes each all-gather and
-// reduce-scatter into it when issued: tests then check what was issued before which compute event.
+// An event log for ordering tests, and a communicator decorator that writes each all-gather,
+// reduce-scatter and all-reduce into it when issued: tests then check what was issued before which compute event.
 #include <mutex>
 #include <string>
 #include <vector>
@@ -32,7 +32,7 @@ struct EventLog {
   }
 };
 
-// Logs each all-gather and reduce-scatter when it is issued, named by the unit (the last word of
+// Logs each all-gather, reduce-scatter and all-reduce when it is issued, named by the unit (the last word of
 // the operation's label, "blocks.2"), after `prefix` when one is given.
 class LoggingComm : public CountingComm {
  public:
@@ -45,6 +45,10 @@ class LoggingComm : public CountingComm {
   comm::Work reduce_scatter(const at::Tensor& o, const at::Tensor& i, const comm::ReduceScatterOptions& x) override {
     log_.add("RS " + prefix_ + unit());
     return CountingComm::reduce_scatter(o, i, x);
+  }
+  comm::Work all_reduce(const at::Tensor& t, const comm::AllReduceOptions& x) override {
+    log_.add("AR " + prefix_ + unit());
+    return CountingComm::all_reduce(t, x);
   }
 
  private:

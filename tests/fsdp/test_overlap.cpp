@@ -106,6 +106,43 @@ TEST_CASE("overlap by order: gathers run ahead of compute, each reduce-scatter i
     });
 }
 
+// Note [replica average]: HSDP with shard groups of one rank is data parallelism; each unit's
+// all-reduce across the replicas overlaps the backward as a reduce-scatter does, instead of all of
+// them going out one after the other once the backward is over.
+TEST_CASE("HSDP with shard groups of one rank: each block's all-reduce across replicas is issued before the next block's backward ends") {
+  constexpr int kLayers = 4;
+  test::run_ranks(2, [&](comm::Comm& world) {
+    EventLog log;
+    comm::Comm alone(std::make_shared<LoggingComm>(world.split(world.rank(), 0).impl_ptr(), log));
+    comm::Comm replicas(std::make_shared<LoggingComm>(world.split(0, world.rank()).impl_ptr(), log));
+    replicas.set_consistency_check(false);
+    fsdp::FullyShardOptions o;
+    o.replicate = replicas;
+    auto model = fsdp::fully_shard(LoggedNet(8, kLayers, log), alone, o);
+    auto x = at::randn({4, 8}, at::detail::createCPUGenerator(1)).requires_grad_(true);
+    model->forward(x).sum().backward();  // the first step records the forward order
+    {
+      std::lock_guard<std::mutex> lock(log.mu);
+      log.events.clear();
+    }
+    model->forward(x).sum().backward();
+    INFO("rank " << world.rank() << ": " << log.dump());
+    for (int i = kLayers - 1; i >= 1; --i) {
+      const std::string block = "blocks." + std::to_string(i);
+      const long reduce = log.find("RS " + block), average = log.find("AR " + block);
+      CHECK(reduce > log.find("bwd_done " + std::to_string(i)));
+      CHECK(average > reduce);
+      CHECK(average < log.find("bwd_done " + std::to_string(i - 1)));
+    }
+    // Both replicas ended with the same gradients.
+    for (const auto& p : model->sharded_parameters()) {
+      auto other = p.grad().clone();
+      world.broadcast(other, {.root = 0}).wait();
+      CHECK(at::equal(p.grad(), other));
+    }
+  });
+}
+
 // An explicit asynchronous unshard issues the gathers in the order the next forward waits for
 // them: the root's first, then the blocks in the last forward's order (sharding order before any
 // forward).

@@ -86,7 +86,11 @@ class ParamGroup {
   // the result to the sharded parameters' gradients. On the CPU, a parameter without a gradient
   // gets its last one back, refilled, when nothing else holds it (Note [spare gradients]).
   void finish_reduce();
-  bool reduce_pending() const { return reduce_work_.has_value(); }
+  // With replicas, waits for the reduce-scatter and issues the all-reduce that averages its result
+  // across them, without waiting for it (Note [replica average]); finish_reduce() then waits.
+  // Nothing to do when no reduce is pending or it was issued already.
+  void average_replicas_async();
+  bool reduce_pending() const { return reduce_pending_; }
   // True when some parameter holds a .grad that was not accumulated yet.
   bool has_stray_grads() const;
 
@@ -190,7 +194,9 @@ class ParamGroup {
   comm::Comm group_comm_;   // N consecutive ranks, for reshard_to_group
   at::Tensor group_shard_;  // this rank's 1/N of the gather buffer while resharded to the group
   std::optional<comm::Work> gather_work_;
-  std::optional<comm::Work> reduce_work_;
+  std::optional<comm::Work> reduce_work_;     // the reduce-scatter, until it is waited for
+  std::optional<comm::Work> replicate_work_;  // then the replicas' all-reduce (Note [replica average])
+  bool reduce_pending_ = false;               // from reduce_grads_async() to finish_reduce()
 };
 
 }  // namespace fsdpp::fsdp
