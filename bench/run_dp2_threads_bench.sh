@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Where the threads of a dp = 2 run should sit on this machine's 2 cores, measured: `fsdpp run` on
 # recipes/moe-small.json (global batch 32 x 128, 2 microbatches of 8 per rank) placed several ways
-# (dist.cpu_binding, dist.compute_nice or dist.compute_policy=idle, dist.cpu_rotation_ms),
+# (dist.cpu_binding, dist.compute_nice or dist.compute_policy=idle, dist.cpu_rotation_ms), and
+# replicated (parallel.dp_replicate=2: each rank the whole model, gradients all-reduced),
 # beside the communication-free limit: two independent one-rank runs of half the batch each
 # (parallel.dp=1, global batch 16, the same microbatches), started together, no collectives at all.
 # Rounds alternate the placements so that a busy machine slows all alike; figures are medians.
@@ -126,6 +127,10 @@ for round in $(seq "$rounds"); do
     dist.compute_policy=idle dist.cpu_rotation_ms="$rotation"
   dp2 dp2-false-bf16 parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=19 \
     "${normal[@]}" precision.reduce_dtype=bfloat16
+  dp2 dp2-replicate-rank parallel.dp_replicate=2 parallel.reshard_after_forward=false dist.cpu_binding=rank \
+    dist.compute_nice=0 "${normal[@]}"
+  dp2 dp2-replicate-idle-rotate parallel.dp_replicate=2 parallel.reshard_after_forward=false dist.cpu_binding=compute \
+    dist.compute_nice=0 dist.compute_policy=idle dist.cpu_rotation_ms="$rotation"
   OMP_NUM_THREADS=2 dp2 dp2-false-omp2 parallel.reshard_after_forward=false dist.cpu_binding=none dist.compute_nice=0 \
     "${normal[@]}"
 done
@@ -220,6 +225,8 @@ row("dp = 2, gathered once per step, cpu_binding compute, compute_policy idle", 
 row(f"dp = 2, gathered once per step, cpu_binding compute, compute_policy idle, computing threads rotating every {rotation} ms", "dp2-false-idle-rotate")
 row("dp = 2, gathered once per step, cpu_binding compute, compute_nice 19, gradients reduced in bfloat16", "dp2-false-bf16")
 row("dp = 2, gathered once per step, 2 OpenMP threads per rank, unbound", "dp2-false-omp2")
+row("dp = 2 replicated, cpu_binding rank, compute_nice 0", "dp2-replicate-rank")
+row(f"dp = 2 replicated, cpu_binding compute, compute_policy idle, computing threads rotating every {rotation} ms", "dp2-replicate-idle-rotate")
 print()
 print("With 2 OpenMP threads per rank, the second one's time counts among the others'. Gradients reduced")
 print("in bfloat16 (`precision.reduce_dtype=bfloat16`; parameters, gradients and the optimizer stay in")
@@ -227,6 +234,12 @@ print("float32): the reduce-scatter carries half the bytes at 2 ranks, and each 
 print("bfloat16 before the sum and after it; a different computation, shown for what the bytes cost.")
 print(f"Rotating (`dist.cpu_rotation_ms={rotation}`, recipes/moe-small.json's; Note [rotating CPUs] in")
 print(f"include/fsdpp/base/cpu_binding.hpp): every {rotation} ms the two ranks' computing threads swap CPUs, at the same instants.")
+print("Replicated (`parallel.dp_replicate=2`): HSDP with shard groups of one rank, so each rank holds the")
+print("whole model, its gradients and its optimizer state, as DDP does (twice the sharded runs' memory")
+print("for them), and a unit's gradients are averaged by one all-reduce of its bytes, where the sharded")
+print("runs reduce-scatter them and all-gather the parameters (the same bytes on the wire at 2 ranks);")
+print("its all-gathers are local, one copy from the shard into the parameters (Note [one-rank buffers]")
+print("in src/fsdp/param_group.cpp).")
 idle = sys.argv[7] == "idle"  # moe-small's placement
 name, how = ("dp2-false-idle-rotate", "compute_policy idle") if idle else ("dp2-false-rotate", "nice 19")
 cost = barrier_cost([x for k in comm_free for x in barrier[k]])
