@@ -11,7 +11,6 @@
 
 #include <cstring>
 #include <functional>
-#include <span>
 
 namespace fsdpp::fsdp {
 
@@ -222,7 +221,6 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     q.param.set_data(q.unsharded);
   }
   host_ = device_.is_cpu();
-  alone_ = host_ && n == 1;
   for (auto& q : params_)
     if (host_ && q.padded.scalar_type() == q.compute_dtype) q.padded_raw = bytes_of(q.padded);
   make_views();
@@ -272,7 +270,7 @@ std::vector<const void*> ParamGroup::buffer_addresses() const {
 // parallelism's blocks see the same operations as at any size.
 void ParamGroup::make_views() {
   const int64_t n = comm_.size();
-  if (alone_) {
+  if (alone()) {
     TORCH_INTERNAL_ASSERT(gather_slot_bytes_ == unsharded_buf_.numel(), "fsdp: ", label_,
                           "'s gather slot is not laid out as its unsharded buffer");
     gather_buf_ = unsharded_buf_;
@@ -283,11 +281,11 @@ void ParamGroup::make_views() {
   const auto rows = gather_buf_.view({n, gather_slot_bytes_});
   // The reduce-scatter's input and output share one storage, the output after the input (alone,
   // the output is the input).
-  reduce_buf_ = at::empty({(alone_ ? n : n + 1) * reduce_slot_numel_},
+  reduce_buf_ = at::empty({(alone() ? n : n + 1) * reduce_slot_numel_},
                           at::TensorOptions(device_).dtype(reduce_dtype_));
   reduce_in_ = reduce_buf_.narrow(0, 0, n * reduce_slot_numel_);
   const auto reduce_rows = reduce_in_.view({n, reduce_slot_numel_});
-  reduce_out_ = alone_ ? reduce_in_ : reduce_buf_.narrow(0, n * reduce_slot_numel_, reduce_slot_numel_);
+  reduce_out_ = alone() ? reduce_in_ : reduce_buf_.narrow(0, n * reduce_slot_numel_, reduce_slot_numel_);
   for (auto& q : params_) {
     const int64_t pn = q.padded_numel();
     if (pn == 0) continue;
@@ -297,8 +295,8 @@ void ParamGroup::make_views() {
     const auto src = rows.narrow(1, q.gather_offset, q.gather_bytes).view(q.compute_dtype);
     const auto dst = q.unsharded.view(-1);
     const int64_t full = q.full_pieces(), rest = q.last_piece();
-    TORCH_INTERNAL_ASSERT(!alone_ || q.gather_offset == q.unsharded_offset);
-    if (!alone_) {  // alone, the gathered bytes are the unsharded parameters
+    TORCH_INTERNAL_ASSERT(!alone() || q.gather_offset == q.unsharded_offset);
+    if (!alone()) {  // alone, the gathered bytes are the unsharded parameters
       if (full > 0) q.copy_out.emplace_back(dst.narrow(0, 0, full * pn).view({full, pn}), src.narrow(0, 0, full));
       if (rest > 0) q.copy_out.emplace_back(dst.narrow(0, full * pn, rest), src[full].narrow(0, 0, rest));
     }
@@ -388,10 +386,13 @@ void ParamGroup::wait_unshard() {
   unshard_async();
   gather_work_->wait();
   gather_work_.reset();
+  if (alone()) {  // Note [one-rank buffers]: the gather filled the parameters' own buffer
+    unsharded_ = true;
+    return;
+  }
   const char* gathered = host_ ? gathered_raw_ : nullptr;
   char* unsharded = allocate(unsharded_buf_, unsharded_buf_.numel());
-  // Note [one-rank buffers]: alone, the gather filled the parameters
-  for (auto& q : alone_ ? std::span<Param>() : std::span<Param>(params_)) {
+  for (auto& q : params_) {
     const int64_t pn = q.padded_numel();
     if (!gathered) {
       for (auto& [dst, src] : q.copy_out) copy_block(dst, src);
@@ -403,7 +404,7 @@ void ParamGroup::wait_unshard() {
       if (rest > 0) std::memcpy(dst + full * pn * es, src + full * gather_slot_bytes_, rest * es);
     }
   }
-  if (!group_comm_ && !alone_) release(gather_buf_);  // reshard_to_group still needs it
+  if (!group_comm_) release(gather_buf_);  // reshard_to_group still needs it
   unsharded_ = true;
 }
 
@@ -480,7 +481,7 @@ void ParamGroup::reduce_grads_async() {
   reduce_pending_ = true;
   // Alone in the shard group, on every rank alike, the reduce-scatter is done already (Note
   // [one-rank buffers]): the replicas' average can go out now, while the backward goes on.
-  if (alone_) average_replicas_async();
+  if (alone()) average_replicas_async();
 }
 
 // Note [replica average]

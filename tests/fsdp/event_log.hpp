@@ -1,6 +1,7 @@
 #pragma once
 // An event log for ordering tests, and a communicator decorator that writes each all-gather,
-// reduce-scatter and all-reduce into it when issued: tests then check what was issued before which compute event.
+// reduce-scatter and all-reduce into it when issued: tests then check what was issued before which
+// compute event.
 #include <mutex>
 #include <string>
 #include <vector>
@@ -32,8 +33,8 @@ struct EventLog {
   }
 };
 
-// Logs each all-gather, reduce-scatter and all-reduce when it is issued, named by the unit (the last word of
-// the operation's label, "blocks.2"), after `prefix` when one is given.
+// Logs each all-gather, reduce-scatter and all-reduce when it is issued, named by the unit (the
+// last word of the operation's label, "blocks.2"), after `prefix` when one is given.
 class LoggingComm : public CountingComm {
  public:
   LoggingComm(std::shared_ptr<comm::detail::CommImpl> inner, EventLog& log, std::string prefix = "")

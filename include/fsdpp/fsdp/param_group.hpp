@@ -86,9 +86,10 @@ class ParamGroup {
   // the result to the sharded parameters' gradients. On the CPU, a parameter without a gradient
   // gets its last one back, refilled, when nothing else holds it (Note [spare gradients]).
   void finish_reduce();
-  // With replicas, waits for the reduce-scatter and issues the all-reduce that averages its result
-  // across them, without waiting for it (Note [replica average]); finish_reduce() then waits.
-  // Nothing to do when no reduce is pending or it was issued already.
+  // Waits for the reduce-scatter, divides its result by the expert-parallel block count and, with
+  // replicas, issues the all-reduce that averages it across them without waiting for it (Note
+  // [replica average]); finish_reduce() then waits. Nothing to do when no reduce-scatter is in
+  // flight (none pending, or this ran already).
   void average_replicas_async();
   bool reduce_pending() const { return reduce_pending_; }
   // True when some parameter holds a .grad that was not accumulated yet.
@@ -172,10 +173,10 @@ class ParamGroup {
   // fixed here (with many small units, reading the views of Note [persistent views] costs more
   // cache misses than the bytes they describe); the views serve the rest (casts, CUDA).
   bool host_ = false;
+  int64_t comm_rank_ = 0, comm_size_ = 1;
   // Note [one-rank buffers]: a CPU group alone in its shard group; its gather buffer is its
   // unsharded buffer and its reduce-scatter's output its input.
-  bool alone_ = false;
-  int64_t comm_rank_ = 0, comm_size_ = 1;
+  bool alone() const { return host_ && comm_size_ == 1; }
   at::Device device_ = at::kCPU;  // of every parameter, buffer and plan-check tensor of the group
   // Storage management behind unshard/reshard (Note [unshard by storage resize]); with static
   // buffers, release is a no-op and allocate finds the storage in place. allocate returns the
