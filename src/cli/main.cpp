@@ -17,6 +17,7 @@
 #include "fsdpp/base/blas.hpp"
 #include "fsdpp/base/files.hpp"
 #include "fsdpp/base/host_memory.hpp"
+#include "fsdpp/base/mkl_vml.hpp"
 #include "fsdpp/base/openmp_wait.hpp"
 #include "fsdpp/pipeline/plan.hpp"
 #include "fsdpp/pipeline/table.hpp"
@@ -417,6 +418,7 @@ int main(int argc, char** argv) {
     }
     if (cmd_ls->parsed()) return list_bundled();
     if (cmd_generate->parsed()) {
+      resolve_mkl_vml_kernels();  // Note [MKL vector math's first calls]: before ATen's intra-op threads compute
       nlohmann::json recorded;
       auto model = train::load_model(gen_path, &recorded);
       const auto spec = gen_tokenizer.empty() ? recorded.value("spec", std::string("bytes")) : gen_tokenizer;

@@ -26,6 +26,7 @@
 #include "fsdpp/base/cpu_binding.hpp"
 #include "fsdpp/base/host_memory.hpp"
 #include "fsdpp/base/mkl_dispatch.hpp"
+#include "fsdpp/base/mkl_vml.hpp"
 #include "fsdpp/base/openmp_wait.hpp"
 #include "fsdpp/base/cuda_graph.hpp"
 #include "fsdpp/base/device_check.hpp"
@@ -782,6 +783,7 @@ RunResult Trainer::run() {
     log(fmt::format("cpu binding ({}): {}{}", recipe_.dist.cpu_binding, bound.rfind("not bound", 0) == 0 ? "" : "rank 0's ",
                     bound));
   log("MKL: " + mkl_dispatch().detail);  // Note [MKL's kernels on other vendors' CPUs]
+  resolve_mkl_vml_kernels();              // Note [MKL vector math's first calls]: before any thread computes
   log("host memory: " + describe_malloc_thresholds(malloc_environment()));
   log("OpenMP: " + describe_openmp_wait(openmp_wait_environment()));
   prepare_output();
