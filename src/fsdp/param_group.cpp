@@ -91,14 +91,25 @@ at::Tensor empty_like_plain(const at::Tensor& t) {
 // records nothing; turning grad mode off and on costs two thread-local lookups, for every unit in
 // every step, so it is turned off only before an ATen operation (one on gradients that require
 // grad themselves, from a backward that builds their graph, would otherwise be recorded).
+// (A flag and the mode it found rather than an optional guard: GCC takes an empty optional's
+// destructor for a read of the guard it never made.)
 class NoGradFromHere {
  public:
+  NoGradFromHere() = default;
+  NoGradFromHere(const NoGradFromHere&) = delete;
+  NoGradFromHere& operator=(const NoGradFromHere&) = delete;
+  ~NoGradFromHere() {
+    if (off_) c10::GradMode::set_enabled(before_);
+  }
   void operator()() {
-    if (!guard_) guard_.emplace();
+    if (off_) return;
+    before_ = c10::GradMode::is_enabled();
+    c10::GradMode::set_enabled(false);
+    off_ = true;
   }
 
  private:
-  std::optional<at::NoGradGuard> guard_;
+  bool off_ = false, before_ = true;
 };
 
 void zero_block(const at::Tensor& t) {
