@@ -6,7 +6,7 @@
 // can leave one of them on a less accurate kernel for that one call (pytorch/pytorch#188792, seen
 // with the oneMKL 2024.2 that PyTorch's x86 wheels carry). parallel.microbatch_threads=2 met it:
 // both threads' first forwards compute their rotary tables' cosines at about the same moment, and
-// in about one run in fifty one thread's table came out different in its last bits, and with it
+// in about one run in sixty one thread's table came out different in its last bits, and with it
 // the run's parameters. ATen's own intra-op threads meet it the same way on a first operator large
 // enough to split. Calling every such function once, on one thread, before any other thread runs
 // ATen operators, makes each choice before the threads can race for it.
