@@ -18,14 +18,12 @@
 #include <ATen/ops/tan.h>
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/trunc.h>
-#include <c10/core/GradMode.h>
 
 #include <mutex>
 
 namespace fsdpp {
 
 void detail::call_mkl_vml_functions() {
-  at::NoGradGuard no_grad;
   // The operators of ATen/cpu/vml.h's IMPLEMENT_VML_MKL list, each on one element (0.5 is in every
   // one's domain) of each type it is declared for.
   using Op = at::Tensor (*)(const at::Tensor&);
