@@ -103,34 +103,65 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
   blas_sgemm()(&ta, &tb, &M, &N, &K, &alpha, b, &la, a, &lb, &beta, c, &lc);
 }
 
+// How far a row's vector loops run: n rounded up to whole vectors where the row holds them (the lanes
+// past n are masked: they read scores nobody sees and write zeros, which the row wants there), else
+// n's whole vectors, the rest left to a scalar loop. A causal row is short (n is its position plus
+// one, 64 on average at moe-small's length) and rarely whole vectors: a scalar tail of up to 15
+// elements, each a scalar exp_poly, cost about as much as the row's vectors
+// (bench/results/softmax_tail_attention.md, bench/results/softmax_tail.md).
+inline int64_t vector_end(int64_t n, int64_t len) {
+  const int64_t whole = (n + kLanes - 1) / kLanes * kLanes;
+  return whole <= len ? whole : n / kLanes * kLanes;
+}
+
 // One row of scores s[0, len) whose first n are visible: s becomes the softmax over those n and
-// zero past them; returns log sum exp of the visible scores.
+// zero past them; returns log sum exp of the visible scores. Lane k of the sums takes the visible
+// elements k, k + kLanes, ..., whichever loop reaches them.
 FSDPP_VECTOR_CLONES float softmax_row(float* __restrict s, int64_t n, int64_t len) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
   float mx[kLanes];
-  for (int k = 0; k < kLanes; ++k) mx[k] = -std::numeric_limits<float>::infinity();
+  for (int k = 0; k < kLanes; ++k) mx[k] = kNone;
+  const auto max_into = [&mx](const float* __restrict p) {
+    for (int k = 0; k < kLanes; ++k) mx[k] = p[k] > mx[k] ? p[k] : mx[k];
+  };
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) mx[k] = s[j + k] > mx[k] ? s[j + k] : mx[k];
-  float m = -std::numeric_limits<float>::infinity();
+  for (; j + kLanes <= n; j += kLanes) max_into(s + j);
+  // A maximum may see an element twice: the last partial vector is read as the last whole one.
+  if (j < n && n >= kLanes) max_into(s + n - kLanes), j = n;
+  float m = kNone;
   for (; j < n; ++j) m = s[j] > m ? s[j] : m;
   for (int k = 0; k < kLanes; ++k) m = mx[k] > m ? mx[k] : m;
+  const int64_t end = vector_end(n, len);
   float acc[kLanes] = {};
-  j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) acc[k] += (s[j + k] = exp_poly(s[j + k] - m));
+  for (j = 0; j < end; j += kLanes) {
+    const int visible = int(std::min<int64_t>(n - j, kLanes));
+    for (int k = 0; k < kLanes; ++k) {
+      const float e = k < visible ? exp_poly(s[j + k] - m) : 0.0f;
+      s[j + k] = e;
+      acc[k] += e;
+    }
+  }
+  for (; j < n; ++j) acc[j % kLanes] += (s[j] = exp_poly(s[j] - m));
   float l = 0.0f;
-  for (; j < n; ++j) l += (s[j] = exp_poly(s[j] - m));
   for (int k = 0; k < kLanes; ++k) l += acc[k];
   const float inv = 1.0f / l;
-  for (j = 0; j < n; ++j) s[j] *= inv;
-  for (j = n; j < len; ++j) s[j] = 0.0f;
+  for (j = 0; j < end; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) s[j + k] *= inv;  // the masked lanes are zeros already
+  for (; j < n; ++j) s[j] *= inv;
+  for (j = std::max(n, end); j < len; ++j) s[j] = 0.0f;
   return m + std::log(l);
 }
 
 // The backward's probabilities again: s[j] = exp(s[j] - lse) for the n visible, zero past them.
 FSDPP_VECTOR_CLONES void probs_row(float* __restrict s, float lse, int64_t n, int64_t len) {
-  for (int64_t j = 0; j < n; ++j) s[j] = exp_poly(s[j] - lse);
-  for (int64_t j = n; j < len; ++j) s[j] = 0.0f;
+  const int64_t end = vector_end(n, len);
+  int64_t j = 0;
+  for (; j < end; j += kLanes) {
+    const int visible = int(std::min<int64_t>(n - j, kLanes));
+    for (int k = 0; k < kLanes; ++k) s[j + k] = k < visible ? exp_poly(s[j + k] - lse) : 0.0f;
+  }
+  for (; j < n; ++j) s[j] = exp_poly(s[j] - lse);
+  for (j = std::max(n, end); j < len; ++j) s[j] = 0.0f;
 }
 
 // dS = scale P (dP - D) in place of dP.
