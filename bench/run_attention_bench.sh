@@ -7,10 +7,12 @@ cd "$(dirname "$0")/.."
 build=${1:-build}
 rounds=${2:-7}
 out=bench/results/attention.md
+source bench/cpuinfo.sh
+cpu=$(cpuinfo 'model name')
 {
   echo "# The attention core: composed, scaled_dot_product_attention, fsdpp's kernels"
   echo
-  echo "Command: \`bash bench/run_attention_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores, OPENBLAS_* as set by the machine."
+  echo "Command: \`bash bench/run_attention_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores of $cpu, OPENBLAS_* as set by the machine."
   echo
   echo "Forward and backward of the model's attention core at moe-small's shape (16 sequences of 128"
   echo "tokens, dim 128, 4 heads of 32), from the qkv projection's output to the attention output; the ways"
