@@ -13,19 +13,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash bench/run_attention_ab.sh NAME [rounds] before=dir after=dir"
-[[ $# -ge 3 && $1 =~ ^[a-z0-9_]+$ ]] || { echo "$usage"; exit 1; }
-name=$1
-shift
-rounds=10
-if [[ $1 =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
-[[ $# -eq 2 && $rounds -gt 0 ]] || { echo "$usage"; exit 1; }
-labels=() dirs=()
-for v in "$1" "$2"; do
-  dir=${v#*=}
-  [[ $v == *=* && -f $dir/libfsdpp.so && -f $dir/libfsdpp_gloo.so ]] ||
-    { echo "$v: expected label=dir, dir holding libfsdpp.so and libfsdpp_gloo.so"; exit 1; }
-  labels+=("${v%%=*}") dirs+=("$(realpath "$dir")")
-done
+source bench/ab_builds.sh
+ab_builds "$usage" 10 "$@"
+[[ ${#extra[@]} -eq 0 ]] || { echo "$usage"; exit 1; }
 build=${FSDPP_BUILD:-build}
 bench=$build/bench/fsdpp_attention_bench
 [[ -x $bench ]] || { echo "$bench: not built (ninja -C $build bench/fsdpp_attention_bench)"; exit 1; }

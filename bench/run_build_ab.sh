@@ -14,21 +14,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bash bench/run_build_ab.sh NAME [rounds] before=dir after=dir CONFIG [CONFIG ...]"
-[[ $# -ge 3 && $1 =~ ^[a-z0-9_]+$ ]] || { echo "$usage"; exit 1; }
-name=$1
-shift
-rounds=6
-if [[ $1 =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
-[[ $# -ge 3 && $rounds -gt 0 ]] || { echo "$usage"; exit 1; }
-labels=() dirs=()
-for v in "$1" "$2"; do
-  dir=${v#*=}
-  [[ $v == *=* && -f $dir/libfsdpp.so && -f $dir/libfsdpp_gloo.so ]] ||
-    { echo "$v: expected label=dir, dir holding libfsdpp.so and libfsdpp_gloo.so"; exit 1; }
-  labels+=("${v%%=*}") dirs+=("$(realpath "$dir")")
-done
-shift 2
-configs=("$@")
+source bench/ab_builds.sh
+ab_builds "$usage" 6 "$@"
+[[ ${#extra[@]} -ge 1 ]] || { echo "$usage"; exit 1; }
+configs=("${extra[@]}")
 build=${FSDPP_BUILD:-build}
 source bench/preamble.sh
 out=bench/results/$name.md
