@@ -11,7 +11,6 @@
 #include <fmt/format.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <map>
@@ -20,25 +19,16 @@
 
 #include "fsdpp/models/moe.hpp"
 #include "interleaved.hpp"
+#include "options.hpp"
 
 using namespace fsdpp;
 
 int main(int argc, char** argv) {
-  int threads = 1, rounds = 7;
-  int64_t B = 16, T = 128;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    const long v = std::atol(argv[i + 1]);
-    if (a == "--threads") threads = int(v);
-    else if (a == "--rounds") rounds = int(v);
-    else if (a == "--batch") B = v;
-    else if (a == "--seq") T = v;
-    else {
-      fmt::print(stderr, "attention_bench: unknown option {}\n", a);
-      return 2;
-    }
-  }
-  at::set_num_threads(threads);
+  int64_t threads = 1, rounds = 7, B = 16, T = 128;
+  if (!bench::parse_options(argc, argv, "attention_bench",
+                            {{"threads", &threads}, {"rounds", &rounds}, {"batch", &B}, {"seq", &T}}))
+    return 2;
+  at::set_num_threads(int(threads));
   const int64_t D = 128, H = 4, hd = D / H;  // moe-small
   at::manual_seed(0);
   const auto qkv = at::randn({B, T, 3, H, hd}).requires_grad_();
@@ -91,7 +81,7 @@ int main(int argc, char** argv) {
     qkv.mutable_grad() = at::Tensor();
     ways[way]().backward(grad);
   };
-  const auto t = bench::interleave(order, step, rounds, /*per_round=*/10);
+  const auto t = bench::interleave(order, step, int(rounds), /*per_round=*/10);
   for (const auto& w : order)
     fmt::print("RESULT attention way={} batch={} seq={} dim={} heads={} threads={} fwd_bwd_ms={:.2f} "
                "speedup_over_composed={:.2f}\n",

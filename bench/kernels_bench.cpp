@@ -18,7 +18,6 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <functional>
 #include <map>
 #include <string>
@@ -26,26 +25,17 @@
 
 #include "fsdpp/models/kernels.hpp"
 #include "interleaved.hpp"
+#include "options.hpp"
 
 using namespace fsdpp;
 
 int main(int argc, char** argv) {
-  int threads = 1, rounds = 7;
-  int64_t rows = 32 * 128;
-  bool bf16 = false;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    const long v = std::atol(argv[i + 1]);
-    if (a == "--threads") threads = int(v);
-    else if (a == "--rounds") rounds = int(v);
-    else if (a == "--rows") rows = v;
-    else if (a == "--bf16") bf16 = v != 0;
-    else {
-      fmt::print(stderr, "kernels_bench: unknown option {}\n", a);
-      return 2;
-    }
-  }
-  at::set_num_threads(threads);
+  int64_t threads = 1, rounds = 7, rows = 32 * 128, bf16_flag = 0;
+  if (!bench::parse_options(argc, argv, "kernels_bench",
+                            {{"threads", &threads}, {"rounds", &rounds}, {"rows", &rows}, {"bf16", &bf16_flag}}))
+    return 2;
+  const bool bf16 = bf16_flag != 0;
+  at::set_num_threads(int(threads));
   const int64_t dim = 128, hidden = 384;  // moe-small
   const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
   at::manual_seed(0);
@@ -114,7 +104,7 @@ int main(int argc, char** argv) {
     for (const auto* t : {&x, &w, &a, &b, &qkv, &xm, &wm, &logits}) const_cast<at::Tensor&>(*t).mutable_grad() = at::Tensor();
     ways[way]();
   };
-  const auto t = bench::interleave(order, call, rounds, /*per_round=*/10);
+  const auto t = bench::interleave(order, call, int(rounds), /*per_round=*/10);
   for (const auto& way : order) {
     const auto kernel = way.substr(0, way.find('-'));
     fmt::print("RESULT kernels way={} rows={} dtype={} threads={} fwd_bwd_ms={:.3f} speedup_over_aten={:.2f}\n", way, rows,

@@ -11,7 +11,6 @@
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
-#include <cstdlib>
 #include <functional>
 #include <map>
 #include <string>
@@ -19,24 +18,15 @@
 
 #include "fsdpp/models/matmul.hpp"
 #include "interleaved.hpp"
+#include "options.hpp"
 
 using namespace fsdpp;
 
 int main(int argc, char** argv) {
-  int threads = 1, rounds = 7;
-  int64_t rows = 8 * 128;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    const long v = std::atol(argv[i + 1]);
-    if (a == "--threads") threads = int(v);
-    else if (a == "--rounds") rounds = int(v);
-    else if (a == "--rows") rows = v;
-    else {
-      fmt::print(stderr, "matmul_bench: unknown option {}\n", a);
-      return 2;
-    }
-  }
-  at::set_num_threads(threads);
+  int64_t threads = 1, rounds = 7, rows = 8 * 128;
+  if (!bench::parse_options(argc, argv, "matmul_bench", {{"threads", &threads}, {"rounds", &rounds}, {"rows", &rows}}))
+    return 2;
+  at::set_num_threads(int(threads));
   if (!models::onednn_matmul_available()) {
     fmt::print(stderr, "matmul_bench: oneDNN's float32 product does not run in this process (models/matmul.hpp)\n");
     return 1;
@@ -71,7 +61,7 @@ int main(int argc, char** argv) {
   // Every split once each way first, so that oneDNN's kernels for the experts' blocks are compiled
   // before the timing (as they are within a run's first steps).
   for (size_t i = 0; i < 2 * splits.size(); ++i) call(i % 2 ? "experts-onednn" : "experts-aten");
-  const auto t = bench::interleave(order, call, rounds, /*per_round=*/10);
+  const auto t = bench::interleave(order, call, int(rounds), /*per_round=*/10);
   for (const auto& way : order) {
     const auto product = way.substr(0, way.find('-'));
     fmt::print("RESULT matmul way={} rows={} threads={} fwd_bwd_ms={:.3f} speedup_over_aten={:.2f}\n", way, rows, threads,

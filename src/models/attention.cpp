@@ -17,8 +17,6 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,6 +24,7 @@
 #include <vector>
 
 #include "fsdpp/base/parallel.hpp"
+#include "blas_gemm.hpp"
 #include "fsdpp/models/kernels.hpp"
 #include "float_loops.hpp"
 #include "rotary_rows.hpp"
@@ -35,6 +34,8 @@ namespace fsdpp::models {
 
 namespace {
 
+using detail::BlasOnThisThread;
+using detail::gemm;
 using loops::exp_poly;
 using loops::kLanes;
 
@@ -44,64 +45,6 @@ using loops::kLanes;
 // 0.72-0.74 of ATen's flash attention's time at 1 and 2 threads, 32 rows 0.75-0.81, 128 rows
 // 0.79-0.90 (bench/attention_bench.cpp, each block size in turn).
 constexpr int64_t kBlockRows = 64;
-
-// A symbol of the library that holds ATen (LibTorch's own BLAS lives there, the one ATen's products
-// use), or null.
-template <class F>
-F torch_symbol(const char* name) {
-  Dl_info info{};
-  if (!dladdr(reinterpret_cast<void*>(&at::_ops::empty_memory_format::call), &info) || !info.dli_fname)
-    return nullptr;
-  void* lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
-  if (!lib) return nullptr;
-  auto f = reinterpret_cast<F>(dlsym(lib, name));
-  dlclose(lib);  // the reference RTLD_NOLOAD took; the library stays loaded
-  return f;
-}
-
-// The Fortran BLAS's sgemm_ (null where LibTorch has none).
-using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                       const int*, const float*, const int*, const float*, float*, const int*);
-
-Sgemm blas_sgemm() {
-  static const auto f = torch_symbol<Sgemm>("sgemm_");
-  return f;
-}
-
-// While it lives, the calling thread's BLAS products run on that thread alone. MKL otherwise
-// splits a product by the OpenMP thread count it sees, and on its AVX2 kernels some splits round
-// otherwise than one thread: the kernel's bits would depend on ATen's thread count. MKL's Fortran
-// entry takes its argument by address and returns the thread's setting before (0: the process's).
-class BlasOnThisThread {
- public:
-  BlasOnThisThread() {
-    const int one = 1;
-    if (set_local_threads()) before_ = set_local_threads()(&one);
-  }
-  ~BlasOnThisThread() {
-    if (set_local_threads()) set_local_threads()(&before_);
-  }
-  BlasOnThisThread(const BlasOnThisThread&) = delete;
-  BlasOnThisThread& operator=(const BlasOnThisThread&) = delete;
-
- private:
-  using SetLocalThreads = int (*)(const int*);
-  static SetLocalThreads set_local_threads() {
-    static const auto f = torch_symbol<SetLocalThreads>("mkl_set_num_threads_local_");  // null without MKL
-    return f;
-  }
-  int before_ = 0;
-};
-
-// Row-major C[m, n] = alpha op(A) op(B) + beta C, op(X) = X^T where asked; each matrix row-major
-// with its leading dimension. A row-major matrix is its transpose in the BLAS's column-major
-// terms, so this is C^T = op(B)^T op(A)^T there.
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
-  const int M = int(n), N = int(m), K = int(k), la = int(ldb), lb = int(lda), lc = int(ldc);
-  blas_sgemm()(&ta, &tb, &M, &N, &K, &alpha, b, &la, a, &lb, &beta, c, &lc);
-}
 
 // How far a row's vector loops run: n rounded up to whole vectors where the row holds them (the lanes
 // past n are masked: they read scores nobody sees and write zeros, which the row wants there), else
@@ -341,7 +284,7 @@ struct RotaryCausalAttention : torch::autograd::Function<RotaryCausalAttention> 
 
 }  // namespace
 
-bool causal_attention_available() { return blas_sgemm() != nullptr; }
+bool causal_attention_available() { return detail::blas_available(); }
 
 at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);

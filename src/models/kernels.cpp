@@ -12,7 +12,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "blas_gemm.hpp"
 #include "fsdpp/base/parallel.hpp"
+#include "fsdpp/models/matmul.hpp"
 #include "float_loops.hpp"
 #include "vector_clones.hpp"
 
@@ -222,6 +224,104 @@ struct SwiGLUFunction : torch::autograd::Function<SwiGLUFunction> {
   }
 };
 
+
+// ------------------------------------------------------------------ the experts' SwiGLU
+
+// Each thread's scratch for a chunk's rows: four [chunk, hidden] blocks.
+float* expert_scratch(int64_t chunk, int64_t hidden) {
+  thread_local std::vector<float> buf;
+  const auto n = size_t(4 * chunk * hidden);
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// x [N, D], w1 and w3 [E, H, D], w2 [E, D, H]; expert e takes rows [ends[e-1], ends[e]).
+struct ExpertShape {
+  int64_t E, H, D, chunk;  // chunk: rows of an expert taken at a time
+  std::vector<int64_t> ends;
+  int64_t begin(int64_t e) const { return e > 0 ? ends[size_t(e - 1)] : 0; }
+};
+
+struct ExpertSwiGLUFunction : torch::autograd::Function<ExpertSwiGLUFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& w1_in,
+                            const at::Tensor& w3_in, const at::Tensor& w2_in, std::vector<int64_t> ends, int64_t chunk) {
+    const auto x = x_in.contiguous(), w1 = w1_in.contiguous(), w3 = w3_in.contiguous(), w2 = w2_in.contiguous();
+    const ExpertShape s{w1.size(0), w1.size(1), w1.size(2), chunk, std::move(ends)};
+    const int64_t H = s.H, D = s.D, C = s.chunk, grouped = s.ends.empty() ? 0 : s.ends.back();
+    auto a = at::empty({x.size(0), H}, x.options()), b = at::empty_like(a), y = at::empty_like(x);
+    y.narrow(0, grouped, x.size(0) - grouped).zero_();
+    // Chunks of every expert's rows, in order: each computed whole on one thread.
+    std::vector<std::pair<int64_t, int64_t>> chunks;  // (expert, first row)
+    for (int64_t e = 0; e < s.E; ++e)
+      for (int64_t r = s.begin(e); r < s.ends[size_t(e)]; r += C) chunks.emplace_back(e, r);
+    const float *X = x.const_data_ptr<float>(), *W1 = w1.const_data_ptr<float>(), *W3 = w3.const_data_ptr<float>(),
+                *W2 = w2.const_data_ptr<float>();
+    float *A = a.mutable_data_ptr<float>(), *B = b.mutable_data_ptr<float>(), *Y = y.mutable_data_ptr<float>();
+    parallel_ranges(int64_t(chunks.size()), 1, [&](int64_t c0, int64_t c1) {
+      const detail::BlasOnThisThread one_thread;
+      float* g = expert_scratch(C, H);
+      for (int64_t c = c0; c < c1; ++c) {
+        const auto [e, r] = chunks[size_t(c)];
+        const int64_t n = std::min(C, s.ends[size_t(e)] - r), w = e * H * D;
+        detail::gemm(false, true, n, H, D, 1.0f, X + r * D, D, W1 + w, D, 0.0f, A + r * H, H);
+        detail::gemm(false, true, n, H, D, 1.0f, X + r * D, D, W3 + w, D, 0.0f, B + r * H, H);
+        swiglu_span(A + r * H, B + r * H, g, n * H);
+        detail::gemm(false, true, n, D, H, 1.0f, g, H, W2 + w, H, 0.0f, Y + r * D, D);
+      }
+    });
+    ctx->save_for_backward({x, w1, w3, w2, a, b});
+    ctx->saved_data["ends"] = s.ends;
+    ctx->saved_data["chunk"] = C;
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &w1 = saved[1], &w3 = saved[2], &w2 = saved[3], &a = saved[4], &b = saved[5];
+    const ExpertShape s{w1.size(0), w1.size(1), w1.size(2), ctx->saved_data["chunk"].toInt(),
+                        ctx->saved_data["ends"].toIntVector()};
+    const int64_t H = s.H, D = s.D, C = s.chunk, grouped = s.ends.empty() ? 0 : s.ends.back();
+    const auto dy = grads[0].contiguous();
+    auto dx = at::empty_like(x), dw1 = at::empty_like(w1), dw3 = at::empty_like(w3), dw2 = at::empty_like(w2);
+    dx.narrow(0, grouped, x.size(0) - grouped).zero_();
+    const float *X = x.const_data_ptr<float>(), *W1 = w1.const_data_ptr<float>(), *W3 = w3.const_data_ptr<float>(),
+                *W2 = w2.const_data_ptr<float>(), *A = a.const_data_ptr<float>(), *B = b.const_data_ptr<float>(),
+                *dY = dy.const_data_ptr<float>();
+    float *dX = dx.mutable_data_ptr<float>(), *dW1 = dw1.mutable_data_ptr<float>(), *dW3 = dw3.mutable_data_ptr<float>(),
+          *dW2 = dw2.mutable_data_ptr<float>();
+    // An expert's chunks in order on one thread: its weights' gradients are the chunks' products
+    // summed in that order, whatever the thread count.
+    parallel_ranges(s.E, 1, [&](int64_t e0, int64_t e1) {
+      const detail::BlasOnThisThread one_thread;
+      float* scratch = expert_scratch(C, H);
+      float *g = scratch, *dg = g + C * H, *da = dg + C * H, *db = da + C * H;
+      for (int64_t e = e0; e < e1; ++e) {
+        const int64_t w = e * H * D;
+        if (s.begin(e) == s.ends[size_t(e)]) {  // no rows: no gradient
+          std::fill(dW1 + w, dW1 + w + H * D, 0.0f);
+          std::fill(dW3 + w, dW3 + w + H * D, 0.0f);
+          std::fill(dW2 + w, dW2 + w + H * D, 0.0f);
+          continue;
+        }
+        for (int64_t r = s.begin(e); r < s.ends[size_t(e)]; r += C) {
+          const int64_t n = std::min(C, s.ends[size_t(e)] - r);
+          const float acc = r == s.begin(e) ? 0.0f : 1.0f;  // the first chunk starts each weight's gradient
+          detail::gemm(false, false, n, H, D, 1.0f, dY + r * D, D, W2 + w, H, 0.0f, dg, H);
+          swiglu_span(A + r * H, B + r * H, g, n * H);  // the gate again, not kept from forward
+          detail::gemm(true, false, D, H, n, 1.0f, dY + r * D, D, g, H, acc, dW2 + w, H);
+          swiglu_span_backward(dg, A + r * H, B + r * H, da, db, n * H);
+          detail::gemm(false, false, n, D, H, 1.0f, da, H, W1 + w, D, 0.0f, dX + r * D, D);
+          detail::gemm(false, false, n, D, H, 1.0f, db, H, W3 + w, D, 1.0f, dX + r * D, D);  // x's two parts summed
+          detail::gemm(true, false, H, D, n, 1.0f, da, H, X + r * D, D, acc, dW1 + w, D);
+          detail::gemm(true, false, H, D, n, 1.0f, db, H, X + r * D, D, acc, dW3 + w, D);
+        }
+      }
+    });
+    return {dx, dw1, dw3, dw2, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -246,6 +346,25 @@ at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
       a.sizes() != b.sizes())
     return swiglu_reference(a, b);
   return SwiGLUFunction::apply(a, b);
+}
+
+at::Tensor expert_swiglu_reference(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
+                                   const at::Tensor& ends) {
+  return grouped_linear(swiglu(grouped_linear(x, w1, ends, false), grouped_linear(x, w3, ends, false)), w2, ends, false);
+}
+
+at::Tensor expert_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
+                         const at::Tensor& ends, int64_t chunk_rows) {
+  TORCH_CHECK(x.dim() == 2 && w1.dim() == 3 && w3.sizes() == w1.sizes() && w2.dim() == 3 && w2.size(0) == w1.size(0) &&
+                  w2.size(1) == w1.size(2) && w2.size(2) == w1.size(1) && x.size(1) == w1.size(2),
+              "expert_swiglu: x [rows, dim], w1 and w3 [experts, hidden, dim], w2 [experts, dim, hidden] expected, got x ",
+              x.sizes(), ", w1 ", w1.sizes(), ", w3 ", w3.sizes(), ", w2 ", w2.sizes());
+  TORCH_CHECK(chunk_rows >= 1, "expert_swiglu: chunk_rows must be at least 1, got ", chunk_rows);
+  bool kernel = detail::blas_available() && ends.is_cpu();
+  for (const auto* t : {&x, &w1, &w3, &w2}) kernel = kernel && t->is_cpu() && t->scalar_type() == at::kFloat;
+  if (!kernel) return expert_swiglu_reference(x, w1, w3, w2, ends);
+  return ExpertSwiGLUFunction::apply(x, w1, w3, w2, detail::group_ends(ends, x.size(0), w1.size(0), "expert_swiglu"),
+                                     chunk_rows);
 }
 
 }  // namespace fsdpp::models

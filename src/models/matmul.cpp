@@ -138,19 +138,6 @@ struct OneDnnLinear : torch::autograd::Function<OneDnnLinear> {
   }
 };
 
-// Group g's rows of `ends` (see grouped_linear), checked.
-std::vector<int64_t> group_ends(const at::Tensor& ends, int64_t rows, int64_t groups) {
-  TORCH_CHECK(ends.dim() == 1 && ends.size(0) == groups, "grouped_linear: ends must be [", groups,
-              "] (one per group of the weight), got ", ends.sizes());
-  TORCH_CHECK(ends.is_cpu(), "grouped_linear: ends must be on the host for float32 CPU inputs, got ", ends.device());
-  const auto e = ends.to(at::kLong).contiguous();
-  std::vector<int64_t> out(e.const_data_ptr<int64_t>(), e.const_data_ptr<int64_t>() + groups);
-  for (int64_t g = 0, prev = 0; g < groups; prev = out[g], ++g)
-    TORCH_CHECK(out[g] >= prev && out[g] <= rows, "grouped_linear: ends must be non-decreasing and at most ", rows,
-                " (the rows of x); ends[", g, "] = ", out[g], " after ", prev);
-  return out;
-}
-
 struct OneDnnGroupedLinear : torch::autograd::Function<OneDnnGroupedLinear> {
   // Rows past the last group are zero, in the result and in x's gradient.
   static void zero_past_groups(const at::Tensor& t, const std::vector<int64_t>& ends) {
@@ -189,6 +176,18 @@ struct OneDnnGroupedLinear : torch::autograd::Function<OneDnnGroupedLinear> {
 
 }  // namespace
 
+std::vector<int64_t> detail::group_ends(const at::Tensor& ends, int64_t rows, int64_t groups, const char* what) {
+  TORCH_CHECK(ends.dim() == 1 && ends.size(0) == groups, what, ": ends must be [", groups,
+              "] (one per group of the weight), got ", ends.sizes());
+  TORCH_CHECK(ends.is_cpu(), what, ": ends must be on the host for float32 CPU inputs, got ", ends.device());
+  const auto e = ends.to(at::kLong).contiguous();
+  std::vector<int64_t> out(e.const_data_ptr<int64_t>(), e.const_data_ptr<int64_t>() + groups);
+  for (int64_t g = 0, prev = 0; g < groups; prev = out[g], ++g)
+    TORCH_CHECK(out[g] >= prev && out[g] <= rows, what, ": ends must be non-decreasing and at most ", rows,
+                " (the rows of x); ends[", g, "] = ", out[g], " after ", prev);
+  return out;
+}
+
 bool onednn_matmul_available() {
   static const bool available = onednn_works();
   return available;
@@ -207,7 +206,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const a
               x.sizes(), " and weight ", weight.sizes());
   const bool dnnl = on_onednn(x, weight, onednn);
   if (dnnl || ends.is_cpu()) {  // (ends on a GPU are not read on the host)
-    auto checked = group_ends(ends, x.size(0), weight.size(0));
+    auto checked = detail::group_ends(ends, x.size(0), weight.size(0), "grouped_linear");
     if (dnnl) return OneDnnGroupedLinear::apply(x, weight, std::move(checked));
     // at::_grouped_mm leaves the rows past the last end unwritten, in its result and in x's
     // gradient (whatever the memory held): those rows are left out of it and given zeros here.

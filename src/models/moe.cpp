@@ -207,6 +207,7 @@ at::Tensor ExpertsImpl::forward_batched(const at::Tensor& x) {
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& offsets) {
   if (!offsets.defined()) return forward_batched(x);
   if (x.is_cpu()) {
+    if (fused && !onednn) return expert_swiglu(x, w1, w3, w2, offsets);
     const auto h = silu_gate(grouped_linear(x, w1, offsets, onednn), grouped_linear(x, w3, offsets, onednn), fused);
     return grouped_linear(h, w2, offsets, onednn);
   }

@@ -466,6 +466,62 @@ TEST_CASE("swiglu: the fused CPU kernel agrees with silu(a) * b, values and grad
   check_thread_independent([&](const at::Tensor& x) { return models::swiglu(x, bb); }, at::randn({5000}) * 5);
 }
 
+TEST_CASE("expert_swiglu: each expert's SwiGLU on its own rows against float64, values and the four gradients") {
+  at::manual_seed(17);
+  // Experts of 130 rows (a chunk and 2), none, 1 and 257 (two chunks and 1), then 5 rows past the
+  // last end.
+  const int64_t E = 4, D = 48, H = 40, N = 393;
+  const std::vector<int64_t> ends = {130, 130, 131, 388};
+  const auto ends_t = at::tensor(ends, at::kLong).to(at::kInt);
+  const auto x = at::randn({N, D}).requires_grad_();
+  const auto w1 = (at::randn({E, H, D}) * 0.2).requires_grad_(), w3 = (at::randn({E, H, D}) * 0.2).requires_grad_(),
+             w2 = (at::randn({E, D, H}) * 0.2).requires_grad_();
+  const auto y = models::expert_swiglu(x, w1, w3, w2, ends_t);
+  const auto g = at::randn({N, D});
+  y.backward(g);
+
+  // float64, expert by expert; zeros past the last end.
+  auto leaf = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(); };
+  const auto xd = leaf(x), w1d = leaf(w1), w3d = leaf(w3), w2d = leaf(w2);
+  std::vector<at::Tensor> parts;
+  for (int64_t e = 0, begin = 0; e < E; begin = ends[size_t(e)], ++e) {
+    const auto rows = xd.narrow(0, begin, ends[size_t(e)] - begin);
+    parts.push_back(at::mm(at::silu(at::mm(rows, w1d[e].t())) * at::mm(rows, w3d[e].t()), w2d[e].t()));
+  }
+  parts.push_back(at::zeros({N - ends.back(), D}, xd.options()));
+  const auto yd = at::cat(parts);
+  yd.backward(g.to(at::kDouble));
+  // Each result against its largest element: float32 products of 40 to 257 terms stay near 1e-7.
+  const auto err = [](const at::Tensor& a, const at::Tensor& b) {
+    return (a.to(at::kDouble) - b).abs().max().item<double>() / b.abs().max().item<double>();
+  };
+  CHECK(err(y, yd) < 1e-5);
+  CHECK(err(x.grad(), xd.grad()) < 1e-5);
+  CHECK(err(w1.grad(), w1d.grad()) < 1e-5);
+  CHECK(err(w3.grad(), w3d.grad()) < 1e-5);
+  CHECK(err(w2.grad(), w2d.grad()) < 1e-5);
+  // Per expert too, so that a wrong small expert cannot hide under a large one.
+  for (const int64_t e : {0, 2, 3}) {
+    CAPTURE(e);
+    CHECK(err(w1.grad()[e], w1d.grad()[e]) < 1e-5);
+    CHECK(err(w2.grad()[e], w2d.grad()[e]) < 1e-5);
+  }
+  // The expert without rows gets zero gradients; rows past the last end are zero, and so is x's
+  // gradient there.
+  for (const auto* w : {&w1, &w3, &w2}) CHECK(at::equal(w->grad()[1], at::zeros_like(w->grad()[1])));
+  CHECK(at::equal(y.detach().narrow(0, 388, 5), at::zeros({5, D})));
+  CHECK(at::equal(x.grad().narrow(0, 388, 5), at::zeros({5, D})));
+
+  check_thread_independent([&](const at::Tensor& xi) { return models::expert_swiglu(xi, w1, w3, w2, ends_t); },
+                           x.detach(), {w1, w3, w2});
+
+  // Bad ends and shapes are refused, naming them.
+  CHECK_THROWS_WITH_AS(models::expert_swiglu(x, w1, w3, w2, at::tensor(std::vector<int64_t>{5, 4, 6, 9}, at::kLong)),
+                       doctest::Contains("expert_swiglu: ends must be non-decreasing"), c10::Error);
+  CHECK_THROWS_WITH_AS(models::expert_swiglu(x, w1, w3, w1, ends_t), doctest::Contains("w2 [experts, dim, hidden]"),
+                       c10::Error);
+}
+
 // The kernels clamp exp's argument; compiled so that a clamped path ran on every lane, SwiGLU
 // multiplied each element by 1 / (1 + e^88), a subnormal float, and Intel CPUs take a microcode
 // assist for each such product (CMakeLists.txt, -fno-thread-jumps). Ordinary inputs must raise no

@@ -40,6 +40,26 @@ at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, dou
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);
 at::Tensor swiglu_reference(const at::Tensor& a, const at::Tensor& b);
 
+// The experts' SwiGLU over rows grouped by expert (x [rows, dim] sorted by expert; w1 and w3
+// [experts, hidden, dim], w2 [experts, dim, hidden]; `ends` as models::grouped_linear takes them):
+// expert e's row r gives swiglu(x[r] w1[e]^T, x[r] w3[e]^T) w2[e]^T; rows past the last end are
+// zero, and so is x's gradient there. Differentiable in x and the three weights. On the CPU in
+// float32, where LibTorch has a BLAS, one kernel runs expert after expert, its rows in chunks of
+// `chunk_rows`: a chunk's three products and gate (backward: its five products, the gate recomputed
+// and its backward) before the next chunk, so that the chunk's [rows, hidden] intermediates stay in
+// a core's caches, where the composition passes over every expert's rows between one product and
+// the next; x's two gradient parts are summed inside the second product, each weight's gradient
+// accumulated chunk by chunk, and only the first two products' outputs are kept for backward.
+// Not the composition's bits: its products sum over another split of the rows. Chunks run on ATen's
+// intra-op threads forward, experts backward, each product on one thread, so the results do not
+// depend on how many there are. Elsewhere the reference: grouped_linear (ATen's grouped product)
+// and swiglu. bench/results/expert_swiglu_kernel.md times both and the chunk sizes.
+inline constexpr int64_t kExpertChunkRows = 128;
+at::Tensor expert_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
+                         const at::Tensor& ends, int64_t chunk_rows = kExpertChunkRows);
+at::Tensor expert_swiglu_reference(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
+                                   const at::Tensor& w2, const at::Tensor& ends);
+
 // cos and sin of the rotary angles of T positions, each [T, head_dim] (the head_dim / 2 angles
 // position * theta^(-2j / head_dim), repeated twice), computed in float32 and given `options`' dtype.
 std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t head_dim, double theta, at::TensorOptions options);

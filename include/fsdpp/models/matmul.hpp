@@ -26,6 +26,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <vector>
+
 namespace fsdpp::models {
 
 // Whether float32 CPU products can go through oneDNN in this process (found and checked once).
@@ -50,5 +53,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool onednn);
 // last end where `ends` are on the host (ATen's leaves the others unwritten, forward and backward;
 // with `ends` on a GPU every row goes to it).
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends, bool onednn);
+
+namespace detail {
+// grouped_linear's `ends` checked against `rows` rows of x and `groups` groups and read on the host;
+// c10::Error naming `what` and what is wrong otherwise.
+std::vector<int64_t> group_ends(const at::Tensor& ends, int64_t rows, int64_t groups, const char* what);
+}  // namespace detail
 
 }  // namespace fsdpp::models

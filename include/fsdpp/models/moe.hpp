@@ -122,13 +122,13 @@ struct ExpertsImpl : torch::nn::Module {
   // Every expert on its [capacity, dim] slot block: x is [E, C, dim].
   at::Tensor forward_batched(const at::Tensor& x);
   // With `offsets` (int32 [E], cumulative row counts): x is [rows, dim] sorted by expert, expert e
-  // taking rows [offsets[e-1], offsets[e]); on the CPU one grouped product per weight
-  // (models::grouped_linear), elsewhere one expert after another (the offsets read on the host).
-  // Without: forward_batched(x).
+  // taking rows [offsets[e-1], offsets[e]); on the CPU models::expert_swiglu's kernel (with `fused`
+  // and without `onednn`) or one grouped product per weight (models::grouped_linear), elsewhere one
+  // expert after another (the offsets read on the host). Without: forward_batched(x).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& offsets);
   int64_t count() const { return w1.size(0); }
   at::Tensor w1, w3, w2;
-  bool fused;   // silu(x w1^T) * x w3^T by models::swiglu's kernel, else the composition
+  bool fused;   // the fused kernels (models::expert_swiglu, models::swiglu), else the composition
   bool onednn;  // models::grouped_linear's oneDNN products for float32 on the CPU
 };
 TORCH_MODULE(Experts);
