@@ -522,6 +522,48 @@ TEST_CASE("expert_swiglu: each expert's SwiGLU on its own rows against float64, 
                        c10::Error);
 }
 
+TEST_CASE("expert_swiglu: chunks of any size, a large expert's weights' gradients summed over many of them") {
+  at::manual_seed(19);
+  // 2500 rows for the first expert (20 chunks of 128, 25 of 100, 358 of 7, one of 5000), 3 for the
+  // second.
+  const int64_t E = 2, D = 16, H = 24, N = 2503;
+  const auto ends = at::tensor(std::vector<int64_t>{2500, 2503}, at::kLong);
+  const auto x = at::randn({N, D}).requires_grad_();
+  const auto w1 = (at::randn({E, H, D}) * 0.3).requires_grad_(), w3 = (at::randn({E, H, D}) * 0.3).requires_grad_(),
+             w2 = (at::randn({E, D, H}) * 0.3).requires_grad_();
+  const auto g = at::randn({N, D});
+  auto leaf = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(); };
+  const auto xd = leaf(x), w1d = leaf(w1), w3d = leaf(w3), w2d = leaf(w2);
+  std::vector<at::Tensor> parts;
+  for (int64_t e = 0, begin = 0; e < E; begin = 2500, ++e) {
+    const auto rows = xd.narrow(0, begin, (e == 0 ? 2500 : 2503) - begin);
+    parts.push_back(at::mm(at::silu(at::mm(rows, w1d[e].t())) * at::mm(rows, w3d[e].t()), w2d[e].t()));
+  }
+  const auto yd = at::cat(parts);
+  yd.backward(g.to(at::kDouble));
+  const auto err = [](const at::Tensor& a, const at::Tensor& b) {
+    return (a.to(at::kDouble) - b).abs().max().item<double>() / b.abs().max().item<double>();
+  };
+  for (const int64_t chunk : {int64_t(128), int64_t(100), int64_t(7), int64_t(5000)}) {
+    CAPTURE(chunk);
+    for (const auto* t : {&x, &w1, &w3, &w2}) t->mutable_grad() = at::Tensor();
+    const auto y = models::expert_swiglu(x, w1, w3, w2, ends, chunk);
+    y.backward(g);
+    CHECK(err(y, yd) < 1e-5);
+    CHECK(err(x.grad(), xd.grad()) < 1e-5);
+    for (int64_t e = 0; e < E; ++e) {
+      CAPTURE(e);
+      CHECK(err(w1.grad()[e], w1d.grad()[e]) < 1e-5);
+      CHECK(err(w3.grad()[e], w3d.grad()[e]) < 1e-5);
+      CHECK(err(w2.grad()[e], w2d.grad()[e]) < 1e-5);
+    }
+  }
+  check_thread_independent([&](const at::Tensor& xi) { return models::expert_swiglu(xi, w1, w3, w2, ends); }, x.detach(),
+                           {w1, w3, w2});
+  CHECK_THROWS_WITH_AS(models::expert_swiglu(x, w1, w3, w2, ends, 0), doctest::Contains("chunk_rows must be at least 1"),
+                       c10::Error);
+}
+
 // The kernels clamp exp's argument; compiled so that a clamped path ran on every lane, SwiGLU
 // multiplied each element by 1 / (1 + e^88), a subnormal float, and Intel CPUs take a microcode
 // assist for each such product (CMakeLists.txt, -fno-thread-jumps). Ordinary inputs must raise no
