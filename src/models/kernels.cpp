@@ -224,7 +224,6 @@ struct SwiGLUFunction : torch::autograd::Function<SwiGLUFunction> {
   }
 };
 
-
 // ------------------------------------------------------------------ the experts' SwiGLU
 
 // Each thread's scratch for a chunk's rows: four [chunk, hidden] blocks.
