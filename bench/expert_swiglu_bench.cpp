@@ -5,7 +5,8 @@
 //   composition   models::expert_swiglu_reference: models::grouped_linear (at::_grouped_mm) for w1,
 //                 w3 and w2 and models::swiglu's gate, under autograd (the model before the kernel)
 //   kernel-C      models::expert_swiglu with chunks of C rows (C = rows: each expert whole)
-// The ways alternate within each round, each round starting one further along; medians.
+// The ways alternate within each round, each round starting one further along; medians. Malloc
+// keeps freed memory as `fsdpp run` has its ranks keep it (bench/kept_malloc.hpp).
 //   fsdpp_expert_swiglu_bench [--threads N] [--rounds R] [--rows ROWS_PER_EXPERT]
 // Prints one line per way:
 //   RESULT expert_swiglu rows=R threads=T way=W forward_ms=F backward_ms=B total_ms=S speedup=X
@@ -22,7 +23,9 @@
 #include <string>
 #include <vector>
 
+#include "fsdpp/base/host_memory.hpp"
 #include "fsdpp/models/kernels.hpp"
+#include "kept_malloc.hpp"
 #include "options.hpp"
 
 using namespace fsdpp;
@@ -37,6 +40,8 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::restart_with_kept_malloc_thresholds(argv, "expert_swiglu_bench");
+  fmt::print("host memory: {}\n", describe_malloc_thresholds(malloc_environment()));
   int64_t threads = 1, rounds = 15, rows = 1024;
   if (!bench::parse_options(argc, argv, "expert_swiglu_bench", {{"threads", &threads}, {"rounds", &rounds}, {"rows", &rows}}))
     return 2;

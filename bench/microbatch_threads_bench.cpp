@@ -18,8 +18,6 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include <unistd.h>
-
 #include <cstdlib>
 #include <fstream>
 #include <stdexcept>
@@ -31,6 +29,7 @@
 #include "fsdpp/models/moe.hpp"
 #include "fsdpp/train/recipe.hpp"
 #include "interleaved.hpp"
+#include "kept_malloc.hpp"
 
 using namespace fsdpp;
 
@@ -50,13 +49,7 @@ std::vector<at::Tensor> grads(models::MoETransformerImpl& model) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // GLIBC_TUNABLES is read when the process starts.
-  if (const auto tunables = with_kept_malloc_thresholds(malloc_environment())) {
-    setenv("GLIBC_TUNABLES", tunables->c_str(), 1);
-    execv("/proc/self/exe", argv);
-    fmt::print(stderr, "microbatch_threads_bench: cannot start itself again with GLIBC_TUNABLES={}\n", *tunables);
-    return 1;
-  }
+  bench::restart_with_kept_malloc_thresholds(argv, "microbatch_threads_bench");
   fmt::print("host memory: {}\n", describe_malloc_thresholds(malloc_environment()));
   int rounds = 7, per_round = 5;
   int64_t micro_batch = 16, seq = 128;

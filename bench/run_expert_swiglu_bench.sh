@@ -11,10 +11,6 @@ rounds=${2:-30}
 out=bench/results/expert_swiglu_kernel.md
 source bench/cpuinfo.sh
 cpu=$(cpuinfo 'model name')
-# malloc's thresholds as `fsdpp run` gives its ranks (include/fsdpp/base/host_memory.hpp), so that
-# the tensors each way allocates come from the heap as they do in training, not from fresh pages.
-tunables=$(sed -n '/kKeptMallocTunables =/,/;/p' include/fsdpp/base/host_memory.hpp | grep -o '"[^"]*"' | tr -d '"\n')
-[ -n "$tunables" ] || { echo "no kKeptMallocTunables in include/fsdpp/base/host_memory.hpp"; exit 1; }
 {
   echo "# The experts' SwiGLU: the composition against one kernel, expert after expert in chunks of rows"
   echo
@@ -23,7 +19,7 @@ tunables=$(sed -n '/kKeptMallocTunables =/,/;/p' include/fsdpp/base/host_memory.
   echo "One MoE layer's experts at moe-small's shapes (4 experts, dim 128, expert_hidden 192, every"
   echo "expert given the same rows), forward and backward, the caches cleared (64 MB written, untimed)"
   echo "before each, as a training step meets its operands, malloc's thresholds as \`fsdpp run\` sets them"
-  echo "(GLIBC_TUNABLES=$tunables); the ways alternate within each of $rounds"
+  echo "(the bench starts itself again with them, \`bench/kept_malloc.hpp\`); the ways alternate within each of $rounds"
   echo "rounds; medians, and the median of the per-round ratios. \`composition\` is"
   echo "\`models::expert_swiglu_reference\`, what the model ran before the kernel: \`models::grouped_linear\`"
   echo "(ATen's \`at::_grouped_mm\`) for w1, w3 and w2 and \`models::swiglu\`'s gate, under autograd."
@@ -34,7 +30,7 @@ tunables=$(sed -n '/kKeptMallocTunables =/,/;/p' include/fsdpp/base/host_memory.
   echo "|---:|---:|---|---:|---:|---:|---:|"
   for rows in 1024 512; do
     for t in 1 2; do
-      GLIBC_TUNABLES=$tunables "$build/bench/fsdpp_expert_swiglu_bench" --threads "$t" --rounds "$rounds" --rows "$rows" |
+      "$build/bench/fsdpp_expert_swiglu_bench" --threads "$t" --rounds "$rounds" --rows "$rows" |
         sed -n 's/^RESULT expert_swiglu rows=\([0-9]*\) threads=\([0-9]*\) way=\([a-z0-9-]*\) forward_ms=\([0-9.]*\) backward_ms=\([0-9.]*\) total_ms=\([0-9.]*\) speedup=\([0-9.]*\)$/| \1 | \2 | \3 | \4 | \5 | \6 | \7x |/p'
     done
   done

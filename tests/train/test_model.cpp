@@ -466,6 +466,35 @@ TEST_CASE("swiglu: the fused CPU kernel agrees with silu(a) * b, values and grad
   check_thread_independent([&](const at::Tensor& x) { return models::swiglu(x, bb); }, at::randn({5000}) * 5);
 }
 
+namespace {
+
+// Float64 leaves of x and the experts' weights, and their SwiGLU expert by expert over the rows
+// `ends` gives each (zeros past the last end), for expert_swiglu's tests.
+struct ExpertsF64 {
+  at::Tensor x, w1, w3, w2, y;
+};
+ExpertsF64 experts_f64(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
+                       const std::vector<int64_t>& ends) {
+  const auto leaf = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(); };
+  ExpertsF64 r{leaf(x), leaf(w1), leaf(w3), leaf(w2), {}};
+  std::vector<at::Tensor> parts;
+  for (size_t e = 0, begin = 0; e < ends.size(); begin = size_t(ends[e]), ++e) {
+    const auto rows = r.x.narrow(0, int64_t(begin), ends[e] - int64_t(begin));
+    const auto i = int64_t(e);
+    parts.push_back(at::mm(at::silu(at::mm(rows, r.w1[i].t())) * at::mm(rows, r.w3[i].t()), r.w2[i].t()));
+  }
+  parts.push_back(at::zeros({x.size(0) - ends.back(), x.size(1)}, r.x.options()));
+  r.y = at::cat(parts);
+  return r;
+}
+
+// Largest |a - b| over b's largest element: float32 products of tens to hundreds of terms stay near 1e-7.
+double relative_to_largest(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b).abs().max().item<double>() / b.abs().max().item<double>();
+}
+
+}  // namespace
+
 TEST_CASE("expert_swiglu: each expert's SwiGLU on its own rows against float64, values and the four gradients") {
   at::manual_seed(17);
   // Experts of 130 rows (a chunk and 2), none, 1 and 257 (two chunks and 1), then 5 rows past the
@@ -480,21 +509,10 @@ TEST_CASE("expert_swiglu: each expert's SwiGLU on its own rows against float64, 
   const auto g = at::randn({N, D});
   y.backward(g);
 
-  // float64, expert by expert; zeros past the last end.
-  auto leaf = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(); };
-  const auto xd = leaf(x), w1d = leaf(w1), w3d = leaf(w3), w2d = leaf(w2);
-  std::vector<at::Tensor> parts;
-  for (int64_t e = 0, begin = 0; e < E; begin = ends[size_t(e)], ++e) {
-    const auto rows = xd.narrow(0, begin, ends[size_t(e)] - begin);
-    parts.push_back(at::mm(at::silu(at::mm(rows, w1d[e].t())) * at::mm(rows, w3d[e].t()), w2d[e].t()));
-  }
-  parts.push_back(at::zeros({N - ends.back(), D}, xd.options()));
-  const auto yd = at::cat(parts);
+  const auto d = experts_f64(x, w1, w3, w2, ends);
+  const auto &yd = d.y, &xd = d.x, &w1d = d.w1, &w3d = d.w3, &w2d = d.w2;
   yd.backward(g.to(at::kDouble));
-  // Each result against its largest element: float32 products of 40 to 257 terms stay near 1e-7.
-  const auto err = [](const at::Tensor& a, const at::Tensor& b) {
-    return (a.to(at::kDouble) - b).abs().max().item<double>() / b.abs().max().item<double>();
-  };
+  const auto err = relative_to_largest;
   CHECK(err(y, yd) < 1e-5);
   CHECK(err(x.grad(), xd.grad()) < 1e-5);
   CHECK(err(w1.grad(), w1d.grad()) < 1e-5);
@@ -527,23 +545,16 @@ TEST_CASE("expert_swiglu: chunks of any size, a large expert's weights' gradient
   // 2500 rows for the first expert (20 chunks of 128, 25 of 100, 358 of 7, one of 5000), 3 for the
   // second.
   const int64_t E = 2, D = 16, H = 24, N = 2503;
-  const auto ends = at::tensor(std::vector<int64_t>{2500, 2503}, at::kLong);
+  const std::vector<int64_t> expert_ends = {2500, 2503};
+  const auto ends = at::tensor(expert_ends, at::kLong);
   const auto x = at::randn({N, D}).requires_grad_();
   const auto w1 = (at::randn({E, H, D}) * 0.3).requires_grad_(), w3 = (at::randn({E, H, D}) * 0.3).requires_grad_(),
              w2 = (at::randn({E, D, H}) * 0.3).requires_grad_();
   const auto g = at::randn({N, D});
-  auto leaf = [](const at::Tensor& t) { return t.detach().to(at::kDouble).requires_grad_(); };
-  const auto xd = leaf(x), w1d = leaf(w1), w3d = leaf(w3), w2d = leaf(w2);
-  std::vector<at::Tensor> parts;
-  for (int64_t e = 0, begin = 0; e < E; begin = 2500, ++e) {
-    const auto rows = xd.narrow(0, begin, (e == 0 ? 2500 : 2503) - begin);
-    parts.push_back(at::mm(at::silu(at::mm(rows, w1d[e].t())) * at::mm(rows, w3d[e].t()), w2d[e].t()));
-  }
-  const auto yd = at::cat(parts);
+  const auto d = experts_f64(x, w1, w3, w2, expert_ends);
+  const auto &yd = d.y, &xd = d.x, &w1d = d.w1, &w3d = d.w3, &w2d = d.w2;
   yd.backward(g.to(at::kDouble));
-  const auto err = [](const at::Tensor& a, const at::Tensor& b) {
-    return (a.to(at::kDouble) - b).abs().max().item<double>() / b.abs().max().item<double>();
-  };
+  const auto err = relative_to_largest;
   for (const int64_t chunk : {int64_t(128), int64_t(100), int64_t(7), int64_t(5000)}) {
     CAPTURE(chunk);
     for (const auto* t : {&x, &w1, &w3, &w2}) t->mutable_grad() = at::Tensor();
