@@ -2,6 +2,10 @@
 // for, forward and backward, at moe-small's shapes (one dp 1 step's 32 x 128 tokens; the dense
 // SwiGLU's hidden 384), side by side (interleaved rounds, medians), one thread unless --threads:
 //   rms_norm-aten, rms_norm-fused   [rows, 128], weight [128]
+//   residual-aten, residual-fused    a block's residual stream: x + r and its RMSNorm, both outputs
+//                                    given gradients: ATen's add, rms_norm's kernel and autograd's
+//                                    sum of the two gradients (the model before), against
+//                                    models::residual_rms_norm
 //   swiglu-aten, swiglu-fused        silu(a) * b, a and b [rows, 384]
 //   rotary-aten, rotary-fused        q and k of the attention's projection [rows / 128, 128, 3, 4, 32]
 //                                    rotated (models::rotary_reference, models::rotary_qkv)
@@ -41,8 +45,12 @@ int main(int argc, char** argv) {
   at::manual_seed(0);
   const auto x = at::randn({rows, dim}).to(dtype).requires_grad_();
   const auto w = (1 + 0.1 * at::randn({dim})).requires_grad_();
+  const auto r = at::randn({rows, dim}).to(dtype).requires_grad_(), gs = at::randn({rows, dim}).to(dtype);
   const auto a = at::randn({rows, hidden}).to(dtype).requires_grad_(), b = at::randn({rows, hidden}).to(dtype).requires_grad_();
   const auto gx = at::randn({rows, dim}).to(dtype), gh = at::randn({rows, hidden}).to(dtype);
+  auto residual_backward = [&](const at::Tensor& sum, const at::Tensor& y) {
+    torch::autograd::backward({sum, y}, {gs, gx});
+  };
   // The attention's projection [B, T, 3, H, D] at sequence length 128, 4 heads of 32; the
   // gradients come back [B, H, T, D] laid out [B, T, H, D], as the attention kernel gives them.
   const int64_t seq = 128, heads = 4, hd = dim / heads, batch = std::max<int64_t>(1, rows / seq);
@@ -67,6 +75,16 @@ int main(int argc, char** argv) {
   std::map<std::string, std::function<void()>> ways = {
       {"rms_norm-aten", [&] { models::rms_norm_reference(x, w, 1e-5).backward(gx); }},
       {"rms_norm-fused", [&] { models::rms_norm(x, w, 1e-5).backward(gx); }},
+      {"residual-aten",
+       [&] {
+         const auto sum = x + r;
+         residual_backward(sum, models::rms_norm(sum, w, 1e-5));
+       }},
+      {"residual-fused",
+       [&] {
+         const auto [sum, y] = models::residual_rms_norm(x, r, w, 1e-5);
+         residual_backward(sum, y);
+       }},
       {"swiglu-aten", [&] { models::swiglu_reference(a, b).backward(gh); }},
       {"swiglu-fused", [&] { models::swiglu(a, b).backward(gh); }},
       {"rotary-aten",
@@ -97,11 +115,11 @@ int main(int argc, char** argv) {
          models::combine_rows(models::dispatch_rows(xm, o), wm, o).backward(gm);
        }},
   };
-  const std::vector<std::string> order = {"rms_norm-aten", "rms_norm-fused", "swiglu-aten", "swiglu-fused",
-                                          "rotary-aten",   "rotary-fused",   "router-aten", "router-fused",
-                                          "moe_rows-aten", "moe_rows-fused"};
+  const std::vector<std::string> order = {"rms_norm-aten", "rms_norm-fused", "residual-aten", "residual-fused",
+                                          "swiglu-aten",   "swiglu-fused",   "rotary-aten",   "rotary-fused",
+                                          "router-aten",   "router-fused",   "moe_rows-aten", "moe_rows-fused"};
   auto call = [&](const std::string& way) {
-    for (const auto* t : {&x, &w, &a, &b, &qkv, &xm, &wm, &logits}) const_cast<at::Tensor&>(*t).mutable_grad() = at::Tensor();
+    for (const auto* t : {&x, &w, &r, &a, &b, &qkv, &xm, &wm, &logits}) const_cast<at::Tensor&>(*t).mutable_grad() = at::Tensor();
     ways[way]();
   };
   const auto t = bench::interleave(order, call, int(rounds), /*per_round=*/10);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The model's RMSNorm, SwiGLU, rotary, router and MoE row kernels against the ATen compositions (bench/kernels_bench.cpp),
-# float32 and bfloat16, at 1 and 2 threads; writes bench/results/kernels.md. Runs with the machine's
-# OPENBLAS_* settings as they are.
+# The model's RMSNorm (alone and with the residual stream), SwiGLU, rotary, router and MoE row
+# kernels against the ATen compositions (bench/kernels_bench.cpp), float32 and bfloat16, at 1 and 2
+# threads; writes bench/results/kernels.md. Runs with the machine's OPENBLAS_* settings as they are.
 #   bash bench/run_kernels_bench.sh [build-dir] [rounds]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ out=bench/results/kernels.md
 source bench/cpuinfo.sh
 cpu=$(cpuinfo 'model name')
 {
-  echo "# RMSNorm, SwiGLU's gate, the rotary embedding, the router and the MoE layer's rows: single-pass kernels against the ATen compositions"
+  echo "# RMSNorm (alone and with the residual stream), SwiGLU's gate, the rotary embedding, the router and the MoE layer's rows: single-pass kernels against the ATen compositions"
   echo
   echo "Command: \`bash bench/run_kernels_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores of $cpu, OPENBLAS_* as set by the machine."
   echo
@@ -21,6 +21,9 @@ cpu=$(cpuinfo 'model name')
   echo "gradients given laid out [B, T, H, D] as the attention kernel gives them). \`aten\` is the composition"
   echo "(\`models::rms_norm_reference\`, \`models::swiglu_reference\`, \`models::rotary_reference\` on q and k),"
   echo "\`fused\` the kernel the model runs (\`models::rms_norm\`, \`models::swiglu\`, \`models::rotary_qkv\`)."
+  echo "\`residual\`: a block's residual stream, \`x + r\` and the RMSNorm of that sum with both given gradients:"
+  echo "\`aten\` is ATen's add, \`models::rms_norm\`'s kernel and autograd's sum of the two gradients (the"
+  echo "model before \`models::residual_rms_norm\`), \`fused\` \`models::residual_rms_norm\`."
   echo "\`router\`: the router's softmax over 4 experts, top 2 normalised and logsumexp (\`models::softmax_top_k\`"
   echo "against ATen's softmax, topk, a division and logsumexp), every output given a gradient."
   echo "\`moe_rows\`: dropless routing's rows around the experts, 4096 tokens of 128 to 4 experts, top 2, the"

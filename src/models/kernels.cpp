@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -39,16 +40,30 @@ FSDPP_VECTOR_CLONES float rms_row(const float* __restrict x, const float* __rest
 }
 
 // One row of RMSNorm's backward. With xhat = x rstd and gw = g w:
-//   dx = rstd (gw - xhat mean(gw xhat)),   dw += g xhat  (added into dw_acc)
+//   dx = rstd (gw - xhat mean(gw xhat)) + skip,   dw += g xhat  (added into dw_acc)
+// skip: the gradient x has from elsewhere (the residual path), or null for none.
 FSDPP_VECTOR_CLONES void rms_row_backward(const float* __restrict g, const float* __restrict x,
-                                          const float* __restrict w, float rstd, float* __restrict dx,
-                                          float* __restrict dw_acc, float* __restrict gw, int64_t n) {
+                                          const float* __restrict w, float rstd, const float* __restrict skip,
+                                          float* __restrict dx, float* __restrict dw_acc, float* __restrict gw,
+                                          int64_t n) {
   for (int64_t i = 0; i < n; ++i) gw[i] = g[i] * w[i];
   const float c = rstd * rstd * rstd * dot(gw, x, n) / float(n);
-  for (int64_t i = 0; i < n; ++i) {
-    dx[i] = rstd * gw[i] - c * x[i];
-    dw_acc[i] += g[i] * (x[i] * rstd);
+  if (skip) {
+    for (int64_t i = 0; i < n; ++i) {
+      dx[i] = rstd * gw[i] - c * x[i] + skip[i];
+      dw_acc[i] += g[i] * (x[i] * rstd);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      dx[i] = rstd * gw[i] - c * x[i];
+      dw_acc[i] += g[i] * (x[i] * rstd);
+    }
   }
+}
+
+FSDPP_VECTOR_CLONES void add_span(const float* __restrict a, const float* __restrict b, float* __restrict out,
+                                  int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
 }
 
 // out[j] = sum over i of m[i][j] (m: rows x cols, row-major), rows added in order.
@@ -69,6 +84,19 @@ FSDPP_VECTOR_CLONES void swiglu_span_backward(const float* __restrict g, const f
                                               int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float s = sigmoid(a[i]);
+    db[i] = g[i] * (a[i] * s);
+    da[i] = g[i] * b[i] * (s * (1.0f + a[i] * (1.0f - s)));
+  }
+}
+
+// swiglu_span_backward that also writes the gate itself (swiglu_span's bits) into `gate`: one
+// sigmoid an element where recomputing the gate and then its backward take two.
+FSDPP_VECTOR_CLONES void swiglu_span_backward_and_gate(const float* __restrict g, const float* __restrict a,
+                                                       const float* __restrict b, float* __restrict gate,
+                                                       float* __restrict da, float* __restrict db, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = sigmoid(a[i]);
+    gate[i] = a[i] * s * b[i];
     db[i] = g[i] * (a[i] * s);
     da[i] = g[i] * b[i] * (s * (1.0f + a[i] * (1.0f - s)));
   }
@@ -134,65 +162,93 @@ bool fusable(const at::Tensor& t) {
 // threads.
 constexpr int64_t kRowsPerBlock = 32;
 
+// RMSNorm of x + r (r undefined: of x alone). Outputs the sum (x itself without r) and the norm;
+// backward sums the sum's own gradient into the norm's input gradient in the same pass, so that the
+// residual stream's two gradients need no separate add.
 struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& weight,
-                            double eps) {
-    const auto x = x_in.contiguous();
+  // r as an optional: autograd's apply takes an undefined Tensor argument for a missing one.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in,
+                                                const std::optional<at::Tensor>& r_in, const at::Tensor& weight,
+                                                double eps) {
+    const bool residual = r_in.has_value();
+    const auto x = x_in.contiguous(), r = residual ? r_in->contiguous() : at::Tensor();
     const int64_t D = x.size(-1), N = D ? x.numel() / D : 0;
     const auto w = weight.to(at::kFloat).contiguous();
+    const auto sum = residual ? at::empty_like(x) : x;
     auto y = at::empty_like(x);
     auto rstd = at::empty({N}, x.options().dtype(at::kFloat));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fsdpp_rms_norm", [&] {
       const auto* xp = x.const_data_ptr<scalar_t>();
+      const auto* rp = residual ? r.const_data_ptr<scalar_t>() : nullptr;
+      auto* sp = residual ? sum.mutable_data_ptr<scalar_t>() : nullptr;
       auto* yp = y.mutable_data_ptr<scalar_t>();
-      auto* rp = rstd.mutable_data_ptr<float>();
+      auto* rstdp = rstd.mutable_data_ptr<float>();
       const float* wp = w.const_data_ptr<float>();
       parallel_ranges(N, rows_per_task(D), [&](int64_t r0, int64_t r1) {
-        std::vector<float> xs, ys;
-        for (int64_t r = r0; r < r1; ++r) {
-          const float* xf = as_float(xp + r * D, D, xs);
-          float* yf = float_out(yp + r * D, D, ys);
-          rp[r] = rms_row(xf, wp, yf, D, static_cast<float>(eps));
-          store(yp + r * D, yf, D);
+        std::vector<float> xs, rs, ss, ys;
+        for (int64_t i = r0; i < r1; ++i) {
+          const float* xf = as_float(xp + i * D, D, xs);
+          if (residual) {
+            // The sum in x's dtype, and the norm of that rounded sum (as the composition computes).
+            float* sf = float_out(sp + i * D, D, ss);
+            add_span(xf, as_float(rp + i * D, D, rs), sf, D);
+            store(sp + i * D, sf, D);
+            xf = as_float(sp + i * D, D, xs);
+          }
+          float* yf = float_out(yp + i * D, D, ys);
+          rstdp[i] = rms_row(xf, wp, yf, D, static_cast<float>(eps));
+          store(yp + i * D, yf, D);
         }
       });
     });
+    ctx->set_materialize_grads(false);  // an output without a gradient costs no pass over zeros
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
-    ctx->save_for_backward({x, w, rstd});
-    return y;
+    ctx->saved_data["residual"] = residual;
+    ctx->save_for_backward({sum, w, rstd});
+    return {sum, y};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &w = saved[1], &rstd = saved[2];  // w: the gain in float32
-    const auto g = grads[0].contiguous();
+    const auto &x = saved[0], &w = saved[1], &rstd = saved[2];  // x: the sum; w: the gain in float32
+    const bool residual = ctx->saved_data["residual"].toBool();
+    const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    const auto skip = grads[0].defined() ? grads[0].contiguous() : at::Tensor();
+    if (!grads[1].defined()) {  // the norm unused: the sum's gradient is all there is
+      return {skip, residual ? skip : at::Tensor(), at::zeros(w.sizes(), w.options().dtype(weight_dtype)),
+              at::Tensor()};
+    }
+    const auto g = grads[1].contiguous();
     const int64_t D = x.size(-1), N = D ? x.numel() / D : 0, blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
     auto dx = at::empty_like(x);
     auto dw_blocks = at::zeros({blocks, D}, x.options().dtype(at::kFloat));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fsdpp_rms_norm_backward", [&] {
       const auto* xp = x.const_data_ptr<scalar_t>();
       const auto* gp = g.const_data_ptr<scalar_t>();
+      const auto* kp = skip.defined() ? skip.const_data_ptr<scalar_t>() : nullptr;
       auto* dxp = dx.mutable_data_ptr<scalar_t>();
       const float* rp = rstd.const_data_ptr<float>();
       const float* wp = w.const_data_ptr<float>();
       float* dwp = dw_blocks.mutable_data_ptr<float>();
       const int64_t grain = rows_per_task(D * kRowsPerBlock);
       parallel_ranges(blocks, grain, [&](int64_t b0, int64_t b1) {
-        std::vector<float> xs, gs, dxs, gw(static_cast<size_t>(D));
+        std::vector<float> xs, gs, ks, dxs, gw(static_cast<size_t>(D));
         for (int64_t b = b0; b < b1; ++b)
           for (int64_t r = b * kRowsPerBlock; r < std::min(N, (b + 1) * kRowsPerBlock); ++r) {
             const float* xf = as_float(xp + r * D, D, xs);
             const float* gf = as_float(gp + r * D, D, gs);
+            const float* kf = kp ? as_float(kp + r * D, D, ks) : nullptr;
             float* dxf = float_out(dxp + r * D, D, dxs);
-            rms_row_backward(gf, xf, wp, rp[r], dxf, dwp + b * D, gw.data(), D);
+            rms_row_backward(gf, xf, wp, rp[r], kf, dxf, dwp + b * D, gw.data(), D);
             store(dxp + r * D, dxf, D);
           }
       });
     });
     auto dw = at::empty({D}, dw_blocks.options());
     sum_rows(dw_blocks.const_data_ptr<float>(), blocks, D, dw.mutable_data_ptr<float>());
-    return {dx, dw.to(static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt())), at::Tensor()};
+    // x and r are summed with weight one: the same gradient for both.
+    return {dx, residual ? dx : at::Tensor(), dw.to(weight_dtype), at::Tensor()};
   }
 };
 
@@ -307,9 +363,9 @@ struct ExpertSwiGLUFunction : torch::autograd::Function<ExpertSwiGLUFunction> {
           const int64_t n = std::min(C, s.ends[size_t(e)] - r);
           const float acc = r == s.begin(e) ? 0.0f : 1.0f;  // the first chunk starts each weight's gradient
           detail::gemm(false, false, n, H, D, 1.0f, dY + r * D, D, W2 + w, H, 0.0f, dg, H);
-          swiglu_span(A + r * H, B + r * H, g, n * H);  // the gate again, not kept from forward
+          // The gate again (not kept from forward) in the same pass as its backward.
+          swiglu_span_backward_and_gate(dg, A + r * H, B + r * H, g, da, db, n * H);
           detail::gemm(true, false, D, H, n, 1.0f, dY + r * D, D, g, H, acc, dW2 + w, H);
-          swiglu_span_backward(dg, A + r * H, B + r * H, da, db, n * H);
           detail::gemm(false, false, n, D, H, 1.0f, da, H, W1 + w, D, 0.0f, dX + r * D, D);
           detail::gemm(false, false, n, D, H, 1.0f, db, H, W3 + w, D, 1.0f, dX + r * D, D);  // x's two parts summed
           detail::gemm(true, false, H, D, n, 1.0f, da, H, X + r * D, D, acc, dW1 + w, D);
@@ -333,7 +389,26 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: weight ",
               weight.sizes(), " does not match the last dimension of x ", x.sizes());
   if (!fusable(x) || !weight.is_cpu()) return rms_norm_reference(x, weight, eps);
-  return RMSNormFunction::apply(x, weight, eps);
+  return RMSNormFunction::apply(x, std::nullopt, weight, eps)[1];
+}
+
+std::pair<at::Tensor, at::Tensor> residual_rms_norm_reference(const at::Tensor& x, const at::Tensor& r,
+                                                              const at::Tensor& weight, double eps) {
+  const auto sum = r.defined() ? x + r : x;
+  return {sum, rms_norm_reference(sum, weight, eps)};
+}
+
+std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& weight,
+                                                    double eps) {
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "residual_rms_norm: weight ",
+              weight.sizes(), " does not match the last dimension of x ", x.sizes());
+  if (r.defined())
+    TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type(), "residual_rms_norm: r ", r.sizes(), " ",
+                r.scalar_type(), " does not match x ", x.sizes(), " ", x.scalar_type());
+  if (!fusable(x) || !weight.is_cpu() || (r.defined() && !r.is_cpu()))
+    return residual_rms_norm_reference(x, r, weight, eps);
+  auto out = RMSNormFunction::apply(x, r.defined() ? std::optional<at::Tensor>(r) : std::nullopt, weight, eps);
+  return {out[0], out[1]};
 }
 
 at::Tensor swiglu_reference(const at::Tensor& a, const at::Tensor& b) { return at::silu(a) * b; }

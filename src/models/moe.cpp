@@ -142,6 +142,10 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return fused ? rms_norm(x, weight, eps) : rms_norm_reference(x, weight, eps);
 }
 
+std::pair<at::Tensor, at::Tensor> RMSNormImpl::forward_residual(const at::Tensor& x, const at::Tensor& r) {
+  return fused ? residual_rms_norm(x, r, weight, eps) : residual_rms_norm_reference(x, r, weight, eps);
+}
+
 AttentionImpl::AttentionImpl(const MoEConfig& c)
     : heads(c.heads), rope_theta(c.rope_theta), onednn(use_onednn(c)), fused(c.fused_kernels && c.fused_attention) {
   qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
@@ -388,9 +392,12 @@ BlockImpl::BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterSt
 }
 
 at::Tensor BlockImpl::forward(at::Tensor x) {
-  x = x + attn(attn_norm(x));
-  const auto h = ffn_norm(x);
-  return x + (moe ? moe(h) : mlp(h));
+  // x + attn(attn_norm(x)), then that + ffn(ffn_norm(that)). The norms take the residual stream
+  // with them (RMSNorm::forward_residual): the first add is the second norm's, and in backward
+  // neither norm's input gradient needs a separate add of the stream's.
+  const auto [x0, h0] = attn_norm->forward_residual(x, at::Tensor());
+  const auto [x1, h1] = ffn_norm->forward_residual(x0, attn(h0));
+  return x1 + (moe ? moe(h1) : mlp(h1));
 }
 
 MoETransformerImpl::MoETransformerImpl(const MoEConfig& c)

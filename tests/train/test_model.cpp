@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <doctest/doctest.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <cfenv>
 #include <cmath>
@@ -437,6 +438,91 @@ TEST_CASE("rms_norm: the fused CPU kernel agrees with the ATen composition, valu
   CHECK(y[1].isnan().all().item<bool>());
   CHECK(at::allclose(y[2], models::rms_norm_reference(x[2], at::ones({64}), 1e-5), 1e-6, 1e-7));
   CHECK_THROWS_WITH_AS(models::rms_norm(x, at::ones({63}), 1e-5), doctest::Contains("last dimension"), c10::Error);
+}
+
+TEST_CASE("residual_rms_norm: the kernel gives x + r and its norm, values and both outputs' gradients") {
+  at::manual_seed(6);
+  struct Case {
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+    bool residual;
+    double bound_y, bound_dx, bound_dw;
+  };
+  for (const Case& k : {Case{{4100, 37}, at::kFloat, true, 2e-6, 2e-5, 1e-4}, Case{{3, 5, 128}, at::kFloat, false, 2e-6, 2e-5, 1e-4},
+                        Case{{6, 33, 128}, at::kBFloat16, true, 1e-2, 1e-2, 1e-4},
+                        Case{{6, 33, 128}, at::kBFloat16, false, 1e-2, 1e-2, 1e-4}}) {
+    CAPTURE(k.shape);
+    CAPTURE(k.residual);
+    const auto x = (3 * at::randn(k.shape)).to(k.dtype), r = at::randn(k.shape).to(k.dtype);
+    const int64_t D = x.size(-1);
+    const auto w = 1 + 0.5 * at::randn({D});
+    const auto gs = at::randn(k.shape).to(k.dtype), gy = at::randn(k.shape).to(k.dtype);
+    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(), wi = w.clone().requires_grad_();
+    const auto [sum, y] = models::residual_rms_norm(xi, k.residual ? ri : at::Tensor(), wi, 1e-5);
+    torch::autograd::backward({sum, y}, {gs, gy});
+    // The sum is one rounding of x + r, as the composition's.
+    CHECK(at::equal(sum, k.residual ? x + r : x));
+    // Against float64 from the same inputs and the same rounded sum: in bfloat16 the composition
+    // rounds the norm's input gradient before adding the sum's, so the kernel is held to the exact
+    // value instead.
+    const auto xd = x.to(at::kDouble).requires_grad_(), rd = r.to(at::kDouble).requires_grad_(),
+               wd = w.to(at::kDouble).requires_grad_();
+    const auto exact = k.residual ? xd + rd : xd;
+    const auto sd = exact + (sum.to(at::kDouble) - exact).detach();
+    const auto yd = models::rms_norm_reference(sd, wd, 1e-5);
+    torch::autograd::backward({sd, yd}, {gs.to(at::kDouble), gy.to(at::kDouble)});
+    CHECK(worst(y, yd, 1e-2) < k.bound_y);
+    // x's gradient: the sum's own plus the norm's backward, and r's the same.
+    CHECK(worst(xi.grad(), xd.grad(), 1e-2) < k.bound_dx);
+    if (k.residual) CHECK(at::equal(ri.grad(), xi.grad()));
+    CHECK(worst(wi.grad(), wd.grad(), 1e-2) < k.bound_dw);
+  }
+  // One output's gradient alone: the sum's passes through as it is; the norm's is rms_norm's.
+  const auto x = at::randn({70, 48}), r = at::randn({70, 48}), w = 1 + 0.5 * at::randn({48}), g = at::randn({70, 48});
+  {
+    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(), wi = w.clone().requires_grad_();
+    models::residual_rms_norm(xi, ri, wi, 1e-5).first.backward(g);
+    CHECK(at::equal(xi.grad(), g));
+    CHECK(at::equal(ri.grad(), g));
+    CHECK(at::equal(wi.grad(), at::zeros_like(w)));
+  }
+  {
+    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(), wi = w.clone().requires_grad_();
+    const auto x2 = (x + r).requires_grad_(), w2 = w.clone().requires_grad_();
+    models::residual_rms_norm(xi, ri, wi, 1e-5).second.backward(g);
+    models::rms_norm(x2, w2, 1e-5).backward(g);
+    CHECK(at::equal(xi.grad(), x2.grad()));
+    CHECK(at::equal(ri.grad(), x2.grad()));
+    CHECK(at::equal(wi.grad(), w2.grad()));
+  }
+  {
+    // In float32, both gradients at once: the bits of ATen's add, rms_norm's kernel and autograd's
+    // sum of the two gradients, which the kernel stands for.
+    const auto gs = at::randn({70, 48});
+    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(), wi = w.clone().requires_grad_();
+    const auto x2 = x.clone().requires_grad_(), r2 = r.clone().requires_grad_(), w2 = w.clone().requires_grad_();
+    const auto [sum, y] = models::residual_rms_norm(xi, ri, wi, 1e-5);
+    const auto sum2 = x2 + r2;
+    const auto y2 = models::rms_norm(sum2, w2, 1e-5);
+    torch::autograd::backward({sum, y}, {gs, g});
+    torch::autograd::backward({sum2, y2}, {gs, g});
+    CHECK(at::equal(y, y2));
+    CHECK(at::equal(xi.grad(), x2.grad()));
+    CHECK(at::equal(ri.grad(), r2.grad()));
+    CHECK(at::equal(wi.grad(), w2.grad()));
+  }
+  // Threads do not change the bits; r of another shape or dtype is refused by name.
+  const auto wt = (at::rand({128}) + 0.5).requires_grad_(), rt = at::randn({40000, 128}).requires_grad_();
+  check_thread_independent(
+      [&](const at::Tensor& xt) {
+        const auto [sum, y] = models::residual_rms_norm(xt, rt, wt, 1e-5);
+        return sum * 0.5 + y;
+      },
+      at::randn({40000, 128}), {wt, rt});
+  CHECK_THROWS_WITH_AS(models::residual_rms_norm(x, r.narrow(0, 0, 69), w, 1e-5), doctest::Contains("does not match x"),
+                       c10::Error);
+  CHECK_THROWS_WITH_AS(models::residual_rms_norm(x, r.to(at::kDouble), w, 1e-5), doctest::Contains("does not match x"),
+                       c10::Error);
 }
 
 TEST_CASE("swiglu: the fused CPU kernel agrees with silu(a) * b, values and gradients, across exp's range") {

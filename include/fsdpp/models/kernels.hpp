@@ -36,6 +36,16 @@ namespace fsdpp::models {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// A pre-norm block's residual stream: {x + r, rms_norm(x + r, weight)} ({x, rms_norm(x)} with r
+// undefined; r: x's shape and dtype). The kernel writes the sum and its norm in one pass, and its
+// backward adds the sum's own gradient (the residual path's) into the norm's input gradient as it
+// computes it, where autograd would sum the two in a separate add. In float32 the bits of x + r,
+// rms_norm and autograd's sum; in bfloat16 one rounding of that sum where autograd's has two.
+std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& weight,
+                                                    double eps);
+std::pair<at::Tensor, at::Tensor> residual_rms_norm_reference(const at::Tensor& x, const at::Tensor& r,
+                                                              const at::Tensor& weight, double eps);
+
 // silu(a) * b = a * sigmoid(a) * b, elementwise (a and b of one shape and dtype): SwiGLU's gate.
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b);
 at::Tensor swiglu_reference(const at::Tensor& a, const at::Tensor& b);
@@ -46,9 +56,9 @@ at::Tensor swiglu_reference(const at::Tensor& a, const at::Tensor& b);
 // zero, and so is x's gradient there. Differentiable in x and the three weights. On the CPU in
 // float32, where LibTorch has a BLAS, one kernel runs expert after expert, its rows in chunks of
 // `chunk_rows`: a chunk's three products and gate (backward: its five products, the gate recomputed
-// and its backward) before the next chunk, so that the chunk's [rows, hidden] intermediates stay in
-// a core's caches, where the composition passes over every expert's rows between one product and
-// the next; x's two gradient parts are summed inside the second product, each weight's gradient
+// in one pass with its backward) before the next chunk, so that the chunk's [rows, hidden]
+// intermediates stay in a core's caches, where the composition passes over every expert's rows
+// between one product and the next; x's two gradient parts are summed inside the second product, each weight's gradient
 // accumulated chunk by chunk, and only the first two products' outputs are kept for backward.
 // Not the composition's bits: its products sum over another split of the rows. Chunks run on ATen's
 // intra-op threads forward, experts backward, each product on one thread, so the results do not

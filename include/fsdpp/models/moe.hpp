@@ -81,6 +81,9 @@ struct RouterStats {
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps, bool fused = true);
   at::Tensor forward(const at::Tensor& x);
+  // {x + r, forward(x + r)} ({x, forward(x)} with r undefined): models::residual_rms_norm, whose
+  // backward takes the residual stream's gradient into the norm's (the composition unfused).
+  std::pair<at::Tensor, at::Tensor> forward_residual(const at::Tensor& x, const at::Tensor& r);
   at::Tensor weight;
   double eps;
   bool fused;
