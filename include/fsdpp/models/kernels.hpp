@@ -58,8 +58,9 @@ at::Tensor swiglu_reference(const at::Tensor& a, const at::Tensor& b);
 // `chunk_rows`: a chunk's three products and gate (backward: its five products, the gate recomputed
 // in one pass with its backward) before the next chunk, so that the chunk's [rows, hidden]
 // intermediates stay in a core's caches, where the composition passes over every expert's rows
-// between one product and the next; x's two gradient parts are summed inside the second product, each weight's gradient
-// accumulated chunk by chunk, and only the first two products' outputs are kept for backward.
+// between one product and the next; x's two gradient parts are summed inside the second product,
+// each weight's gradient accumulated chunk by chunk, and only the first two products' outputs are
+// kept for backward.
 // Not the composition's bits: its products sum over another split of the rows. Chunks run on ATen's
 // intra-op threads forward, experts backward, each product on one thread, so the results do not
 // depend on how many there are. Elsewhere the reference: grouped_linear (ATen's grouped product)
