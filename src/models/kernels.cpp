@@ -386,10 +386,7 @@ at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, dou
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: weight ",
-              weight.sizes(), " does not match the last dimension of x ", x.sizes());
-  if (!fusable(x) || !weight.is_cpu()) return rms_norm_reference(x, weight, eps);
-  return RMSNormFunction::apply(x, std::nullopt, weight, eps)[1];
+  return residual_rms_norm(x, at::Tensor(), weight, eps).second;
 }
 
 std::pair<at::Tensor, at::Tensor> residual_rms_norm_reference(const at::Tensor& x, const at::Tensor& r,
@@ -400,7 +397,7 @@ std::pair<at::Tensor, at::Tensor> residual_rms_norm_reference(const at::Tensor& 
 
 std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& weight,
                                                     double eps) {
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "residual_rms_norm: weight ",
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: weight ",
               weight.sizes(), " does not match the last dimension of x ", x.sizes());
   if (r.defined())
     TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type(), "residual_rms_norm: r ", r.sizes(), " ",
