@@ -1,13 +1,16 @@
 // The MoE layer's expert SwiGLU (models/kernels.hpp) at moe-small's shapes (4 experts, dim 128,
-// expert_hidden 192, every expert given the same rows), forward and backward, with the caches
-// cleared (64 MB written, untimed) before the forward and before the backward, as a training step
-// meets its operands:
+// expert_hidden 192, every expert given the same rows; other counts and widths by option), forward
+// and backward, with the caches cleared (64 MB written, untimed) before the forward and before the
+// backward, as a training step meets its operands:
 //   composition   models::expert_swiglu_reference: models::grouped_linear (at::_grouped_mm) for w1,
 //                 w3 and w2 and models::swiglu's gate, under autograd (the model before the kernel)
 //   kernel-C      models::expert_swiglu with chunks of C rows (C = rows: each expert whole)
+//   dense         with --experts 1 only: the dense layer's SwiGLU as the model runs it (at::linear for
+//                 w1, w3 and w2, models::swiglu's gate), beside the kernel given the layer as one expert
 // The ways alternate within each round, each round starting one further along; medians. Malloc
 // keeps freed memory as `fsdpp run` has its ranks keep it (bench/kept_malloc.hpp).
-//   fsdpp_expert_swiglu_bench [--threads N] [--rounds R] [--rows ROWS_PER_EXPERT]
+//   fsdpp_expert_swiglu_bench [--threads N] [--rounds R] [--rows ROWS_PER_EXPERT] [--experts E] [--hidden H]
+// (E 4 and H 192 by default: moe-small's experts; --experts 1 --hidden 384 is its dense layer)
 // Prints one line per way:
 //   RESULT expert_swiglu rows=R threads=T way=W forward_ms=F backward_ms=B total_ms=S speedup=X
 // (speedup: the composition's total over the way's, the median of the rounds' ratios).
@@ -42,15 +45,16 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   bench::restart_with_kept_malloc_thresholds(argv, "expert_swiglu_bench");
   fmt::print("host memory: {}\n", describe_malloc_thresholds(malloc_environment()));
-  int64_t threads = 1, rounds = 15, rows = 1024;
-  if (!bench::parse_options(argc, argv, "expert_swiglu_bench", {{"threads", &threads}, {"rounds", &rounds}, {"rows", &rows}}))
+  int64_t threads = 1, rounds = 15, rows = 1024, E = 4, H = 192;
+  if (!bench::parse_options(argc, argv, "expert_swiglu_bench",
+                            {{"threads", &threads}, {"rounds", &rounds}, {"rows", &rows}, {"experts", &E}, {"hidden", &H}}))
     return 2;
-  if (threads < 1 || rounds < 1 || rows < 1) {
-    fmt::print(stderr, "expert_swiglu_bench: --threads, --rounds and --rows must be at least 1\n");
+  if (threads < 1 || rounds < 1 || rows < 1 || E < 1 || H < 1) {
+    fmt::print(stderr, "expert_swiglu_bench: --threads, --rounds, --rows, --experts and --hidden must be at least 1\n");
     return 2;
   }
   at::set_num_threads(int(threads));
-  const int64_t E = 4, D = 128, H = 192;  // moe-small
+  const int64_t D = 128;  // moe-small's dim
   at::manual_seed(0);
   const auto x = (at::randn({E * rows, D}) * 0.5).requires_grad_(), dy = at::randn({E * rows, D}) * 0.1;
   const auto w1 = (at::randn({E, H, D}) * 0.1).requires_grad_(), w3 = (at::randn({E, H, D}) * 0.1).requires_grad_(),
@@ -66,6 +70,10 @@ int main(int argc, char** argv) {
   };
   std::vector<Way> ways;
   ways.push_back({"composition", [&] { return models::expert_swiglu_reference(x, w1, w3, w2, ends); }, {}, {}});
+  if (E == 1)
+    ways.push_back({"dense", [&] {
+                      return at::linear(models::swiglu(at::linear(x, w1[0]), at::linear(x, w3[0])), w2[0]);
+                    }, {}, {}});
   // Chunk sizes up to the rows per expert, the last the whole expert (once, where the rows are one
   // of the sizes before it).
   for (const int64_t c : {int64_t(64), int64_t(128), int64_t(256), int64_t(512), rows})

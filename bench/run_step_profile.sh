@@ -39,7 +39,7 @@ RULES = [  # first match wins
     ("MKL sgemm: the weight products on ATen, and attention's products", lambda dso, s: re.search(r"mkl_|sgemm|gemm", s)),
     ("attention (ATen's flash kernels or fsdpp's, forward and backward, less their sgemm)", lambda dso, s: "flash_attention" in s or (dso.startswith("libfsdpp") and re.search(r"softmax_row|probs_row|dscores_row|CausalAttention|forward_head|backward_head", s))),
     ("OpenMP waits (the second thread idle or at a barrier)", lambda dso, s: dso.startswith("libgomp")),
-    ("fsdpp's kernels (RMSNorm, SwiGLU, rotary)", lambda dso, s: dso.startswith("libfsdpp") and re.search(r"rms_|swiglu|rotate|widen|narrow|sum_rows|exp_poly", s)),
+    ("fsdpp's kernels (RMSNorm, SwiGLU, rotary, the MoE layer's router and rows)", lambda dso, s: dso.startswith("libfsdpp") and re.search(r"rms_|swiglu|rotate|widen|narrow|sum_rows|exp_poly|add_span|SoftmaxTopK|DispatchRows|CombineRows|positions_of|sort_by_expert", s)),
     ("ATen elementwise, reductions and copies", lambda dso, s: dso.startswith("libtorch") and re.search(r"Vectorized|vectorized|kernel|reduce|copy|Reduce|loop|softmax|silu|index|scatter|sort", s)),
     ("allocator and page faults", lambda dso, s: (dso.startswith("libc.so") and re.search(r"malloc|free|unlink_chunk|consolidate|tcache|memset|memmove", s)) or "kernel" in dso),
     ("dispatch, autograd and the rest of LibTorch", lambda dso, s: dso.startswith("libtorch") or dso.startswith("libc10")),
