@@ -6,13 +6,15 @@
 # then unused; fsdpp's attention kernel), and the same with parallel.microbatch_threads=2 (the two
 # microbatches at once, one thread each): `fsdpp run recipes/moe-small.json parallel.dp=1` under
 # `perf record`, each way, samples grouped by what they do, beside the median step time. Needs perf (Debian's linux-perf). Writes
-# bench/results/step_profile.md.
-#   bash bench/run_step_profile.sh [build-dir] [steps]
+# bench/results/step_profile.md. perf starts recording `delay-ms` after each run starts (default 4000),
+# so that start-up (the model's construction, MKL's and oneDNN's first calls) is left out.
+#   bash bench/run_step_profile.sh [build-dir] [steps] [delay-ms]
 # Runs with the machine's OPENBLAS_* settings as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
 steps=${2:-40}
+delay_ms=${3:-4000}
 command -v perf > /dev/null || { echo "needs perf (apt-get install linux-perf)"; exit 1; }
 python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 out=bench/results/step_profile.md
@@ -23,16 +25,16 @@ hz=999
 ways="vendor-aten:1:false:false:1 vendor-onednn:1:true:false:1 isa-sdpa:0:true:false:1 isa:0:true:true:1 threads:0:true:true:2"
 for way in $ways; do
   IFS=: read -r name check onednn attention threads <<< "$way"
-  FSDPP_MKL_VENDOR_CHECK=$check perf record -q -F $hz -o "$work/$name.data" -- "$build/fsdpp" run recipes/moe-small.json \
+  FSDPP_MKL_VENDOR_CHECK=$check perf record -q -D "$delay_ms" -F $hz -o "$work/$name.data" -- "$build/fsdpp" run recipes/moe-small.json \
     parallel.dp=1 model.onednn_matmul=$onednn model.fused_attention=$attention parallel.microbatch_threads=$threads \
     eval.interval=0 checkpoint.interval=0 logging.plot=false \
     logging.output_dir="$work/run-$name" --overwrite --stop-after "$steps" > "$work/$name.log" 2>&1
   perf report -i "$work/$name.data" --no-children --sort dso,sym -F sample,dso,sym 2> /dev/null \
     | grep -v '^#' | grep -v '^$' > "$work/$name.txt"
 done
-"$python" - "$work" "$build" "$steps" "$hz" > "$out.tmp" <<'PY'
+"$python" - "$work" "$build" "$steps" "$hz" "$delay_ms" > "$out.tmp" <<'PY'
 import collections, datetime, json, re, sys
-work, build, steps, hz = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+work, build, steps, hz, delay_ms = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 RULES = [  # first match wins
     ("weight products, oneDNN (its JIT-compiled kernels)", lambda dso, s: dso.startswith("[JIT]")),
     ("oneDNN's set-up around each product", lambda dso, s: dso.startswith("libtorch") and re.search(r"dnnl|ideep|mkldnn", s)),
@@ -64,10 +66,11 @@ ways = ["vendor-aten", "vendor-onednn", "isa-sdpa", "isa", "threads"]
 share = {w: shares(w) for w in ways}
 print("# Where a dp 1 step goes: on PyTorch's kernels, with oneDNN's products, on MKL's AVX-512 kernels, with fsdpp's attention kernel, and with the microbatches on threads of their own")
 print()
-print(f"Command: `bash bench/run_step_profile.sh {build} {steps}` ({datetime.date.today()}), 2 cores, OPENBLAS_* as set by the machine.")
+print(f"Command: `bash bench/run_step_profile.sh {build} {steps} {delay_ms}` ({datetime.date.today()}), 2 cores, OPENBLAS_* as set by the machine.")
 print()
 print("`fsdpp run recipes/moe-small.json parallel.dp=1` (32 x 128 tokens per step, 2 microbatches, 2 threads)")
-print(f"under `perf record -F {hz}` for {steps} steps (start-up included: about a second of the run), five ways:")
+print(f"under `perf record -D {delay_ms} -F {hz}` for {steps} steps (recording from {delay_ms / 1000:g} s after the start, so that")
+print("start-up is left out; the process's end, about 0.2 s, stays in), five ways:")
 print("`FSDPP_MKL_VENDOR_CHECK=1 model.onednn_matmul=false model.fused_attention=false` (MKL's own choice of")
 print("kernels, its AVX2 ones on this CPU, for every product, and ATen's flash attention: PyTorch's kernels),")
 print("`FSDPP_MKL_VENDOR_CHECK=1 model.fused_attention=false` (the weight products on oneDNN,")
@@ -90,6 +93,11 @@ print("| where | PyTorch's kernels | oneDNN's products | MKL's AVX-512 kernels |
 print("|---|---:|---:|---:|---:|---:|")
 for g in [g for g, _ in RULES] + ["other"]:
     print(f"| {g} | " + " | ".join(f"{share[w].get(g, 0):.1f}%" for w in ways) + " |")
+products = {w: sum(share[w].get(g, 0) for g, _ in RULES[:3]) for w in ways}
+print()
+print("The products (the first three rows) as a share of each way, and how much faster its step would run")
+print("if every other operation took no time: " + ", ".join(
+    f"{products[w]:.1f}%, {100 / products[w]:.2f}x" for w in ways) + ", in the columns' order.")
 PY
 mv "$out.tmp" "$out"
 cat "$out"
