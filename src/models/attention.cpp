@@ -303,6 +303,13 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
   detail::check_rotary_shapes(qkv, cos, sin);
+  if (qkv.is_cpu() && at::isReducedFloatingType(qkv.scalar_type()) && qkv.scalar_type() == cos.scalar_type() &&
+      qkv.scalar_type() == sin.scalar_type() && causal_attention_available()) {
+    // 16-bit: the kernel on the values widened to float32, the result rounded once (Note [16-bit
+    // attention on the CPU]).
+    const auto wide = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
+    return rotary_causal_attention(wide(qkv), wide(cos), wide(sin)).to(qkv.scalar_type());
+  }
   const bool own = qkv.is_cpu() && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && qkv.numel() > 0 &&
                    qkv.size(1) <= std::numeric_limits<int>::max() / kBlockRows &&
                    qkv.stride(1) <= std::numeric_limits<int>::max() && cos.scalar_type() == at::kFloat &&

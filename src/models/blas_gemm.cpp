@@ -31,6 +31,16 @@ Sgemm blas_sgemm() {
   return f;
 }
 
+// MKL's bfloat16 product, C interface (row-major layout 101, no transpose 111, transpose 112; LP64
+// integers, as PyTorch's MKL is linked).
+using GemmBf16 = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
+                          float*, int);
+
+GemmBf16 blas_gemm_bf16() {
+  static const auto f = torch_symbol<GemmBf16>("cblas_gemm_bf16bf16f32");
+  return f;
+}
+
 // MKL's Fortran entry takes its argument by address and returns the thread's setting before (0:
 // the process's); null without MKL.
 using SetLocalThreads = int (*)(const int*);
@@ -50,6 +60,15 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
   const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
   const int M = int(n), N = int(m), K = int(k), la = int(ldb), lb = int(lda), lc = int(ldc);
   blas_sgemm()(&ta, &tb, &M, &N, &K, &alpha, b, &la, a, &lb, &beta, c, &lc);
+}
+
+bool blas_bf16_available() { return blas_gemm_bf16() != nullptr; }
+
+void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a,
+               int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+  blas_gemm_bf16()(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans, int(m), int(n), int(k), alpha,
+                   a, int(lda), b, int(ldb), beta, c, int(ldc));
 }
 
 BlasOnThisThread::BlasOnThisThread() {

@@ -15,8 +15,9 @@ namespace fsdpp::models {
 
 namespace {
 
-// MoEConfig::onednn_matmul: oneDNN's products where they beat ATen's (models/matmul.hpp).
-bool use_onednn(const MoEConfig& c) { return c.onednn_matmul && onednn_matmul_preferred(); }
+// MoEConfig::onednn_matmul allows fsdpp's own product routes; the model takes one for a product
+// where it beats ATen's for the product's dtype on this machine (models/matmul.hpp).
+bool own_route(bool allowed, const at::Tensor& x) { return allowed && x.is_cpu() && own_products_preferred(x.scalar_type()); }
 
 // Identity on x whose backward also gives `aux` the gradient `scale`: the auxiliary losses join
 // the training loss wherever the layer runs (see the top of moe.hpp).
@@ -145,7 +146,7 @@ std::pair<at::Tensor, at::Tensor> RMSNormImpl::forward_residual(const at::Tensor
 }
 
 AttentionImpl::AttentionImpl(const MoEConfig& c)
-    : heads(c.heads), rope_theta(c.rope_theta), onednn(use_onednn(c)), fused(c.fused_kernels && c.fused_attention) {
+    : heads(c.heads), rope_theta(c.rope_theta), own_products(c.onednn_matmul), fused(c.fused_kernels && c.fused_attention) {
   qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
   out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.dim).bias(false)));
   init_normal(qkv->weight, c.init_std);
@@ -164,7 +165,7 @@ const std::pair<at::Tensor, at::Tensor>& AttentionImpl::rope_tables(int64_t T, i
 at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
   const auto& [cos, sin] = rope_tables(T, hd, x);
-  const auto projected = linear(x, qkv->weight, onednn).view({B, T, 3, heads, hd});
+  const auto projected = linear(x, qkv->weight, own_route(own_products, x)).view({B, T, 3, heads, hd});
   // Rotary embedding and causal softmax(q k^T / sqrt(hd)) v: with fused kernels in one pass per
   // head (models::rotary_causal_attention on the CPU), else rotary_qkv and the attention the backend
   // scaled_dot_product_attention picks (flash attention on the CPU). No [B, H, T, T] score tensor
@@ -177,10 +178,11 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
     const auto [q, k, v] = rotary_qkv(projected, cos, sin);  // [B, H, T, hd] each
     y = causal_attention_reference(q, k, v);
   }
-  return linear(y.transpose(1, 2).reshape({B, T, D}), out->weight, onednn);
+  return linear(y.transpose(1, 2).reshape({B, T, D}), out->weight, own_route(own_products, x));
 }
 
-SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_, bool onednn_) : fused(fused_), onednn(onednn_) {
+SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_, bool own_products_)
+    : fused(fused_), own_products(own_products_) {
   auto lin = [](int64_t i, int64_t o) { return torch::nn::Linear(torch::nn::LinearOptions(i, o).bias(false)); };
   w1 = register_module("w1", lin(dim, hidden));
   w3 = register_module("w3", lin(dim, hidden));
@@ -188,11 +190,12 @@ SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_, bool onednn_) :
 }
 
 at::Tensor SwiGLUImpl::forward(const at::Tensor& x) {
-  return linear(silu_gate(linear(x, w1->weight, onednn), linear(x, w3->weight, onednn), fused), w2->weight, onednn);
+  const bool own = own_route(own_products, x);
+  return linear(silu_gate(linear(x, w1->weight, own), linear(x, w3->weight, own), fused), w2->weight, own);
 }
 
-ExpertsImpl::ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden, bool fused_, bool onednn_)
-    : fused(fused_), onednn(onednn_) {
+ExpertsImpl::ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden, bool fused_, bool own_products_)
+    : fused(fused_), own_products(own_products_) {
   w1 = register_parameter("w1", at::empty({experts, hidden, dim}));
   w3 = register_parameter("w3", at::empty({experts, hidden, dim}));
   w2 = register_parameter("w2", at::empty({experts, dim, hidden}));
@@ -209,9 +212,10 @@ at::Tensor ExpertsImpl::forward_batched(const at::Tensor& x) {
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& offsets) {
   if (!offsets.defined()) return forward_batched(x);
   if (x.is_cpu()) {
-    if (fused && !onednn) return expert_swiglu(x, w1, w3, w2, offsets);
-    const auto h = silu_gate(grouped_linear(x, w1, offsets, onednn), grouped_linear(x, w3, offsets, onednn), fused);
-    return grouped_linear(h, w2, offsets, onednn);
+    const bool own = own_route(own_products, x);
+    if (fused && !own) return expert_swiglu(x, w1, w3, w2, offsets);
+    const auto h = silu_gate(grouped_linear(x, w1, offsets, own), grouped_linear(x, w3, offsets, own), fused);
+    return grouped_linear(h, w2, offsets, own);
   }
   const auto ends = offsets.to(at::kCPU).to(at::kLong);
   const auto* end = ends.data_ptr<int64_t>();
@@ -227,13 +231,13 @@ RouterImpl::RouterImpl(int64_t dim, int64_t experts) {
 
 MoEImpl::MoEImpl(const MoEConfig& c, std::shared_ptr<RouterStats> s) : config(c), stats(std::move(s)) {
   router = register_module("router", Router(c.dim, c.experts));
-  experts = register_module("experts", Experts(c.experts, c.dim, c.expert_hidden, c.fused_kernels, use_onednn(c)));
+  experts = register_module("experts", Experts(c.experts, c.dim, c.expert_hidden, c.fused_kernels, c.onednn_matmul));
   init_normal(router->gate->weight, c.init_std);
   init_normal(experts->w1, c.init_std);
   init_normal(experts->w3, c.init_std);
   init_normal(experts->w2, c.init_std / std::sqrt(2.0 * double(c.layers)));
   if (c.shared_expert) {
-    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden, c.fused_kernels, use_onednn(c)));
+    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden, c.fused_kernels, c.onednn_matmul));
     init_normal(shared->w1->weight, c.init_std);
     init_normal(shared->w3->weight, c.init_std);
     init_normal(shared->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -382,7 +386,7 @@ BlockImpl::BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterSt
   if (c.is_moe_layer(index)) {
     moe = register_module("moe", MoE(c, std::move(stats)));
   } else {
-    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden, c.fused_kernels, use_onednn(c)));
+    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden, c.fused_kernels, c.onednn_matmul));
     init_normal(mlp->w1->weight, c.init_std);
     init_normal(mlp->w3->weight, c.init_std);
     init_normal(mlp->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -442,7 +446,8 @@ at::Tensor MoETransformerImpl::forward(const at::Tensor& input) {
   }
   for (auto& b : calls_) h = b.forward(h);
   if (!has_head()) return h;
-  return linear(norm(h), head->weight, use_onednn(config_)).to(at::kFloat);
+  const auto normed = norm(h);
+  return linear(normed, head->weight, own_route(config_.onednn_matmul, normed)).to(at::kFloat);
 }
 
 void MoETransformerImpl::set_expert_parallel(const comm::Comm& ep) {

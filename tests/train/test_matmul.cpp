@@ -1,6 +1,6 @@
-// The model's float32 products through oneDNN (models/matmul.hpp): values and gradients against
-// float64, the route taken, grouped rows (empty groups, rows past the last end, every block path),
-// and bad group ends.
+// The model's own product routes (models/matmul.hpp): float32 through oneDNN and bfloat16 through
+// MKL's bfloat16 kernel, values and gradients against float64, the route taken, grouped rows (empty
+// groups, rows past the last end, every block path), and bad group ends.
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
 
@@ -17,6 +17,12 @@ namespace at::native {
 [[gnu::weak]] void mkldnn_matmul(const Tensor& mat1, const Tensor& mat2, const Tensor& result, float beta,
                                  float alpha);
 }  // namespace at::native
+
+// What models::linear calls for bfloat16 on the CPU (libtorch_cpu.so's MKL exports it): row-major
+// (101), each operand transposed (112) or not (111), float32 C.
+extern "C" [[gnu::weak]] void cblas_gemm_bf16bf16f32(int layout, int trans_a, int trans_b, int m, int n, int k,
+                                                     float alpha, const uint16_t* a, int lda, const uint16_t* b,
+                                                     int ldb, float beta, float* c, int ldc);
 
 using namespace fsdpp;
 
@@ -81,9 +87,120 @@ TEST_CASE("linear: float32 products agree with float64, values and both gradient
     CHECK(at::equal(y.detach(), at::linear(x.detach(), w.detach())));
   }
   CHECK(at::equal(models::linear(x.detach(), w.detach(), false), at::linear(x.detach(), w.detach())));
-  // Another dtype is ATen's product whatever `onednn` says.
-  const auto xb = x.detach().to(at::kBFloat16), wb = w.detach().to(at::kBFloat16);
-  CHECK(at::equal(models::linear(xb, wb, true), at::linear(xb, wb)));
+  // Another dtype without a route of its own is ATen's product whatever `own` says.
+  const auto xh = x.detach().to(at::kHalf), wh = w.detach().to(at::kHalf);
+  CHECK(at::equal(models::linear(xh, wh, true), at::linear(xh, wh)));
+}
+
+namespace {
+
+// Small integers as bfloat16: exact, and so is every float32 sum of their products here, so that
+// a product rounded once to bfloat16 has one right answer whatever the order of its sums.
+at::Tensor small_integers(at::IntArrayRef sizes, int64_t spread) {
+  return at::randint(-spread, spread + 1, sizes).to(at::kBFloat16);
+}
+
+}  // namespace
+
+TEST_CASE("linear: bfloat16 through MKL's bfloat16 kernel, each result the float32 product rounded once, values and gradients") {
+  const bool available = models::bf16_matmul_available();
+  MESSAGE("MKL's bfloat16 products in this process: " << std::string(available ? "yes" : "no (ATen's instead)")
+                                                      << "; preferred by the model: "
+                                                      << std::string(models::bf16_matmul_preferred() ? "yes" : "no"));
+  at::manual_seed(8);
+  // Exact: the float64 product rounded to bfloat16 (float32 holds it exactly), forward and both
+  // gradients; x laid out transposed in memory, as a view of another product's output may be.
+  const auto xt = small_integers({96, 150}, 3).t();
+  const auto x = xt.clone().requires_grad_();
+  const auto w = small_integers({40, 96}, 2).requires_grad_();
+  const auto exact = [](const at::Tensor& t) { return t.to(at::kBFloat16); };
+  const auto y = models::linear(x, w, true);
+  CHECK((y.scalar_type() == at::kBFloat16));
+  CHECK(at::equal(y, exact(at::mm(x.detach().to(at::kDouble), w.detach().to(at::kDouble).t()))));
+  CHECK(at::equal(models::linear(xt, w.detach(), true), y.detach()));
+  const auto g = small_integers({150, 40}, 2);
+  y.backward(g);
+  CHECK((x.grad().scalar_type() == at::kBFloat16));
+  CHECK(at::equal(x.grad(), exact(at::mm(g.to(at::kDouble), w.detach().to(at::kDouble)))));
+  CHECK(at::equal(w.grad(), exact(at::mm(g.to(at::kDouble).t(), x.detach().to(at::kDouble)))));
+
+  // Random values, [B, T, in]: within bfloat16's rounding of each result (2^-8 of it) plus
+  // float32's of the sum, against float64 on the same bfloat16 values.
+  const auto xr = at::randn({3, 50, 96}).to(at::kBFloat16).requires_grad_();
+  const auto wr = (at::randn({40, 96}) * 0.1).to(at::kBFloat16).requires_grad_();
+  const auto yr = models::linear(xr, wr, true);
+  const auto [xd, xa] = references(xr);
+  const auto [wd, wa] = references(wr);
+  const auto yd = at::linear(xd, wd), ya = at::linear(xa, wa);
+  CHECK(((yr.to(at::kDouble) - yd).abs() / (yd.abs() * (1.0 / 256) + ya * 1e-5 + 1e-30)).max().item<double>() <= 1.0);
+  const auto gr = at::randn({3, 50, 40}).to(at::kBFloat16);
+  yr.backward(gr);
+  yd.backward(gr.to(at::kDouble));
+  ya.backward(gr.to(at::kDouble).abs());
+  CHECK(((xr.grad().to(at::kDouble) - xd.grad()).abs() / (xd.grad().abs() * (1.0 / 256) + xa.grad() * 1e-5 + 1e-30))
+            .max()
+            .item<double>() <= 1.0);
+  CHECK(((wr.grad().to(at::kDouble) - wd.grad()).abs() / (wd.grad().abs() * (1.0 / 256) + wa.grad() * 1e-5 + 1e-30))
+            .max()
+            .item<double>() <= 1.0);
+
+  // The route: MKL's bits where it runs, ATen's otherwise and with own = false.
+  at::NoGradGuard ng;
+  const auto rows = xr.detach().reshape({-1, 96});
+  if (available) {
+    REQUIRE((&cblas_gemm_bf16bf16f32 != nullptr));
+    auto direct = at::empty({150, 40});
+    cblas_gemm_bf16bf16f32(101, 111, 112, 150, 40, 96, 1.0f, reinterpret_cast<const uint16_t*>(rows.const_data_ptr()),
+                           96, reinterpret_cast<const uint16_t*>(wr.detach().const_data_ptr()), 96, 0.0f,
+                           direct.data_ptr<float>(), 40);
+    CHECK(at::equal(yr.detach().reshape({-1, 40}), direct.to(at::kBFloat16)));
+  } else {
+    CHECK(at::equal(yr.detach(), at::linear(xr.detach(), wr.detach())));
+  }
+  CHECK(at::equal(models::linear(xr.detach(), wr.detach(), false), at::linear(xr.detach(), wr.detach())));
+}
+
+TEST_CASE("grouped_linear: bfloat16 through MKL's bfloat16 kernel: each group exact, empty groups and rows past the last end zero") {
+  at::manual_seed(9);
+  const std::vector<int64_t> sizes = {7, 100, 0, 300, 1};
+  std::vector<int64_t> ends;
+  int64_t rows = 0;
+  for (auto s : sizes) ends.push_back(rows += s);
+  rows += 9;
+  const int64_t in = 48, out = 40, groups = static_cast<int64_t>(sizes.size());
+  const auto x = small_integers({rows, in}, 3).requires_grad_();
+  const auto w = small_integers({groups, out, in}, 2).requires_grad_();
+  const auto y = models::grouped_linear(x, w, ends_tensor(ends), true);
+  CHECK((y.scalar_type() == at::kBFloat16));
+  const auto xd = x.detach().to(at::kDouble), wd = w.detach().to(at::kDouble);
+  CHECK(at::equal(y, grouped_reference(xd, wd, ends).to(at::kBFloat16)));
+  const auto g = small_integers({rows, out}, 2);
+  y.backward(g);
+  auto dx = at::zeros({rows, in}, at::kDouble);
+  auto dw = at::zeros({groups, out, in}, at::kDouble);
+  for (int64_t e = 0, begin = 0; e < groups; begin = ends[e], ++e) {
+    const auto ge = g.narrow(0, begin, ends[e] - begin).to(at::kDouble);
+    dx.narrow(0, begin, ends[e] - begin).copy_(at::mm(ge, wd[e]));
+    dw[e].copy_(at::mm(ge.t(), xd.narrow(0, begin, ends[e] - begin)));
+  }
+  CHECK(at::equal(x.grad(), dx.to(at::kBFloat16)));  // zero past the last end
+  CHECK(at::equal(w.grad(), dw.to(at::kBFloat16)));  // zero for the empty group
+  CHECK(at::equal(w.grad()[2], at::zeros({out, in}, at::kBFloat16)));
+
+  // A row's result depends only on its own operands: the same rows alone, or after another group.
+  at::NoGradGuard ng;
+  const auto xr = at::randn({700, 64}).to(at::kBFloat16);
+  const auto wr = (at::randn({2, 96, 64}) * 0.1).to(at::kBFloat16);
+  const auto all = models::grouped_linear(xr, wr.narrow(0, 1, 1), ends_tensor({700}), true);
+  for (int64_t first : {0, 5, 100}) {
+    for (int64_t n : {1, 17, 300, 700}) {
+      CAPTURE(first);
+      CAPTURE(n);
+      const auto both = at::cat({at::randn({first, 64}).to(at::kBFloat16), xr.narrow(0, 0, n)});
+      const auto yr = models::grouped_linear(both, wr, ends_tensor({first, first + n}), true);
+      CHECK(at::equal(yr.narrow(0, first, n), all.narrow(0, 0, n)));
+    }
+  }
 }
 
 TEST_CASE("grouped_linear: each group's rows by its own weight; empty groups, rows past the last end, every way rows are split") {

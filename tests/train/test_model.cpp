@@ -831,6 +831,41 @@ TEST_CASE("rotary_causal_attention: the one-pass kernel gives rotary_qkv then ca
                        doctest::Contains("cos and sin must be [4, 8]"), c10::Error);
 }
 
+TEST_CASE("rotary_causal_attention: bfloat16 on the CPU runs the float32 kernel on the widened values, the result rounded once") {
+  REQUIRE(models::causal_attention_available());
+  at::manual_seed(26);
+  const int64_t B = 2, H = 3, T = 70, D = 32;
+  const auto angles = at::randn({T, D});
+  const auto cos = angles.cos().to(at::kBFloat16), sin = angles.sin().to(at::kBFloat16);
+  const auto qkv = at::randn({B, T, 3, H, D}).to(at::kBFloat16);
+  const auto g = at::randn({B, H, T, D}).to(at::kBFloat16);
+  const auto x = qkv.clone().requires_grad_();
+  const auto y = models::rotary_causal_attention(x, cos, sin);
+  y.backward(g);
+  CHECK((y.scalar_type() == at::kBFloat16));
+  CHECK((x.grad().scalar_type() == at::kBFloat16));
+  CHECK(y.transpose(1, 2).is_contiguous());  // [B, T, H, D] in memory: the model's reshape is a view
+  // The float32 kernel's values and gradient, each rounded once to bfloat16.
+  const auto wide = qkv.to(at::kFloat).requires_grad_();
+  const auto yw = models::rotary_causal_attention(wide, cos.to(at::kFloat), sin.to(at::kFloat));
+  yw.backward(g.to(at::kFloat));
+  CHECK(at::equal(y, yw.detach().to(at::kBFloat16)));
+  CHECK(at::equal(x.grad(), wide.grad().to(at::kBFloat16)));
+  // Against float64 on the same bfloat16 values: within bfloat16's rounding of the result, where
+  // the bfloat16 composition (rotary_qkv, then scaled_dot_product_attention's flash attention,
+  // which rounds its probabilities to bfloat16) is further off.
+  const auto p = qkv.to(at::kDouble).permute({2, 0, 3, 1, 4});
+  const auto cd = cos.to(at::kDouble), sd = sin.to(at::kDouble);
+  const auto expected = attention_f64(models::rotary_reference(p[0], cd, sd), models::rotary_reference(p[1], cd, sd), p[2]);
+  const double scale = expected.pow(2).mean().sqrt().item<double>();
+  const auto [q, k, v] = models::rotary_qkv(qkv, cos, sin);
+  const auto composition = models::causal_attention(q, k, v);
+  const double own_error = worst(y, expected, scale), composition_error = worst(composition, expected, scale);
+  MESSAGE("worst error over the rms: widened kernel " << own_error << ", bfloat16 composition " << composition_error);
+  CHECK(own_error < 1.0 / 64);
+  CHECK(own_error <= composition_error);
+}
+
 TEST_CASE("softmax_top_k: the CPU kernel agrees with softmax, topk and logsumexp, values and gradients") {
   at::manual_seed(33);
   // One expert, k = E, a width past one vector of floats; normalised and not.
@@ -1019,6 +1054,39 @@ TEST_CASE("model: fused_attention changes only the rounding (logits and gradient
   at::manual_seed(14);
   const auto [own, sdpa] = only_rounding_apart(c, [](MoEConfig& c) { c.fused_attention = false; }, {3, 20});
   CHECK_FALSE(at::equal(own, sdpa));  // the kernel did run
+}
+
+TEST_CASE("model: in bfloat16, onednn_matmul changes only the rounding (MKL's bfloat16 products against ATen's)") {
+  auto c = small_config();
+  c.dense_layers = 1;
+  c.expert_hidden = 16;  // ATen's grouped product wants rows of a multiple of 16 bytes
+  at::manual_seed(15);
+  models::MoETransformer own(c);
+  c.onednn_matmul = false;
+  models::MoETransformer aten(c);
+  {
+    at::NoGradGuard ng;
+    const auto from = own->named_parameters(), to = aten->named_parameters();
+    for (const auto& p : from) to[p.key()].copy_(p.value());
+  }
+  own->to(at::kBFloat16);
+  aten->to(at::kBFloat16);
+  const auto tokens = at::randint(0, c.vocab_size, {3, 40});
+  const auto lo = own->forward(tokens), la = aten->forward(tokens);
+  // Two bfloat16 models apart by the order of their products' sums: a few bfloat16 roundings of
+  // the logits' size through the layers; a wrong product is off by their whole size.
+  CHECK(worst(lo, la, la.pow(2).mean().sqrt().item<double>()) < 0.05);
+  models::lm_loss(lo, tokens).backward();
+  models::lm_loss(la, tokens).backward();
+  const auto po = own->named_parameters(), pa = aten->named_parameters();
+  for (const auto& p : po) {
+    CAPTURE(p.key());
+    const auto& expected = pa[p.key()].grad();
+    CHECK((p.value().grad().scalar_type() == at::kBFloat16));
+    CHECK(worst(p.value().grad(), expected, expected.pow(2).mean().sqrt().item<double>() + 1e-12) < 0.1);
+  }
+  MESSAGE("MKL's bfloat16 products preferred here: " << std::string(models::bf16_matmul_preferred() ? "yes" : "no"));
+  if (!models::bf16_matmul_preferred()) CHECK(at::equal(lo, la));
 }
 
 TEST_CASE("model: onednn_matmul changes only the rounding (logits and gradients against ATen's products)") {

@@ -37,10 +37,11 @@ struct MoEConfig {
   // (models::rotary_causal_attention, float32); false: scaled_dot_product_attention, ATen's flash
   // attention there. Not part of a checkpoint's model description either.
   bool fused_attention = true;
-  // Float32 matrix products on the CPU by oneDNN's kernels (models/matmul.hpp) where they beat
-  // ATen's BLAS: this LibTorch and CPU run them, and its MKL is not on AVX-512 kernels already
-  // (onednn_matmul_preferred()); false, or where they do not: ATen's. How, not what: not part of a
-  // checkpoint's model description either.
+  // Matrix products on the CPU by fsdpp's own routes (models/matmul.hpp) where they beat ATen's:
+  // float32 by oneDNN's kernels where MKL is not on AVX-512 kernels already
+  // (onednn_matmul_preferred()), bfloat16 by MKL's bfloat16 kernel called directly where the CPU
+  // has bfloat16 instructions (bf16_matmul_preferred()); false, or where they do not: ATen's. How,
+  // not what: not part of a checkpoint's model description either.
   bool onednn_matmul = true;
 
   bool is_moe_layer(int64_t i) const { return experts > 0 && i >= dense_layers; }

@@ -104,7 +104,17 @@ at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, 
 // into a thread's scratch as it attends, reads v in place and writes the projection's gradient
 // directly: none of the [B, H, T, head_dim] tensors of q, k, v and their gradients that the two
 // calls write and read again. The same operations on the same values as the two calls, which it
-// is elsewhere.
+// is elsewhere. bfloat16 and float16 on the CPU (qkv, cos and sin of one dtype) take the float32
+// kernel on their values widened, the result rounded once (Note [16-bit attention on the CPU]).
+//
+// Note [16-bit attention on the CPU]
+// ATen's flash attention in bfloat16 multiplies each block of queries and keys through oneDNN,
+// which describes and looks up a primitive and allocates its attributes for every block: with the
+// weight products already on MKL's bfloat16 kernel, widening made a bfloat16 step of moe-small
+// 1.47x to 1.49x as fast (bench/results/bf16_attention.md). Widening qkv and rounding the result
+// are two passes over tensors the kernel reads and writes anyway. The
+// kernel sums in float32 as ATen's does, and keeps its probabilities in float32 where ATen rounds
+// them to bfloat16 before multiplying by v: the same function, rounded differently (less).
 at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin);
 
 // Whether causal_attention has its CPU kernel in this process (LibTorch's BLAS found).

@@ -95,8 +95,8 @@ struct AttentionImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   int64_t heads;
   double rope_theta;
-  bool onednn;  // models::linear's oneDNN products for float32 on the CPU
-  bool fused;   // models::causal_attention's kernel, else scaled_dot_product_attention
+  bool own_products;  // models::linear's own routes where they beat ATen's (MoEConfig::onednn_matmul)
+  bool fused;         // models::rotary_causal_attention's kernel, else scaled_dot_product_attention
   torch::nn::Linear qkv{nullptr}, out{nullptr};
 
  private:
@@ -108,31 +108,32 @@ struct AttentionImpl : torch::nn::Module {
 TORCH_MODULE(Attention);
 
 struct SwiGLUImpl : torch::nn::Module {
-  SwiGLUImpl(int64_t dim, int64_t hidden, bool fused = true, bool onednn = true);
+  SwiGLUImpl(int64_t dim, int64_t hidden, bool fused = true, bool own_products = true);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear w1{nullptr}, w3{nullptr}, w2{nullptr};
-  bool fused;   // silu(w1 x) * w3 x by models::swiglu's kernel, else the composition
-  bool onednn;  // models::linear's oneDNN products for float32 on the CPU
+  bool fused;         // silu(w1 x) * w3 x by models::swiglu's kernel, else the composition
+  bool own_products;  // models::linear's own routes where they beat ATen's (MoEConfig::onednn_matmul)
 };
 TORCH_MODULE(SwiGLU);
 
 // E SwiGLU experts as stacked tensors: w1, w3 are [E, hidden, dim], w2 is [E, dim, hidden]. Under
 // expert parallelism E is this rank's share of the layer's experts.
 struct ExpertsImpl : torch::nn::Module {
-  ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden, bool fused = true, bool onednn = true);
+  ExpertsImpl(int64_t experts, int64_t dim, int64_t hidden, bool fused = true, bool own_products = true);
   // One expert on the rows routed to it.
   at::Tensor forward_one(int64_t e, const at::Tensor& x);
   // Every expert on its [capacity, dim] slot block: x is [E, C, dim].
   at::Tensor forward_batched(const at::Tensor& x);
   // With `offsets` (int32 [E], cumulative row counts): x is [rows, dim] sorted by expert, expert e
-  // taking rows [offsets[e-1], offsets[e]); on the CPU models::expert_swiglu's kernel (with `fused`
-  // and without `onednn`) or one grouped product per weight (models::grouped_linear), elsewhere one
-  // expert after another (the offsets read on the host). Without: forward_batched(x).
+  // taking rows [offsets[e-1], offsets[e]); on the CPU one grouped product per weight
+  // (models::grouped_linear) where an own product route is taken, else models::expert_swiglu's
+  // kernel (with `fused`) or the grouped products by ATen; elsewhere one expert after another (the
+  // offsets read on the host). Without: forward_batched(x).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& offsets);
   int64_t count() const { return w1.size(0); }
   at::Tensor w1, w3, w2;
-  bool fused;   // the fused kernels (models::expert_swiglu, models::swiglu), else the composition
-  bool onednn;  // models::grouped_linear's oneDNN products for float32 on the CPU
+  bool fused;         // the fused kernels (models::expert_swiglu, models::swiglu), else the composition
+  bool own_products;  // models::grouped_linear's own routes where they beat ATen's (MoEConfig::onednn_matmul)
 };
 TORCH_MODULE(Experts);
 
