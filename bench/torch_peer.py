@@ -15,6 +15,11 @@ torch.compile(model) with its defaults (inductor, mode "default"); the model's a
 are attached where they arise, as fsdpp's are. Batches are windows of the same corpus as the fsdpp
 recipe (the fortunes), seeded.
 
+--dtype bfloat16 computes in bfloat16 the way PyTorch offers for each mode: `fsdp` with
+fully_shard's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), as fsdpp's
+precision.param_dtype and reduce_dtype do; `eager`, `compile` and `ddp` with the forward under
+torch.autocast("cpu", dtype=bfloat16) (products in bfloat16, parameters and optimizer in float32).
+
 Throughput: tokens of the global batch per second, over the steps after --warmup (timed from the
 first measured step's start to the last one's end, the host synchronised by loss.item() each step
 as fsdpp's trainer does).
@@ -58,7 +63,8 @@ def optimizer(model):
 def report(args, mode, times, tokens_per_step, loss, world):
     measured = times[args.warmup:]
     seconds = sum(measured)
-    print(json.dumps({"impl": f"pytorch-{mode}", "torch": torch.__version__, "world": world,
+    impl = f"pytorch-{mode}" + ("-bf16" if args.dtype == "bfloat16" else "")
+    print(json.dumps({"impl": impl, "torch": torch.__version__, "world": world,
                       "threads": torch.get_num_threads(), "steps": len(measured),
                       "tokens_per_s": tokens_per_step * len(measured) / seconds,
                       "step_ms_median": 1e3 * sorted(measured)[len(measured) // 2], "last_loss": loss}), flush=True)
@@ -76,11 +82,13 @@ def train(args):
     torch.manual_seed(args.seed)
     model = torch_moe.MoETransformer(config)
     torch_moe.attach_aux(model, 1.0 / args.accum)
+    bf16 = args.dtype == "bfloat16"
     if args.mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         for block in model.layers:
-            fully_shard(block, reshard_after_forward=args.reshard_after_forward)
-        fully_shard(model, reshard_after_forward=args.reshard_after_forward)
+            fully_shard(block, reshard_after_forward=args.reshard_after_forward, mp_policy=mp)
+        fully_shard(model, reshard_after_forward=args.reshard_after_forward, mp_policy=mp)
         step_model = model
     elif args.mode == "ddp":
         step_model = torch.nn.parallel.DistributedDataParallel(model)
@@ -109,8 +117,11 @@ def train(args):
                 if not args.reshard_after_forward:  # keep the gathered blocks through the no-sync microbatches
                     model.set_reshard_after_backward(last)
             context = step_model.no_sync() if args.mode == "ddp" and not last else contextlib.nullcontext()
+            autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16 and args.mode != "fsdp"
+                        else contextlib.nullcontext())
             with context:
-                loss = torch_moe.lm_loss(step_model(b[:, :-1]), b[:, 1:])
+                with autocast:
+                    loss = torch_moe.lm_loss(step_model(b[:, :-1]), b[:, 1:])
                 (loss / args.accum).backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -270,6 +281,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reshard-after-forward", type=lambda v: v == "true", default=True,
                     help="fsdp mode: true (FSDP2's default) or false (gather each block once per step)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="train: compute dtype (bfloat16: fully_shard's MixedPrecisionPolicy, else autocast)")
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     {"train": train, "pp": pipelined, "unit-cost": unit_cost, "profile": train}[args.what](args)
