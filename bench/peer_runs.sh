@@ -1,6 +1,12 @@
 # Sourced by the scripts that put fsdpp beside PyTorch (bench/run_pytorch_bench.sh,
-# bench/run_pytorch_bf16_bench.sh), once fsdpp, python, work, results, warmup and steps are set.
-# Each run appends "NAME TOKENS_PER_S" to $results.
+# bench/run_pytorch_bf16_bench.sh), once fsdpp, python and work are set: each run of fsdpp_run and
+# torch_run appends "NAME TOKENS_PER_S" to $results, measured over `steps` steps after `warmup`;
+# `peer` runs bench/torch_peer.py.
+warmup=5
+steps=20
+results=$work/results.txt
+: > "$results"
+peer="$python bench/torch_peer.py"
 
 # fsdpp: tokens/s over steps warmup+1 .. warmup+steps, from the run's metrics (time_s at both ends).
 fsdpp_run() {

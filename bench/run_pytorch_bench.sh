@@ -22,14 +22,7 @@ cpu=$(cpuinfo 'model name')
 vendor=$(cpuinfo vendor_id)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-warmup=5
-steps=20
-results=$work/results.txt
-: > "$results"
-
 source bench/peer_runs.sh
-
-peer="$python bench/torch_peer.py"
 for round in $(seq "$rounds"); do
   echo "round $round of $rounds" >&2
   fsdpp_run fsdpp-dp2 recipes/moe-small.json

@@ -14,13 +14,7 @@ build=${1:-build}
 rounds=${2:-4}
 source bench/preamble.sh
 out=bench/results/pytorch_bf16.md
-warmup=5
-steps=20
-results=$work/results.txt
-: > "$results"
 source bench/peer_runs.sh
-
-peer="$python bench/torch_peer.py"
 bf16=precision.param_dtype=bfloat16
 for round in $(seq "$rounds"); do
   echo "round $round of $rounds" >&2
