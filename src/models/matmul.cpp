@@ -373,6 +373,17 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const a
     auto checked = detail::group_ends(ends, x.size(0), weight.size(0), "grouped_linear");
     if (dnnl) return OneDnnGroupedLinear::apply(x, weight, std::move(checked));
     if (bf16) return Bf16GroupedLinear::apply(x, weight, std::move(checked));
+    // at::_grouped_mm refuses rows that are not a multiple of 16 bytes apart (x's, the weight's and
+    // the result's): there, one at::mm per group.
+    const int64_t row_bytes = int64_t(x.element_size());
+    if (x.is_cpu() && (x.size(1) * row_bytes % 16 != 0 || weight.size(1) * row_bytes % 16 != 0)) {
+      std::vector<at::Tensor> pieces;
+      for (int64_t g = 0, begin = 0; g < weight.size(0); begin = checked[g], ++g)
+        if (checked[g] > begin) pieces.push_back(at::mm(x.narrow(0, begin, checked[g] - begin), weight[g].t()));
+      const int64_t end = checked.empty() ? 0 : checked.back();
+      if (x.size(0) > end) pieces.push_back(at::zeros({x.size(0) - end, weight.size(1)}, x.options()));
+      return pieces.empty() ? at::zeros({0, weight.size(1)}, x.options()) : at::cat(pieces);
+    }
     // at::_grouped_mm leaves the rows past the last end unwritten, in its result and in x's
     // gradient (whatever the memory held): those rows are left out of it and given zeros here.
     const int64_t end = checked.empty() ? 0 : checked.back(), past = x.size(0) - end;

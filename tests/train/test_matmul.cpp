@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -269,6 +270,33 @@ TEST_CASE("grouped_linear: on ATen's product too, rows past the last end are zer
   }
   // No rows in any group: zeros.
   CHECK(at::equal(models::grouped_linear(at::randn({6, in}), w.detach(), ends_tensor({0, 0, 0}), false), at::zeros({6, out})));
+}
+
+TEST_CASE("grouped_linear: on ATen's route, rows not a multiple of 16 bytes (which at::_grouped_mm refuses) take a product per group") {
+  // float32 rows of 6 and 10 values, bfloat16 rows of 12 and 20: 24, 40 bytes; a weight's row too.
+  at::manual_seed(10);
+  const std::vector<int64_t> ends = {3, 3, 40};
+  for (const auto& [dtype, in, out] : std::vector<std::tuple<at::ScalarType, int64_t, int64_t>>{
+           {at::kFloat, 6, 10}, {at::kFloat, 8, 10}, {at::kBFloat16, 12, 20}, {at::kBFloat16, 16, 12}}) {
+    CAPTURE(dtype);
+    CAPTURE(in);
+    const auto x = at::randn({45, in}).to(dtype).requires_grad_();
+    const auto w = (at::randn({3, out, in}) * 0.1).to(dtype).requires_grad_();
+    const auto y = models::grouped_linear(x, w, ends_tensor(ends), false);
+    const auto [xd, xa] = references(x);
+    const auto [wd, wa] = references(w);
+    const auto yd = grouped_reference(xd, wd, ends), ya = grouped_reference(xa, wa, ends);
+    const double bound = dtype == at::kFloat ? 1e-5 : 1e-2;
+    CHECK(scaled_error(y, yd, ya) < bound);
+    CHECK(at::equal(y.narrow(0, 40, 5), at::zeros({5, out}, dtype)));
+    const auto g = at::randn({45, out}).to(dtype);
+    y.backward(g);
+    yd.backward(g.to(at::kDouble));
+    ya.backward(g.to(at::kDouble).abs());
+    CHECK(scaled_error(x.grad(), xd.grad(), xa.grad()) < bound);
+    CHECK(scaled_error(w.grad(), wd.grad(), wa.grad()) < bound);
+    CHECK(at::equal(x.grad().narrow(0, 40, 5), at::zeros({5, in}, dtype)));
+  }
 }
 
 TEST_CASE("grouped_linear: a row's result does not depend on how many rows its group has, nor on the groups before it") {

@@ -85,7 +85,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool own);
 // float32 and bfloat16 CPU tensors take the same routes as linear's; otherwise
 // at::_grouped_mm(x, weight^T, ends), on the rows up to the last end where `ends` are on the host
 // (ATen's leaves the others unwritten, forward and backward; with `ends` on a GPU every row goes
-// to it).
+// to it), and one at::mm per group on the CPU where x's or the result's rows are not a multiple of
+// 16 bytes long, which at::_grouped_mm refuses.
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends, bool own);
 
 namespace detail {
