@@ -159,30 +159,38 @@ bool on_onednn(const at::Tensor& x, const at::Tensor& weight, bool onednn) {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct OneDnnLinear : torch::autograd::Function<OneDnnLinear> {
+// The routes' 2-D products, a [m, k] times b [k, n] into a new tensor of the operands' dtype.
+struct OneDnnRoute {
+  static at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
+    auto out = at::empty({a.size(0), b.size(1)}, a.options());
+    product(a, b, out);
+    return out;
+  }
+};
+struct Bf16Route {  // the products into float32, each result rounded once to bfloat16
+  static at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
+    auto c = float32_like(a, {a.size(0), b.size(1)});
+    bf16_product(a, b, c);
+    return c.to(at::kBFloat16);
+  }
+};
+
+// x W^T, and both gradients, by a route's products.
+template <typename Route>
+struct RouteLinear : torch::autograd::Function<RouteLinear<Route>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
     ctx->save_for_backward({x, weight});
-    const auto rows = x.reshape({-1, x.size(-1)});
-    auto out = at::empty({rows.size(0), weight.size(0)}, x.options());
-    product(rows, weight.t(), out);
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
-    return out.view(sizes);
+    return Route::mm(x.reshape({-1, x.size(-1)}), weight.t()).view(sizes);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &weight = saved[1];
     const auto g = grads[0].reshape({-1, weight.size(0)});
     at::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) {
-      dx = at::empty({g.size(0), weight.size(1)}, g.options());
-      product(g, weight, dx);
-      dx = dx.view(x.sizes());
-    }
-    if (ctx->needs_input_grad(1)) {
-      dw = at::empty(weight.sizes(), g.options());
-      product(g.t(), x.reshape({-1, x.size(-1)}), dw);
-    }
+    if (ctx->needs_input_grad(0)) dx = Route::mm(g, weight).view(x.sizes());
+    if (ctx->needs_input_grad(1)) dw = Route::mm(g.t(), x.reshape({-1, x.size(-1)}));
     return {dx, dw};
   }
 };
@@ -203,12 +211,13 @@ GroupedInputs saved_grouped(AutogradContext* ctx) {
   return {saved[0], saved[1], ctx->saved_data["ends"].toIntVector()};
 }
 
+// The rows past the last group, zero in a grouped product's result and in x's gradient.
+void zero_past_groups(const at::Tensor& t, const std::vector<int64_t>& ends) {
+  const int64_t end = ends.empty() ? 0 : ends.back();
+  t.narrow(0, end, t.size(0) - end).zero_();
+}
+
 struct OneDnnGroupedLinear : torch::autograd::Function<OneDnnGroupedLinear> {
-  // Rows past the last group are zero, in the result and in x's gradient.
-  static void zero_past_groups(const at::Tensor& t, const std::vector<int64_t>& ends) {
-    const int64_t end = ends.empty() ? 0 : ends.back();
-    t.narrow(0, end, t.size(0) - end).zero_();
-  }
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             std::vector<int64_t> ends) {
     auto out = at::empty({x.size(0), weight.size(1)}, x.options());
@@ -236,45 +245,14 @@ struct OneDnnGroupedLinear : torch::autograd::Function<OneDnnGroupedLinear> {
   }
 };
 
-// x W^T for bfloat16 x and W: the products into float32, each result rounded once to bfloat16.
-struct Bf16Linear : torch::autograd::Function<Bf16Linear> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
-    ctx->save_for_backward({x, weight});
-    const auto rows = x.reshape({-1, x.size(-1)});
-    auto out = float32_like(x, {rows.size(0), weight.size(0)});
-    bf16_product(rows, weight.t(), out);
-    auto sizes = x.sizes().vec();
-    sizes.back() = weight.size(0);
-    return out.to(at::kBFloat16).view(sizes);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &weight = saved[1];
-    const auto g = grads[0].to(at::kBFloat16).reshape({-1, weight.size(0)});
-    at::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) {
-      auto c = float32_like(g, {g.size(0), weight.size(1)});
-      bf16_product(g, weight, c);
-      dx = c.to(at::kBFloat16).view(x.sizes());
-    }
-    if (ctx->needs_input_grad(1)) {
-      auto c = float32_like(g, weight.sizes());
-      bf16_product(g.t(), x.reshape({-1, x.size(-1)}), c);
-      dw = c.to(at::kBFloat16);
-    }
-    return {dx, dw};
-  }
-};
-
-// One product per group of rows, as Bf16Linear computes each; rows past the last group zero.
+// One product per group of rows, as Bf16Route computes each; rows past the last group zero.
 struct Bf16GroupedLinear : torch::autograd::Function<Bf16GroupedLinear> {
   template <typename WeightOf>
   static at::Tensor products(const at::Tensor& a, WeightOf weight_of, int64_t cols, const std::vector<int64_t>& ends) {
     auto c = float32_like(a, {a.size(0), cols});
-    int64_t begin = 0;
-    for (size_t g = 0; g < ends.size(); begin = ends[g], ++g)
-      bf16_product(a.narrow(0, begin, ends[g] - begin), weight_of(int64_t(g)), c.narrow(0, begin, ends[g] - begin));
-    c.narrow(0, begin, a.size(0) - begin).zero_();
+    for (int64_t g = 0, begin = 0; g < int64_t(ends.size()); begin = ends[g], ++g)
+      bf16_product(a.narrow(0, begin, ends[g] - begin), weight_of(g), c.narrow(0, begin, ends[g] - begin));
+    zero_past_groups(c, ends);
     return c.to(at::kBFloat16);
   }
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -285,15 +263,14 @@ struct Bf16GroupedLinear : torch::autograd::Function<Bf16GroupedLinear> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto [x, weight, ends] = saved_grouped(ctx);
-    const auto g = grads[0].to(at::kBFloat16);
+    const auto g = grads[0];
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = products(g, [&](int64_t e) { return weight.select(0, e); }, weight.size(2), ends);
     if (ctx->needs_input_grad(1)) {
+      // Every group, empty ones too: bf16_product writes zeros for no rows.
       auto c = float32_like(g, weight.sizes());
-      for (int64_t e = 0, begin = 0; e < weight.size(0); begin = ends[e], ++e) {
-        if (ends[e] == begin) c.select(0, e).zero_();
-        else bf16_product(g.narrow(0, begin, ends[e] - begin).t(), x.narrow(0, begin, ends[e] - begin), c.select(0, e));
-      }
+      for (int64_t e = 0, begin = 0; e < weight.size(0); begin = ends[e], ++e)
+        bf16_product(g.narrow(0, begin, ends[e] - begin).t(), x.narrow(0, begin, ends[e] - begin), c.select(0, e));
       dw = c.to(at::kBFloat16);
     }
     return {dx, dw, at::Tensor()};
@@ -361,8 +338,9 @@ bool own_products_preferred(at::ScalarType dtype) {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool own) {
   TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1), "linear: x [..., in] and weight [out, in] expected, got x ",
               x.sizes(), " and weight ", weight.sizes());
-  if (on_bf16_blas(x, weight, own)) return Bf16Linear::apply(x, weight);
-  return on_onednn(x, weight, own) ? OneDnnLinear::apply(x, weight) : at::linear(x, weight);
+  if (on_bf16_blas(x, weight, own)) return RouteLinear<Bf16Route>::apply(x, weight);
+  if (on_onednn(x, weight, own)) return RouteLinear<OneDnnRoute>::apply(x, weight);
+  return at::linear(x, weight);
 }
 
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends, bool own) {
@@ -373,20 +351,19 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const a
     auto checked = detail::group_ends(ends, x.size(0), weight.size(0), "grouped_linear");
     if (dnnl) return OneDnnGroupedLinear::apply(x, weight, std::move(checked));
     if (bf16) return Bf16GroupedLinear::apply(x, weight, std::move(checked));
+    const int64_t end = checked.empty() ? 0 : checked.back(), past = x.size(0) - end;
     // at::_grouped_mm refuses rows that are not a multiple of 16 bytes apart (x's, the weight's and
     // the result's): there, one at::mm per group.
-    const int64_t row_bytes = int64_t(x.element_size());
-    if (x.is_cpu() && (x.size(1) * row_bytes % 16 != 0 || weight.size(1) * row_bytes % 16 != 0)) {
+    const int64_t element_bytes = int64_t(x.element_size());
+    if (x.is_cpu() && (x.size(1) * element_bytes % 16 != 0 || weight.size(1) * element_bytes % 16 != 0)) {
       std::vector<at::Tensor> pieces;
       for (int64_t g = 0, begin = 0; g < weight.size(0); begin = checked[g], ++g)
         if (checked[g] > begin) pieces.push_back(at::mm(x.narrow(0, begin, checked[g] - begin), weight[g].t()));
-      const int64_t end = checked.empty() ? 0 : checked.back();
-      if (x.size(0) > end) pieces.push_back(at::zeros({x.size(0) - end, weight.size(1)}, x.options()));
+      if (past > 0) pieces.push_back(at::zeros({past, weight.size(1)}, x.options()));
       return pieces.empty() ? at::zeros({0, weight.size(1)}, x.options()) : at::cat(pieces);
     }
     // at::_grouped_mm leaves the rows past the last end unwritten, in its result and in x's
     // gradient (whatever the memory held): those rows are left out of it and given zeros here.
-    const int64_t end = checked.empty() ? 0 : checked.back(), past = x.size(0) - end;
     if (past > 0) {
       const auto zeros = at::zeros({past, weight.size(1)}, x.options());
       if (end == 0) return zeros;  // no rows in any group: no product, no gradient

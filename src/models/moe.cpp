@@ -165,7 +165,8 @@ const std::pair<at::Tensor, at::Tensor>& AttentionImpl::rope_tables(int64_t T, i
 at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
   const auto& [cos, sin] = rope_tables(T, hd, x);
-  const auto projected = linear(x, qkv->weight, own_route(own_products, x)).view({B, T, 3, heads, hd});
+  const bool own = own_route(own_products, x);
+  const auto projected = linear(x, qkv->weight, own).view({B, T, 3, heads, hd});
   // Rotary embedding and causal softmax(q k^T / sqrt(hd)) v: with fused kernels in one pass per
   // head (models::rotary_causal_attention on the CPU), else rotary_qkv and the attention the backend
   // scaled_dot_product_attention picks (flash attention on the CPU). No [B, H, T, T] score tensor
@@ -178,7 +179,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
     const auto [q, k, v] = rotary_qkv(projected, cos, sin);  // [B, H, T, hd] each
     y = causal_attention_reference(q, k, v);
   }
-  return linear(y.transpose(1, 2).reshape({B, T, D}), out->weight, own_route(own_products, x));
+  return linear(y.transpose(1, 2).reshape({B, T, D}), out->weight, own);
 }
 
 SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_, bool own_products_)
