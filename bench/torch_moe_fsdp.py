@@ -32,13 +32,18 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: Gloo on the CPU, for scripts/gpu-check.sh --dry-run (the plumbing only)")
     args = ap.parse_args()
     c = json.load(open(args.config))
+    cuda = args.device == "cuda"
     # One process: an in-memory store, so no port is needed (a fixed one may be taken).
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
-    model = MoETransformer(c).cuda()
+    model = MoETransformer(c).to(args.device)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # Inputs keep their dtype: the norms compute in float32 and return it, the gate casts itself.
     f32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
@@ -53,8 +58,8 @@ def main():
     g = torch.Generator().manual_seed(1)
     times = []
     for s in range(args.steps):
-        data = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g).cuda()
-        torch.cuda.synchronize()
+        data = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g).to(args.device)
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         logits, aux = model(data[:, :-1])
@@ -64,7 +69,7 @@ def main():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        torch.cuda.synchronize()
+        sync()
         if s >= args.warmup:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)

@@ -38,17 +38,26 @@ fsdpp_header_dependency(CLI11 CLI11::CLI11 CLI/CLI.hpp)
 
 # SentencePiece (Debian's libsentencepiece-dev): the tokenizers of data.tokenizer and
 # `fsdpp tokenizer train`. It keeps its own protobuf-lite to itself (no protobuf symbols exported),
-# as LibTorch does its protobuf.
-find_path(FSDPP_SENTENCEPIECE_INCLUDE_DIR sentencepiece_processor.h PATH_SUFFIXES include)
-find_library(FSDPP_SENTENCEPIECE_LIBRARY sentencepiece PATH_SUFFIXES lib)
-find_library(FSDPP_SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train PATH_SUFFIXES lib)
-if(NOT FSDPP_SENTENCEPIECE_INCLUDE_DIR OR NOT FSDPP_SENTENCEPIECE_LIBRARY OR NOT FSDPP_SENTENCEPIECE_TRAIN_LIBRARY)
-  message(FATAL_ERROR "fsdpp needs SentencePiece: install libsentencepiece-dev (scripts/setup.sh) or put its "
-                      "headers and libraries on CMAKE_PREFIX_PATH")
+# as LibTorch does its protobuf. Optional (FSDPP_WITH_SENTENCEPIECE): a GPU machine may have
+# PyTorch but no Debian packages, and Debian's library may need a newer C library than it has;
+# without it only the byte tokenizer is available (src/train/no_sentencepiece.cpp says so).
+set(FSDPP_HAVE_SENTENCEPIECE OFF)
+if(NOT FSDPP_WITH_SENTENCEPIECE STREQUAL "OFF")
+  find_path(FSDPP_SENTENCEPIECE_INCLUDE_DIR sentencepiece_processor.h PATH_SUFFIXES include)
+  find_library(FSDPP_SENTENCEPIECE_LIBRARY sentencepiece PATH_SUFFIXES lib)
+  find_library(FSDPP_SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train PATH_SUFFIXES lib)
+  if(FSDPP_SENTENCEPIECE_INCLUDE_DIR AND FSDPP_SENTENCEPIECE_LIBRARY AND FSDPP_SENTENCEPIECE_TRAIN_LIBRARY)
+    set(FSDPP_HAVE_SENTENCEPIECE ON)
+    add_library(SentencePiece::SentencePiece INTERFACE IMPORTED GLOBAL)
+    target_include_directories(SentencePiece::SentencePiece INTERFACE ${FSDPP_SENTENCEPIECE_INCLUDE_DIR})
+    target_link_libraries(SentencePiece::SentencePiece INTERFACE ${FSDPP_SENTENCEPIECE_TRAIN_LIBRARY}
+                          ${FSDPP_SENTENCEPIECE_LIBRARY})
+  elseif(FSDPP_WITH_SENTENCEPIECE STREQUAL "ON")
+    message(FATAL_ERROR "FSDPP_WITH_SENTENCEPIECE=ON but SentencePiece was not found: install libsentencepiece-dev "
+                        "(scripts/setup.sh) or put its headers and libraries on CMAKE_PREFIX_PATH")
+  endif()
 endif()
-add_library(fsdpp_sentencepiece INTERFACE IMPORTED GLOBAL)
-target_include_directories(fsdpp_sentencepiece INTERFACE ${FSDPP_SENTENCEPIECE_INCLUDE_DIR})
-target_link_libraries(fsdpp_sentencepiece INTERFACE ${FSDPP_SENTENCEPIECE_TRAIN_LIBRARY} ${FSDPP_SENTENCEPIECE_LIBRARY})
+message(STATUS "fsdpp: SentencePiece ${FSDPP_HAVE_SENTENCEPIECE}")
 
 set(FSDPP_HAVE_GLOO OFF)
 if(NOT FSDPP_WITH_GLOO STREQUAL "OFF")

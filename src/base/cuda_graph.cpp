@@ -5,6 +5,7 @@
 
 #if FSDPP_WITH_NCCL
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -13,10 +14,17 @@
 namespace fsdpp {
 
 struct CapturedStep::Impl {
-  at::cuda::CUDAGraph graph;
+  std::unique_ptr<at::cuda::CUDAGraph> graph = std::make_unique<at::cuda::CUDAGraph>();
 };
 
 namespace {
+
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const bool asked = cudaStreamIsCapturing(stream, &status) == cudaSuccess;
+  if (!asked) (void)cudaGetLastError();
+  return asked && status != cudaStreamCaptureStatusNone;
+}
 
 // Makes `waiter` wait for the work already on `producer` (an event, no host wait).
 void order_after(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& producer) {
@@ -28,6 +36,47 @@ void order_after(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStrea
   if (!ok) throw std::runtime_error("CUDA graph: ordering streams failed");
 }
 
+// Note [a failed capture]
+// A capture fails when the step does something a capture refuses (a host synchronisation, a copy
+// from pageable memory, a query of a captured event). LibTorch 2.11's CUDAGraph::capture_end
+// throws on the failed cudaStreamEndCapture before it ends the allocator's routing of this
+// stream's allocations into the graph's private pool, and its destructor does not release that
+// pool; 2.15 does both itself. So whatever the version, after a failure: the stream's capture is
+// ended, the routing ended (an error here means LibTorch did it already), the graph destroyed,
+// the pool released if a use of it is left, and the cache emptied, so that the allocator is as
+// usable as before and the next error names its own cause. Only a GPU run proves this
+// (tests/gpu/test_gpu.cpp, "a failed capture ...").
+void abandon_capture(std::unique_ptr<at::cuda::CUDAGraph> graph, const c10::cuda::CUDAStream& side,
+                     c10::MempoolId_t pool) {
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  const auto device = side.device_index();
+  if (is_capturing(side.stream())) {
+    try {
+      graph->capture_end();
+    } catch (...) {
+    }
+  }
+  if (is_capturing(side.stream())) {  // capture_end refused before ending it
+    cudaGraph_t partial = nullptr;
+    if (cudaStreamEndCapture(side.stream(), &partial) == cudaSuccess && partial) cudaGraphDestroy(partial);
+  }
+  try {
+    alloc::endAllocateToPool(device, pool);
+  } catch (...) {
+  }
+  graph.reset();
+  try {
+    if (alloc::getPoolUseCount(device, pool) > 0) alloc::releasePool(device, pool);
+  } catch (...) {
+    // No such pool any more: the graph released it.
+  }
+  (void)cudaGetLastError();  // the capture's errors are not sticky; the caller reports the first
+  try {
+    alloc::emptyCache();
+  } catch (...) {
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<CapturedStep> CapturedStep::capture(const std::function<void()>& step) {
@@ -36,34 +85,36 @@ std::unique_ptr<CapturedStep> CapturedStep::capture(const std::function<void()>&
   // already queued, and the caller's stream continues after the capture's (empty) work.
   const auto caller = c10::cuda::getCurrentCUDAStream();
   const auto side = c10::cuda::getStreamFromPool();
+  // The eager warm-up steps leave freed blocks cached in the default pool; the graph allocates
+  // from a private pool of its own, so return them to the device first.
+  c10::cuda::device_synchronize();
+  c10::cuda::CUDACachingAllocator::emptyCache();
   order_after(side, caller);
+  const auto pool = at::cuda::graph_pool_handle();
   {
     c10::cuda::CUDAStreamGuard guard(side);
-    impl->graph.capture_begin();
     try {
+      impl->graph->capture_begin(pool);
       step();
-    } catch (...) {
-      try {
-        impl->graph.capture_end();
-      } catch (...) {
-      }
-      throw;
+      impl->graph->capture_end();
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      abandon_capture(std::move(impl->graph), side, pool);
+      throw std::runtime_error("CUDA graph capture of the step failed (the allocator is restored; run with "
+                               "train.cuda_graph=false, or FSDPP_CHECK_DEVICES=1 to find host copies): " + what);
     }
-    impl->graph.capture_end();
   }
   order_after(caller, side);
   return std::unique_ptr<CapturedStep>(new CapturedStep(std::move(impl)));
 }
 
-void CapturedStep::replay() { impl_->graph.replay(); }
+void CapturedStep::replay() { impl_->graph->replay(); }
 
 int current_cuda_device() { return c10::cuda::current_device(); }
 
 bool stream_capturing(int device) {
   const auto d = device < 0 ? c10::cuda::current_device() : static_cast<c10::DeviceIndex>(device);
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(d).stream(), &status) == cudaSuccess &&
-         status != cudaStreamCaptureStatusNone;
+  return is_capturing(c10::cuda::getCurrentCUDAStream(d).stream());
 }
 
 }  // namespace fsdpp

@@ -19,16 +19,113 @@
 
 namespace fsdpp {
 
-void write_file_atomically(const std::string& path, const std::string& text) {
-  const auto tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << text;
-    f.flush();
-    if (!f) throw std::runtime_error("cannot write " + tmp + " (disk full or not writable?)");
+std::string os_error(int err) {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || __GLIBC_MINOR__ >= 32)
+  if (const char* name = ::strerrorname_np(err)) return std::string(std::strerror(err)) + " (" + name + ")";
+#endif
+  return std::strerror(err);
+}
+
+namespace {
+
+// Writes all of `bytes` (write(2) may write less than asked); returns errno or 0.
+int write_all(int fd, const void* data, size_t bytes, const uint64_t* offset = nullptr) {
+  const char* p = static_cast<const char*>(data);
+  uint64_t at = offset ? *offset : 0;
+  while (bytes > 0) {
+    const ssize_t n = offset ? ::pwrite(fd, p, bytes, static_cast<off_t>(at)) : ::write(fd, p, bytes);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return ENOSPC;  // nothing written and no error: the device takes no more
+    p += n, bytes -= static_cast<size_t>(n), at += static_cast<uint64_t>(n);
   }
-  sync_to_disk(tmp);
-  std::filesystem::rename(tmp, path);
+  return 0;
+}
+
+}  // namespace
+
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    const int e = errno;
+    throw std::runtime_error("writing " + path_ + " failed: cannot create " + tmp_ + ": " + os_error(e));
+  }
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void AtomicFile::fail(const char* what, int err) {
+  ::close(fd_);
+  fd_ = -1;
+  ::unlink(tmp_.c_str());
+  throw std::runtime_error("writing " + path_ + " failed" + (*what ? std::string(" (") + what + ")" : "") + ": " +
+                           os_error(err));
+}
+
+void AtomicFile::write(const void* data, size_t bytes) {
+  if (fd_ < 0) throw std::logic_error("AtomicFile " + path_ + ": written after commit or failure");
+  if (const int e = write_all(fd_, data, bytes)) fail("", e);
+}
+
+void AtomicFile::write_at(uint64_t offset, const void* data, size_t bytes) {
+  if (fd_ < 0) throw std::logic_error("AtomicFile " + path_ + ": written after commit or failure");
+  if (const int e = write_all(fd_, data, bytes, &offset)) fail("", e);
+}
+
+void AtomicFile::commit() {
+  if (fd_ < 0) throw std::logic_error("AtomicFile " + path_ + ": committed twice or after a failure");
+  if (::fsync(fd_) != 0) fail("syncing it to disk", errno);
+  if (::close(fd_) != 0) {
+    const int e = errno;
+    fd_ = -1;
+    ::unlink(tmp_.c_str());
+    throw std::runtime_error("writing " + path_ + " failed: " + os_error(e));
+  }
+  fd_ = -1;
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(tmp_.c_str());
+    throw std::runtime_error("writing " + path_ + " failed (renaming " + tmp_ + "): " + os_error(e));
+  }
+}
+
+void write_file_atomically(const std::string& path, const std::string& text) {
+  AtomicFile f(path);
+  f.write(text);
+  f.commit();
+}
+
+LineLog::LineLog(std::string path, bool truncate) : path_(std::move(path)) {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (truncate ? O_TRUNC : 0), 0644);
+  if (fd_ < 0) {
+    const int e = errno;
+    throw std::runtime_error("cannot open " + path_ + " to write: " + os_error(e));
+  }
+  const off_t end = ::lseek(fd_, 0, SEEK_END);
+  size_ = end > 0 ? static_cast<uint64_t>(end) : 0;
+}
+
+LineLog::~LineLog() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void LineLog::append(std::string_view line) {
+  std::string whole;
+  whole.reserve(line.size() + 1);
+  whole.append(line).push_back('\n');
+  if (const int e = write_all(fd_, whole.data(), whole.size(), &size_)) {
+    // Part of the line may be there: cut the file back to the lines before it.
+    [[maybe_unused]] const int rc = ::ftruncate(fd_, static_cast<off_t>(size_));
+    throw std::runtime_error("writing " + path_ + " failed: " + os_error(e));
+  }
+  size_ += whole.size();
 }
 
 void sync_to_disk(const std::string& path) {

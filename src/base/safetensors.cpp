@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "fsdpp/base/files.hpp"
+
 namespace fsdpp {
 
 namespace {
@@ -56,17 +58,15 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) throw std::runtime_error(fmt::format("write_safetensors: cannot create {}", path));
+  // Through a temporary file: a failed or interrupted write leaves nothing under `path`.
+  AtomicFile f(path);
   const uint64_t n = h.size();
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
-  f.write(reinterpret_cast<const char*>(len), 8);
-  f.write(h.data(), static_cast<std::streamsize>(h.size()));
-  for (const auto& c : data)
-    f.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * c.element_size()));
-  f.flush();
-  if (!f) throw std::runtime_error(fmt::format("write_safetensors: writing {} failed (disk full?)", path));
+  f.write(len, 8);
+  f.write(h);
+  for (const auto& c : data) f.write(c.data_ptr(), static_cast<size_t>(c.numel() * c.element_size()));
+  f.commit();
 }
 
 SafetensorsFile read_safetensors(const std::string& path) {

@@ -1,5 +1,7 @@
 #include "data_commands.hpp"
 
+#include <limits>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
@@ -36,9 +38,11 @@ std::shared_ptr<DataCommands> add_data_commands(CLI::App& app) {
   c->train->add_option("--type", t.type, "bpe or unigram")->check(CLI::IsMember({"bpe", "unigram"}));
   c->train->add_option("--held-out", t.held_out, "fraction of documents kept out of training, to measure bytes per token")
       ->check(CLI::Range(0.0, 0.5));
-  c->train->add_option("--max-bytes", t.max_training_bytes, "train on at most this much text")->check(CLI::PositiveNumber);
-  c->train->add_option("--threads", t.threads, "training threads (0: all cores)")->check(CLI::NonNegativeNumber);
-  c->train->add_option("--seed", t.seed, "seed of the held-out draw");
+  c->train->add_option("--max-bytes", t.max_training_bytes, "train on at most this much text")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50));
+  c->train->add_option("--threads", t.threads, "training threads (0: all cores)")->check(CLI::Range(0, 4096));
+  c->train->add_option("--seed", t.seed, "seed of the held-out draw (0 to 2^63 - 1)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{std::numeric_limits<int64_t>::max()}));
 
   c->tokenize = app.add_subcommand("tokenize", "write token shards (llm.c's .bin layout) for data.source \"shards\": "
                                                "fsdpp tokenize --tokenizer tok.model INPUTS... -o DIR");
@@ -52,8 +56,9 @@ std::shared_ptr<DataCommands> add_data_commands(CLI::App& app) {
   c->tokenize->add_option("--val-fraction", k.val_fraction, "fraction of documents for validation (at least one)")
       ->check(CLI::Range(0.0, 0.5));
   c->tokenize->add_option("--name", k.name, "shard file prefix: NAME_train_000001.bin");
-  c->tokenize->add_option("--seed", k.seed, "seed of the validation draw");
-  c->tokenize->add_option("--threads", k.threads, "encoding threads (0: all cores)")->check(CLI::NonNegativeNumber);
+  c->tokenize->add_option("--seed", k.seed, "seed of the validation draw (0 to 2^63 - 1)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{std::numeric_limits<int64_t>::max()}));
+  c->tokenize->add_option("--threads", k.threads, "encoding threads (0: all cores)")->check(CLI::Range(0, 4096));
   return c;
 }
 

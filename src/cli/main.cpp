@@ -1,5 +1,6 @@
 // The fsdpp command line.
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <unistd.h>
@@ -10,7 +11,10 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <sstream>
 
+#include "fsdpp/comm/fault.hpp"
 #include "fsdpp/comm/flight_recorder.hpp"
 #include "fsdpp/comm/init.hpp"
 #include "fsdpp/comm/launch.hpp"
@@ -24,7 +28,9 @@
 #include "fsdpp/pipeline/visualize.hpp"
 #include "fsdpp/train/checkpoints.hpp"
 #include "fsdpp/train/generate.hpp"
+#include "fsdpp/train/memory_estimate.hpp"
 #include "fsdpp/train/model_files.hpp"
+#include "fsdpp/train/run_lock.hpp"
 #include "fsdpp/train/tokenizer.hpp"
 #include "fsdpp/train/trainer.hpp"
 #include "data_commands.hpp"
@@ -32,6 +38,26 @@
 namespace {
 
 using namespace fsdpp;
+
+// Exit codes (docs/cli.md): 0 done; 1 the command failed (a run diverged, a file is damaged, a rank
+// died); 2 bad input (a recipe, an option, an argument), nothing started; under `fsdpp launch` and
+// `fsdpp run`, the first failing rank's code: 124 when its watchdog ended a collective that never
+// completed, 128 + N when signal N killed it.
+constexpr int kExitFailed = 1;
+constexpr int kExitBadInput = 2;
+constexpr int kMaxRanks = 65536;
+
+// What a person reads of an error: LibTorch's own text without its C++ stack trace, and never an
+// empty line.
+std::string user_message(const std::exception& e) {
+  std::string text = e.what();
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) text = c10->what_without_backtrace();
+  // LibTorch's errors rethrown inside ours carry the trace on.
+  if (const auto at = text.find("\nException raised from "); at != std::string::npos) text.erase(at);
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  if (text.empty()) text = fmt::format("an error without a message ({})", typeid(e).name());
+  return text;
+}
 
 std::string self_exe() {
   char buf[PATH_MAX];
@@ -102,13 +128,15 @@ int demo_worker(int64_t max_bytes) {
 }
 
 struct ShowOptions {
-  std::string schedule, csv, out = "schedule";
-  int pp = 2, stages_per_rank = 1, microbatches = 4, max_outstanding_sends = 0, unshard_window = 3;
+  std::string schedule, csv, out;  // out: a prefix of files to write; empty: print only
+  int pp = 2, microbatches = 4, max_outstanding_sends = 0, unshard_window = 3;
+  std::optional<int> stages_per_rank;  // unset: 2 for V schedules, else 1
   bool fsdp = false;
   std::vector<double> costs{1, 2, 1, 1};
 };
 
-// Validates and simulates a schedule; prints the timeline and bubbles, writes an SVG and a trace.
+// Validates and simulates a schedule; prints the timeline and bubbles; with --out, also writes an
+// SVG, a trace and the action tables.
 int schedule_show(const ShowOptions& o) {
   using namespace fsdpp::pipeline;
   std::unique_ptr<Schedule> schedule;
@@ -117,7 +145,8 @@ int schedule_show(const ShowOptions& o) {
   } else {
     schedule = make_schedule(o.schedule);
   }
-  const ScheduleSpec spec{.pp = o.pp, .stages_per_rank = o.stages_per_rank, .microbatches = o.microbatches};
+  const int stages_per_rank = o.stages_per_rank.value_or(schedule->layout() == Layout::kV ? 2 : 1);
+  const ScheduleSpec spec{.pp = o.pp, .stages_per_rank = stages_per_rank, .microbatches = o.microbatches};
   const auto plan = make_plan(*schedule, spec, {.fsdp_stages = o.fsdp, .max_outstanding_sends = o.max_outstanding_sends,
                                                 .unshard_window = o.unshard_window});
   const Costs costs{o.costs[0], o.costs[1], o.costs[2], o.costs[3], 0};
@@ -132,13 +161,15 @@ int schedule_show(const ShowOptions& o) {
                              "receive buffers {}\n",
                              r, plan.lowered[r].size(), sim.peak_activations[r], sim.peak_recv_buffers[r]);
   std::cout << fmt::format("mean bubble fraction {:.3f}, step time {} units\n", sim.mean_bubble(), sim.makespan);
-  std::ofstream(o.out + ".svg") << render_svg(sim, title);
-  std::ofstream(o.out + ".trace.json") << chrome_trace(sim);
-  std::ofstream csv(o.out + ".csv");
-  write_csv(csv, plan.lowered);
+  if (o.out.empty()) return 0;
+  write_file_atomically(o.out + ".svg", render_svg(sim, title));
+  write_file_atomically(o.out + ".trace.json", chrome_trace(sim));
+  std::ostringstream lowered, compute;
+  write_csv(lowered, plan.lowered);
   // The compute actions alone: the format of PyTorch's _load_csv(format="compute_only").
-  std::ofstream compute(o.out + ".compute.csv");
   write_csv(compute, plan.compute);
+  write_file_atomically(o.out + ".csv", lowered.str());
+  write_file_atomically(o.out + ".compute.csv", compute.str());
   std::cout << "wrote " << o.out << ".svg, " << o.out << ".trace.json, " << o.out << ".csv (lowered) and " << o.out
             << ".compute.csv (compute actions, as PyTorch's compute_only CSV)\n";
   return 0;
@@ -161,16 +192,29 @@ std::vector<std::filesystem::path> resource_roots() {
 
 // `fsdpp ckpt verify`: one checkpoint, or every committed checkpoint of a run directory, newest
 // first. Exit 1 when any is damaged.
-int verify_checkpoints(const std::string& path) {
+int verify_checkpoints(std::string path) {
   namespace fs = std::filesystem;
   std::vector<std::string> dirs;
+  // checkpoints/latest, the pointer the tree shows beside the checkpoints: the one it names.
+  if (fs::is_regular_file(path)) {
+    std::ifstream f(path);
+    std::string name;
+    std::getline(f, name);
+    const auto target = fs::path(path).parent_path() / name;
+    if (name.empty() || name.find('/') != std::string::npos || !fs::is_directory(target)) {
+      std::cerr << fmt::format("fsdpp ckpt verify: {} is a file, but not a pointer to a checkpoint beside it{}\n", path,
+                               name.empty() ? "" : fmt::format(" (it names '{}')", name));
+      return kExitBadInput;
+    }
+    path = target.string();
+  }
   if (fs::exists(fs::path(path) / "trainer.json") || fs::exists(fs::path(path) / "rank0.json"))
     dirs.push_back(path);
   else
     dirs = train::committed_checkpoints(path);
   if (dirs.empty()) {
     std::cerr << fmt::format("fsdpp ckpt verify: {} is neither a checkpoint nor a run directory with one\n", path);
-    return 1;
+    return kExitBadInput;
   }
   int damaged = 0;
   for (const auto& dir : dirs) {
@@ -230,10 +274,12 @@ struct RunArgs {
   train::RunOptions options;
   int64_t stop_after = 0;
   int max_restarts = 0;
+  bool share_gpu = false;
 };
 
 int run_recipe(RunArgs& a) {
   if (a.stop_after > 0) a.options.stop_after = a.stop_after;
+  if (a.options.resume_with_changes) a.options.resume = true;
   if (comm::launched_by_launcher()) {
     // The recipe sets up the communicators; run_training checks it against the world size.
     const auto recipe = train::load_recipe(a.recipe, a.overrides);
@@ -254,10 +300,18 @@ int run_recipe(RunArgs& a) {
   }
   // Check everything before any rank starts.
   const auto recipe = train::load_recipe(a.recipe, a.overrides, a.nproc > 0 ? std::optional<int>(a.nproc) : std::nullopt);
+  comm::check_injected_fault(recipe.world_size());
+  train::check_memory(recipe, recipe.world_size());  // every rank on this machine
+  // The run owns its output directory until every rank has ended (include/fsdpp/train/run_lock.hpp).
+  std::optional<std::string> took_over;
+  const auto lock = train::RunLock::acquire(recipe.output_dir(), "fsdpp run " + a.recipe, &took_over);
+  if (took_over) std::cerr << "fsdpp run: note: " << *took_over << "\n";
   train::check_output_dir(recipe, a.options);
   comm::LaunchOptions o;
   o.nproc = recipe.world_size();
   o.max_restarts = a.max_restarts;
+  o.share_gpu = a.share_gpu;
+  o.env.push_back(std::string(train::RunLock::kHeldVariable) + "=1");
   o.command = {self_exe(), "run", a.recipe};
   if (recipe.dist.keep_freed_memory)
     if (const auto tunables = with_kept_malloc_thresholds(malloc_environment()))
@@ -265,7 +319,7 @@ int run_recipe(RunArgs& a) {
   if (const auto spins = microbatch_threads_spin_count(recipe.parallel.microbatch_threads, openmp_wait_environment()))
     o.env.push_back("GOMP_SPINCOUNT=" + *spins);
   for (const auto& ov : a.overrides) o.command.push_back(ov);
-  if (a.options.resume) o.command.push_back("--resume");
+  if (a.options.resume) o.command.push_back(a.options.resume_with_changes ? "--resume-with-changes" : "--resume");
   if (a.options.overwrite) o.command.push_back("--overwrite");
   if (a.options.trace) o.command.insert(o.command.end(), {"--trace", "--trace-steps", std::to_string(a.options.trace_steps)});
   if (a.stop_after > 0) o.command.insert(o.command.end(), {"--stop-after", std::to_string(a.stop_after)});
@@ -283,10 +337,10 @@ int main(int argc, char** argv) {
   bool no_prefix = false;
   auto* cmd_launch = app.add_subcommand(
       "launch", "start N local ranks with torchrun's environment: fsdpp launch --nproc N -- PROGRAM ARGS");
-  cmd_launch->add_option("--nproc", launch.nproc, "ranks on this node")->check(CLI::PositiveNumber);
-  cmd_launch->add_option("--nnodes", launch.nnodes, "number of nodes")->check(CLI::PositiveNumber);
+  cmd_launch->add_option("--nproc", launch.nproc, "ranks on this node")->check(CLI::Range(1, kMaxRanks));
+  cmd_launch->add_option("--nnodes", launch.nnodes, "number of nodes")->check(CLI::Range(1, kMaxRanks));
   cmd_launch->add_option("--node-rank", launch.node_rank, "this node's index, 0-based")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, kMaxRanks - 1));
   cmd_launch->add_option("--master-addr", launch.master_addr,
                          "address of node 0, where the rendezvous store runs (default 127.0.0.1)");
   cmd_launch->add_option("--master-port", master_port, "port of the store (default: a free port)")
@@ -294,7 +348,9 @@ int main(int argc, char** argv) {
   cmd_launch->add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
   cmd_launch->add_option("--max-restarts", launch.max_restarts,
                          "after a failure, start every rank again, up to N times (TORCHELASTIC_RESTART_COUNT)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 1000));
+  cmd_launch->add_flag("--share-gpu", launch.share_gpu,
+                       "ranks share this node's GPUs (each gets its own NCCL_HOSTID; for correctness checks)");
   cmd_launch->add_option("command", launch.command, "program and arguments, after --")->required();
 
   int demo_nproc = 2;
@@ -315,9 +371,11 @@ int main(int argc, char** argv) {
   by_name->excludes(by_csv);
   cmd_show->add_option("--pp", show.pp, "pipeline ranks")->check(CLI::Range(1, 1024));
   cmd_show->add_option("--microbatches", show.microbatches, "microbatches per step")->check(CLI::Range(1, 100000));
-  cmd_show->add_option("--stages-per-rank", show.stages_per_rank, "stages per rank")->check(CLI::Range(1, 64));
+  cmd_show->add_option("--stages-per-rank", show.stages_per_rank, "stages per rank (default 2 for V schedules, else 1)")
+      ->check(CLI::Range(1, 64));
   cmd_show->add_option("--costs", show.costs, "costs of F,B,I,W (default 1,2,1,1)")->expected(4)->delimiter(',');
-  cmd_show->add_option("--out", show.out, "prefix of the files written (default: schedule)");
+  cmd_show->add_option("--out", show.out,
+                       "also write PREFIX.svg, PREFIX.trace.json, PREFIX.csv (lowered) and PREFIX.compute.csv");
   cmd_show->add_option("--max-outstanding-sends", show.max_outstanding_sends,
                        "sends in flight per rank, at most (0: unlimited)")->check(CLI::NonNegativeNumber);
   cmd_show->add_flag("--fsdp", show.fsdp, "stages are sharded: add UNSHARD, RESHARD and REDUCE_GRAD");
@@ -335,17 +393,24 @@ int main(int argc, char** argv) {
   auto* cmd_run = app.add_subcommand("run", "train a recipe: fsdpp run recipes/moe-small.json [key=value ...]");
   cmd_run->add_option("recipe", run.recipe, "recipe file (JSON)")->required()->check(CLI::ExistingFile);
   cmd_run->add_option("overrides", run.overrides, "dotted overrides, for example optim.lr=1e-3 train.steps=100");
-  cmd_run->add_option("--nproc", run.nproc, "ranks to start (must equal dp x pp; default dp x pp)")->check(CLI::PositiveNumber);
+  cmd_run->add_option("--nproc", run.nproc, "ranks to start (must equal dp x pp; default dp x pp)")
+      ->check(CLI::Range(1, kMaxRanks));
   cmd_run->add_flag("--resume", run.options.resume, "continue from the latest checkpoint in the output directory");
+  cmd_run->add_flag("--resume-with-changes", run.options.resume_with_changes,
+                    "as --resume, also where the recipe changed what the checkpoint's data order or optimizer depend "
+                    "on (seed, batch, data, optim, steps); the log lists the changes");
   cmd_run->add_flag("--overwrite", run.options.overwrite, "start afresh even if the output directory holds checkpoints");
   cmd_run->add_flag("--trace", run.options.trace, "write trace.json: compute and communication of a few steps, all ranks");
   cmd_run->add_option("--max-restarts", run.max_restarts,
                       "after a failure, start every rank again from the latest checkpoint, up to N times")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 1000));
+  cmd_run->add_flag("--share-gpu", run.share_gpu,
+                    "ranks share this machine's GPUs (each gets its own NCCL_HOSTID; for correctness checks, "
+                    "timings mean little)");
   cmd_run->add_option("--stop-after", run.stop_after, "stop after this many steps (with a checkpoint), as if interrupted")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   cmd_run->add_option("--trace-steps", run.options.trace_steps, "steps --trace covers, from the second step of the run")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(1, 100000))
       ->capture_default_str();
 
   std::string validate_recipe;
@@ -354,7 +419,7 @@ int main(int argc, char** argv) {
   auto* cmd_validate = app.add_subcommand("validate", "check a recipe without running it");
   cmd_validate->add_option("recipe", validate_recipe, "recipe file (JSON)")->required();
   cmd_validate->add_option("overrides", validate_overrides, "dotted overrides, as for run");
-  cmd_validate->add_option("--nproc", validate_world, "the world size it will run at")->check(CLI::PositiveNumber);
+  cmd_validate->add_option("--nproc", validate_world, "the world size it will run at")->check(CLI::Range(1, kMaxRanks));
 
   auto* cmd_ls = app.add_subcommand("ls", "list the bundled recipes and model configs");
 
@@ -366,14 +431,25 @@ int main(int argc, char** argv) {
   cmd_generate->add_option("--prompt", gen_prompt, "text to continue");
   cmd_generate->add_option("--tokens,--bytes", sample.max_new_tokens, "tokens to generate (bytes, with the bytes tokenizer)")
       ->check(CLI::Range(1, 100000));
-  cmd_generate->add_option("--temperature", sample.temperature, "0: greedy")->check(CLI::Range(0.0, 10.0));
-  cmd_generate->add_option("--top-k", sample.top_k, "sample among the k likeliest tokens (0: all)")->check(CLI::NonNegativeNumber);
+  cmd_generate->add_option("--temperature", sample.temperature, "0: greedy; else in (0, 10]")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            char* end = nullptr;
+            const double t = std::strtod(v.c_str(), &end);  // (subnormal values too, which std::stod refuses)
+            if (v.empty() || *end != '\0') return std::string("not a number: ") + v;
+            return std::isfinite(t) && t >= 0 && t <= 10 ? std::string() : "must be 0 (greedy) or in (0, 10], got " + v;
+          },
+          "0 TO 10"));
+  cmd_generate->add_option("--top-k", sample.top_k, "sample among the k likeliest tokens (0: all)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
   std::string gen_tokenizer;
   cmd_generate->add_option("--tokenizer", gen_tokenizer,
                            "the tokenizer's .model file, where it has moved since training (its contents must be the same)");
 
   const auto data_commands = cli::add_data_commands(app);
-  cmd_generate->add_option("--seed", sample.seed, "sampling seed");
+  int64_t gen_seed = 0;
+  cmd_generate->add_option("--seed", gen_seed, "sampling seed (0 to 2^63 - 1)")
+      ->check(CLI::Range(int64_t{0}, std::numeric_limits<int64_t>::max()));
 
   std::vector<std::string> ckpt_in;
   std::string ckpt_out;
@@ -389,10 +465,16 @@ int main(int argc, char** argv) {
   std::string verify_in;
   auto* cmd_verify = cmd_ckpt->add_subcommand(
       "verify", "check a checkpoint's files against their sizes and CRC-32C checksums, without a model");
-  cmd_verify->add_option("checkpoint", verify_in, "checkpoint directory, or run directory (every checkpoint in it)")
-      ->required()->check(CLI::ExistingDirectory);
+  cmd_verify->add_option("checkpoint", verify_in,
+                         "checkpoint directory, run directory (every checkpoint in it), or a run's checkpoints/latest")
+      ->required()->check(CLI::ExistingPath);
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : kExitBadInput;  // --help is a ParseError too, and exits 0
+  }
+  sample.seed = static_cast<uint64_t>(gen_seed);
   try {
     if (cmd_launch->parsed()) {
       launch.master_port = static_cast<uint16_t>(master_port);
@@ -403,6 +485,7 @@ int main(int argc, char** argv) {
     if (cmd_validate->parsed()) {
       const auto r = train::load_recipe(validate_recipe, validate_overrides,
                                         validate_world > 0 ? std::optional<int>(validate_world) : std::nullopt);
+      const auto memory = train::check_memory(r, r.world_size());  // refuses what cannot fit
       const auto& par = r.parallel;
       std::vector<std::string> dp_parts;
       if (par.dp_replicate > 1) dp_parts.push_back(fmt::format("{} replicas x {} shards", par.dp_replicate, par.dp_shard()));
@@ -414,6 +497,16 @@ int main(int argc, char** argv) {
                                validate_recipe, r.model.parameter_count() / 1e6, par.dp,
                                dp_parts.empty() ? "" : fmt::format(" ({})", fmt::join(dp_parts, "; ")), par.pp,
                                r.world_size(), r.train.steps, r.train.global_batch);
+      std::cout << memory << "\n";
+      for (const auto& u : train::unmatched_overrides(r))
+        std::cout << fmt::format("warning: {} matches no parameter of this model, and changes nothing\n", u);
+      if (r.train.device == "cuda") {
+        std::string why;
+        if (const int gpus = comm::cuda_device_count(&why); gpus == 0)
+          std::cout << fmt::format("note: this recipe trains on GPUs (train.device \"cuda\"), and this machine has "
+                                   "none ({}); it runs where each local rank has one\n",
+                                   why);
+      }
       return 0;
     }
     if (cmd_ls->parsed()) return list_bundled();
@@ -457,11 +550,14 @@ int main(int argc, char** argv) {
       return run_launch(o);
     }
   } catch (const train::RecipeError& e) {
-    std::cerr << "fsdpp: invalid recipe: " << e.what() << "\n";
-    return 2;
+    std::cerr << "fsdpp: invalid recipe: " << user_message(e) << "\n";
+    return kExitBadInput;
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "fsdpp: " << user_message(e) << "\n";
+    return kExitBadInput;
   } catch (const std::exception& e) {
-    std::cerr << "fsdpp: error: " << e.what() << "\n";
-    return 1;
+    std::cerr << "fsdpp: error: " << user_message(e) << "\n";
+    return kExitFailed;
   }
   return 0;
 }

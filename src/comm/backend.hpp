@@ -39,6 +39,10 @@ void run_abort_hooks();
 // Records a failed operation for the launcher (see Note [collateral failures]).
 void note_failure(const std::string& what, std::exception_ptr error);
 bool is_peer_loss(const std::string& message);
+// Whether this build has the NCCL backend (whatever devices the machine has).
 bool nccl_available();
+// CUDA devices visible to this process; 0 with `why` set where there are none or no CUDA.
+int cuda_device_count(std::string* why);
+double cuda_device_memory(int device);
 
 }  // namespace fsdpp::comm::detail

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -196,6 +197,7 @@ std::string analyze_flight_records(const std::string& dir, bool* found) {
   if (found) *found = false;
   std::map<std::string, std::map<int, std::pair<int, std::map<int64_t, nlohmann::json>>>> comms;  // name -> comm rank -> (world rank, seq -> entry)
   std::map<std::string, int> sizes;
+  std::set<int> dumped;  // world ranks
   int dumps = 0;
   for (const auto& f : std::filesystem::directory_iterator(dir)) {
     const auto name = f.path().filename().string();
@@ -209,6 +211,7 @@ std::string analyze_flight_records(const std::string& dir, bool* found) {
     }
     ++dumps;
     const int world_rank = d.at("rank").get<int>();
+    dumped.insert(world_rank);
     for (const auto& c : d.at("comms")) {
       auto& slot = comms[c.at("comm").get<std::string>()][c.at("rank").get<int>()];
       slot.first = world_rank;
@@ -218,6 +221,19 @@ std::string analyze_flight_records(const std::string& dir, bool* found) {
   }
   if (dumps == 0) throw CommError("fr analyze: no rank*.json flight records in " + dir);
   std::string report = fmt::format("{} rank dump(s) in {}\n", dumps, dir);
+  // A rank that wrote nothing could not: stopped, stuck outside a collective, or dead. Every other
+  // rank waits on it, so it is the first place to look.
+  const int world = sizes.count("world") ? sizes["world"] : 0;
+  std::vector<int> silent;
+  for (int r = 0; r < world; ++r)
+    if (!dumped.count(r)) silent.push_back(r);
+  if (!silent.empty()) {
+    report += fmt::format("rank(s) {} of {} wrote no flight records: a rank that is stopped (SIGSTOP, a debugger), stuck "
+                          "outside a collective, or dead cannot dump, and every other rank waits on it: the likely "
+                          "culprit\n",
+                          rank_list(silent), world);
+    if (found) *found = true;
+  }
   for (const auto& [comm, ranks] : comms) {
     if (static_cast<int>(ranks.size()) < sizes[comm])
       report += fmt::format("{}: only {} of {} ranks dumped\n", comm, ranks.size(), sizes[comm]);
@@ -256,7 +272,8 @@ std::string analyze_flight_records(const std::string& dir, bool* found) {
       return report;
     }
   }
-  report += "no disagreement: every rank issued the same operations in the same order\n";
+  report += silent.empty() ? "no disagreement: every rank issued the same operations in the same order\n"
+                           : "no disagreement among the ranks that dumped\n";
   return report;
 }
 

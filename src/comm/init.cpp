@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <iostream>
 #include <optional>
 #include <random>
 #include <thread>
@@ -118,9 +119,21 @@ void join(Store& store, int rank, int size, std::chrono::milliseconds timeout) {
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(key(r));
   // Poll rather than block in the store's wait, so that a timeout can say who is missing.
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout;
+  auto next_note = start + std::chrono::seconds(10);
   auto pause = std::chrono::milliseconds(1);
   while (!store.check(keys)) {
+    if (const auto now = std::chrono::steady_clock::now(); now >= next_note && rank == 0) {
+      std::vector<int> missing;
+      for (int r = 0; r < size; ++r)
+        if (!store.check({key(r)})) missing.push_back(r);
+      std::cerr << fmt::format("fsdpp: rank 0 of {}: waiting for rank(s) {} to join ({:.0f} s of {:.0f} s)\n", size,
+                               fmt::join(missing, ", "), std::chrono::duration<double>(now - start).count(),
+                               timeout.count() / 1000.0)
+                << std::flush;
+      next_note += std::chrono::seconds(10);
+    }
     if (std::chrono::steady_clock::now() >= deadline) {
       std::vector<int> missing;
       for (int r = 0; r < size; ++r)
@@ -169,6 +182,16 @@ LaunchEnv read_launch_env() {
 
 Comm init_from_env(const InitOptions& options) {
   const LaunchEnv env = read_launch_env();
+  // A name that cannot resolve fails at once, naming the variable (not after the timeout's retries).
+  {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    if (const int rc = getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &res); rc != 0)
+      throw CommError(fmt::format("rank {} of {}: MASTER_ADDR='{}' does not resolve: {}", env.rank, env.world_size,
+                                  env.master_addr, gai_strerror(rc)));
+    freeaddrinfo(res);
+  }
   TcpStoreOptions so;
   so.host = env.master_addr;
   so.port = env.master_port;
@@ -226,5 +249,8 @@ Comm connect(std::shared_ptr<Store> store, int rank, int size, const InitOptions
 bool has_backend(Backend backend) {
   return backend == Backend::kNccl ? detail::nccl_available() : detail::gloo_available();
 }
+
+int cuda_device_count(std::string* why) { return detail::cuda_device_count(why); }
+double cuda_device_memory(int device) { return detail::cuda_device_memory(device); }
 
 }  // namespace fsdpp::comm

@@ -10,6 +10,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -20,10 +21,12 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <stdexcept>
 #include <thread>
 
+#include "fsdpp/comm/flight_recorder.hpp"
 #include "fsdpp/comm/store.hpp"
 
 extern char** environ;
@@ -117,6 +120,25 @@ Failure describe_exit(const Rank& r, int status) {
                       WEXITSTATUS(status))};
 }
 
+// Ranks of this node that are stopped (SIGSTOP, a debugger): a collective waits on them forever,
+// and the first rank to fail is whichever watchdog fires, not the cause.
+std::string stopped_ranks(const std::vector<Rank>& ranks) {
+  std::vector<std::string> stopped;
+  for (const auto& r : ranks) {
+    if (!r.running) continue;
+    std::ifstream f(fmt::format("/proc/{}/stat", r.pid));
+    std::string line;
+    std::getline(f, line);
+    // pid (comm) state ...: the state follows the last ')'.
+    const auto close = line.rfind(')');
+    if (close != std::string::npos && close + 2 < line.size() && (line[close + 2] == 'T' || line[close + 2] == 't'))
+      stopped.push_back(fmt::format("rank {} (pid {})", r.global_rank, r.pid));
+  }
+  if (stopped.empty()) return "";
+  return fmt::format("; {} {} stopped (SIGSTOP or a debugger) and so never reached the collective: the likely cause",
+                     fmt::join(stopped, ", "), stopped.size() == 1 ? "is" : "are");
+}
+
 bool lost_a_peer(const Rank& r) {
   std::error_code ec;
   return std::filesystem::file_size(r.error_file, ec) > 0 && !ec;
@@ -163,6 +185,7 @@ std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& add
     for (const char* k : kOwned) owned |= key == k;
     for (const auto& given : o.env) owned |= given.compare(0, key.size() + 1, key + "=") == 0;
     has_omp |= key == "OMP_NUM_THREADS";
+    owned |= o.share_gpu && key == "NCCL_HOSTID";
     if (!owned) env.push_back(std::move(kv));
   }
   const int world = o.nnodes * o.nproc;
@@ -182,6 +205,16 @@ std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& add
   env.push_back("FSDPP_ERROR_FILE=" + error_file);
   // As torchrun does: ranks sharing a node should not each spawn a thread per core.
   if (!has_omp && o.nproc > 1) env.push_back("OMP_NUM_THREADS=1");
+  if (o.share_gpu) {
+    // Distinct host ids pass NCCL's check for two ranks on one GPU (LaunchOptions::share_gpu).
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    env.push_back(fmt::format("NCCL_HOSTID={}-fsdpp-rank{}", host, local_rank));
+    for (const char* kv : {"NCCL_SOCKET_IFNAME=lo", "NCCL_IB_DISABLE=1"}) {
+      const std::string key(kv, std::strchr(kv, '='));
+      if (!std::getenv(key.c_str())) env.push_back(kv);
+    }
+  }
   env.insert(env.end(), o.env.begin(), o.env.end());
   return env;
 }
@@ -332,6 +365,10 @@ LaunchResult run_attempt(const LaunchOptions& o, Attempt& at) {
       const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
       if (ok || stopping) continue;  // ranks stopped by us are not the cause
       Failure f = describe_exit(r, status);
+      if (WIFEXITED(status) && WEXITSTATUS(status) == kWatchdogExitCode) {
+        f.reason += ": its watchdog ended it, a collective having made no progress";
+        f.reason += stopped_ranks(ranks);
+      }
       if (!lost_a_peer(r)) {
         if (!primary) primary = f;
       } else if (!collateral) {
@@ -382,6 +419,8 @@ LaunchResult launch(const LaunchOptions& o) {
                                             o.node_rank, o.nnodes));
   if (o.max_restarts < 0) throw std::invalid_argument("fsdpp launch: --max-restarts must be at least 0");
   if (o.command.empty()) throw std::invalid_argument("fsdpp launch: no program given after --");
+  if (o.share_gpu && o.nnodes > 1)
+    throw std::invalid_argument("fsdpp launch: --share-gpu is for ranks of one node sharing its GPUs; it takes --nnodes 1");
   for (const auto& kv : o.env)
     if (kv.find('=') == std::string::npos || kv.front() == '=')
       throw std::invalid_argument(fmt::format("fsdpp launch: environment entry '{}' is not NAME=value", kv));

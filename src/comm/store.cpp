@@ -2,6 +2,7 @@
 #include "fsdpp/comm/store.hpp"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <netinet/in.h>
@@ -12,7 +13,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <iostream>
 #include <optional>
+#include <thread>
 
 namespace fsdpp::comm {
 
@@ -113,6 +116,50 @@ std::optional<int> listen_on(const std::string& host, uint16_t port) {
   return fd;
 }
 
+// The addresses of `host`, or a CommError naming the host and the resolver's reason.
+addrinfo* resolve_host(const std::string& host, uint16_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (const int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res); rc != 0 || !res)
+    throw CommError(fmt::format("cannot resolve the rendezvous host '{}': {}", host, gai_strerror(rc)));
+  return res;
+}
+
+// Waits until something listens at host:port (a connect succeeds), saying every 10 s what it waits
+// for, so that a rank whose store is not up yet is not silent (nor LibTorch's retries loud).
+void wait_for_listener(const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
+  const auto start = std::chrono::steady_clock::now();
+  auto next_note = start + std::chrono::seconds(10);
+  for (;;) {
+    addrinfo* res = resolve_host(host, port);
+    bool up = false;
+    for (addrinfo* a = res; a && !up; a = a->ai_next) {
+      const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      if (fd < 0) continue;
+      up = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+      ::close(fd);
+    }
+    freeaddrinfo(res);
+    if (up) return;
+    const auto now = std::chrono::steady_clock::now();
+    const double waited = std::chrono::duration<double>(now - start).count();
+    if (now - start >= timeout)
+      throw CommError(fmt::format("cannot reach the rendezvous store at {}:{} within {:.1f} s: nothing listens there "
+                                  "(is rank 0, or the launcher of node 0, started with the same MASTER_ADDR and "
+                                  "MASTER_PORT?)",
+                                  host, port, waited));
+    if (now >= next_note) {
+      std::cerr << fmt::format("fsdpp: waiting for the rendezvous store at {}:{} ({:.0f} s of {:.0f} s)\n", host, port,
+                               waited, timeout.count() / 1000.0)
+                << std::flush;
+      next_note += std::chrono::seconds(10);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
 uint16_t bound_port(int fd) {
   sockaddr_storage addr{};
   socklen_t len = sizeof(addr);
@@ -134,6 +181,10 @@ std::shared_ptr<Store> make_tcp_store(const TcpStoreOptions& options) {
     }
   o.waitWorkers = false;  // joining is checked by the rendezvous, with a better message
   o.timeout = options.timeout;
+  if (!options.is_server) {
+    freeaddrinfo(resolve_host(options.host, options.port));  // a name that never resolves fails now
+    wait_for_listener(options.host, options.port, options.timeout);
+  }
   c10::intrusive_ptr<c10d::TCPStore> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(options.host, o);

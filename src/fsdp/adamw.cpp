@@ -1,6 +1,7 @@
 #include "fsdpp/fsdp/adamw.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/grad_mode.h>

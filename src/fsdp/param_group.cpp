@@ -4,6 +4,7 @@
 #include "fsdpp/base/storage.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/EmptyTensor.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>

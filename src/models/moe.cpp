@@ -1,6 +1,7 @@
 #include "fsdpp/models/moe.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/init.h>
 

@@ -1,6 +1,7 @@
 // The rotary embedding of q and k (models/kernels.hpp): the composition's bits, so this file is
 // compiled without contraction into fused multiply-adds (-ffp-contract=off, CMakeLists.txt).
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>

@@ -5,6 +5,7 @@
 #include "fsdpp/base/storage.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 #include <torch/csrc/autograd/autograd.h>
 

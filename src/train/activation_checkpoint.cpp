@@ -1,6 +1,7 @@
 #include "fsdpp/train/activation_checkpoint.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 

@@ -11,6 +11,7 @@
 #include "fsdpp/base/files.hpp"
 #include "fsdpp/base/safetensors.hpp"
 #include "fsdpp/fsdp/checkpoint.hpp"
+#include "fsdpp/train/recipe.hpp"
 #include "fsdpp/train/tokenizer.hpp"
 
 namespace fsdpp::train {
@@ -35,7 +36,10 @@ std::optional<std::string> latest_checkpoint(const std::string& output_dir) {
   const fs::path dir = fs::path(output_dir) / "checkpoints";
   std::ifstream f(dir / "latest");
   std::string name;
-  if (f && std::getline(f, name) && fs::exists(dir / name / "trainer.json")) return (dir / name).string();
+  // A committed directory however damaged (verify_checkpoint says how): a resume skips it with a
+  // message, and nothing mistakes the run for one without checkpoints.
+  if (f && std::getline(f, name) && name.rfind("step-", 0) == 0 && fs::is_directory(dir / name))
+    return (dir / name).string();
   return std::nullopt;
 }
 
@@ -48,8 +52,7 @@ std::vector<std::string> committed_checkpoints(const std::string& output_dir) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const auto name = e.path().filename().string();
-    if (e.is_directory() && name.rfind("step-", 0) == 0 && fs::exists(e.path() / "trainer.json") &&
-        (!latest || e.path().string() != *latest))
+    if (e.is_directory() && name.rfind("step-", 0) == 0 && (!latest || e.path().string() != *latest))
       steps.push_back(e.path().string());
   }
   std::sort(steps.rbegin(), steps.rend());  // step-<N> names sort by step
@@ -61,7 +64,10 @@ std::pair<int, uint64_t> verify_checkpoint(const std::string& dir, bool present_
   const auto meta_file = (fs::path(dir) / "trainer.json").string();
   json meta = json::object();
   // A directory fsdp::save_sharded wrote has no trainer.json: its ranks' files are still checked.
-  if (fs::exists(meta_file) || !fs::exists(fs::path(dir) / "rank0.json")) {
+  // One the trainer committed (checkpoints/step-<N>) always has one.
+  const bool committed_by_trainer = fs::path(dir).lexically_normal().filename().string().rfind("step-", 0) == 0 &&
+                                    fs::path(dir).lexically_normal().parent_path().filename() == "checkpoints";
+  if (fs::exists(meta_file) || committed_by_trainer || !fs::exists(fs::path(dir) / "rank0.json")) {
     try {
       meta = read_json_file(meta_file);
     } catch (const std::runtime_error& e) {
@@ -98,6 +104,30 @@ std::string find_checkpoint(const std::string& path) {
 }
 
 
+json resume_settings(const Recipe& r) {
+  const auto& d = r.data;
+  const auto& o = r.optim;
+  return {{"train.seed", r.train.seed},     {"train.global_batch", r.train.global_batch},
+          {"train.steps", r.train.steps},   {"data.source", d.source},
+          {"data.paths", d.paths},          {"data.path", d.path},
+          {"data.tokenizer", d.tokenizer},  {"data.seq_len", d.seq_len},
+          {"data.val_fraction", d.val_fraction}, {"data.synthetic_bytes", d.synthetic_bytes},
+          {"optim.lr", o.lr},               {"optim.min_lr_ratio", o.min_lr_ratio},
+          {"optim.weight_decay", o.weight_decay}, {"optim.beta1", o.beta1},
+          {"optim.beta2", o.beta2},         {"optim.eps", o.eps},
+          {"optim.warmup_steps", o.warmup_steps}, {"optim.grad_clip", o.grad_clip}};
+}
+
+std::vector<std::string> resume_changes(const json& recorded, const json& now) {
+  std::vector<std::string> changes;
+  for (const auto& [key, value] : now.items()) {
+    const auto it = recorded.find(key);
+    if (it == recorded.end() || *it != value)
+      changes.push_back(fmt::format("{}: {} -> {}", key, it == recorded.end() ? "(not recorded)" : it->dump(), value.dump()));
+  }
+  return changes;
+}
+
 void write_commit_record(const std::string& dir, json meta) {
   meta["crc32c"] = record_checksum(meta);
   write_file_atomically((fs::path(dir) / "trainer.json").string(), meta.dump(1) + "\n");
@@ -133,12 +163,10 @@ std::string consolidate_checkpoint(const std::vector<std::string>& paths, const 
                                            dirs.back(), m.at("step").dump(), dirs.front(), meta.at("step").dump()));
   }
   const auto full = fsdp::read_full_parameters(dirs);
-  const auto tmp = output_file + ".tmp";
-  write_safetensors(tmp, full,
+  write_safetensors(output_file, full,  // through a temporary file: nothing under the name unless whole
                     {{"format", "pt"}, {"fsdpp.model_config", meta.at("model").dump()},
                      {"fsdpp.tokenizer", meta.value("tokenizer", Tokenizer::load("bytes")->identity()).dump()},
                      {"fsdpp.step", std::to_string(meta.at("step").get<int64_t>())}});
-  fs::rename(tmp, output_file);
   return fmt::format("{}", fmt::join(dirs, " + "));
 }
 

@@ -41,19 +41,43 @@ std::string read_text_file(const std::string& p) {
 
 bool looks_binary(std::string_view bytes) { return bytes.substr(0, 8192).find('\0') != std::string_view::npos; }
 
+std::string file_kind(const std::string& path) {
+  std::error_code ec;
+  switch (fs::status(path, ec).type()) {
+    case fs::file_type::regular: return "a regular file";
+    case fs::file_type::directory: return "a directory";
+    case fs::file_type::fifo: return "a FIFO";
+    case fs::file_type::character: return "a character device";
+    case fs::file_type::block: return "a block device";
+    case fs::file_type::socket: return "a socket";
+    case fs::file_type::not_found: return "missing";
+    default: return "not a regular file";
+  }
+}
+
 std::vector<std::string> list_text_files(const std::string& root) {
   std::vector<std::string> out;
-  if (fs::is_regular_file(root)) return {root};
-  if (!fs::is_directory(root)) throw std::runtime_error(fmt::format("data: {} does not exist", root));
+  std::error_code ec;
+  if (fs::is_regular_file(root, ec)) return {root};
+  if (!fs::is_directory(root, ec)) {
+    const auto kind = file_kind(root);
+    throw std::runtime_error(kind == "missing" ? fmt::format("data: {} does not exist", root)
+                                               : fmt::format("data: {} is {}, not a text file or a directory of them",
+                                                             root, kind));
+  }
   std::vector<std::string> all;
   for (const auto& e : fs::recursive_directory_iterator(root)) all.push_back(e.path().string());
   std::sort(all.begin(), all.end());
   // A file reached twice (through a link) counts once.
   std::set<fs::path> seen;
   for (auto& p : all) {
-    std::error_code ec;
     const auto real = fs::canonical(p, ec);
-    if (!ec && fs::is_regular_file(real) && seen.insert(real).second) out.push_back(std::move(p));
+    if (ec || fs::is_directory(real, ec)) continue;  // a dangling link; a directory, listed itself
+    if (!fs::is_regular_file(real, ec))
+      throw std::runtime_error(fmt::format("data: {} is {}, not a text file: reading it would block or never end; "
+                                           "move it out of {}",
+                                           p, file_kind(p), root));
+    if (seen.insert(real).second) out.push_back(std::move(p));
   }
   return out;
 }

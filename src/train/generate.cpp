@@ -1,8 +1,11 @@
 #include "fsdpp/train/generate.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <fmt/format.h>
+
+#include <cmath>
 
 #include <limits>
 
@@ -12,6 +15,9 @@ namespace fsdpp::train {
 
 std::string generate(models::MoETransformerImpl& model, const Tokenizer& tokenizer, const std::string& prompt,
                      const SampleOptions& o) {
+  if (!std::isfinite(o.temperature) || o.temperature < 0)
+    throw std::invalid_argument(fmt::format("generate: temperature must be 0 (greedy) or positive and finite, got {}",
+                                            o.temperature));
   if (tokenizer.vocab_size() != model.config().vocab_size)
     throw std::invalid_argument(fmt::format("generate: tokenizer {} has a vocabulary of {} but the model {}",
                                             tokenizer.spec(), tokenizer.vocab_size(), model.config().vocab_size));
@@ -30,7 +36,9 @@ std::string generate(models::MoETransformerImpl& model, const Tokenizer& tokeniz
     if (o.temperature <= 0) {
       next = logits.argmax().item<int64_t>();
     } else {
-      logits = logits / o.temperature;
+      // In float64 and from the largest logit down: however small the temperature, the scaled
+      // logits are at most 0, so nothing overflows to infinity (a tiny temperature gives greedy).
+      logits = (logits.to(at::kDouble) - logits.max().to(at::kDouble)) / o.temperature;
       if (o.top_k > 0 && o.top_k < logits.size(0)) {
         const auto kth = std::get<0>(at::topk(logits, o.top_k)).min();
         logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());

@@ -1,5 +1,6 @@
 #include "fsdpp/train/recipe.hpp"
 
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -11,6 +12,7 @@
 #include <set>
 
 #include "fsdpp/comm/init.hpp"
+#include "fsdpp/models/moe.hpp"
 #include "fsdpp/pipeline/plan.hpp"
 #include "fsdpp/pipeline/table.hpp"
 #include "fsdpp/train/data.hpp"
@@ -60,8 +62,13 @@ class Reader {
   ~Reader() { unknown_keys(); }
 
   std::string at(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+  // One problem per key: a later check of a key whose value was refused would test the default it
+  // kept, and name a value the user never gave.
   void fail(const std::string& key, const std::string& what) {
-    problems_.push_back(fmt::format("{}: {}", key.empty() ? path_ : at(key), what));
+    const std::string where = key.empty() ? path_ : at(key);
+    for (const auto& p : problems_)
+      if (p.rfind(where + ": ", 0) == 0) return;
+    problems_.push_back(fmt::format("{}: {}", where, what));
   }
   const json* find(const std::string& key) {
     known_.insert(key);
@@ -232,11 +239,43 @@ json read_json_file(const std::string& path, const std::string& what) {
   if (fs::file_size(path, ec) > (64u << 20)) throw RecipeError(path, {fmt::format("this {} file is over 64 MiB", what)});
   std::ifstream f(path);
   if (!f) throw RecipeError(path, {fmt::format("cannot read this {} file", what)});
+  // JSON leaves a repeated key's meaning open (the parser keeps the last); a recipe says one thing.
+  std::vector<std::set<std::string>> keys;  // of each object being parsed
+  std::vector<std::string> where;           // the path to it
+  std::string last_key, repeated;
+  const auto seen = [&](int, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+        where.push_back(last_key);
+        keys.emplace_back();
+        last_key.clear();
+        break;
+      case json::parse_event_t::object_end:
+        last_key = where.back();  // the name of this object, for its sibling in an array
+        keys.pop_back();
+        where.pop_back();
+        break;
+      case json::parse_event_t::key:
+        last_key = parsed.get<std::string>();
+        if (!keys.empty() && !keys.back().insert(last_key).second && repeated.empty()) {
+          for (size_t i = 1; i < where.size(); ++i) repeated += where[i] + ".";
+          repeated += last_key;
+        }
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
+  json j;
   try {
-    return json::parse(f);
+    j = json::parse(f, seen);
   } catch (const json::exception& e) {
     throw RecipeError(path, {fmt::format("not valid JSON: {}", e.what())});
   }
+  if (!repeated.empty())
+    throw RecipeError(path, {fmt::format("{}: given twice in this {} file (JSON would keep only the last)", repeated, what)});
+  return j;
 }
 
 void apply_override(json& j, const std::string& text, std::vector<std::string>& problems) {
@@ -338,16 +377,22 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
                     const std::vector<std::string>& overrides, std::optional<int> world_size) {
   std::vector<std::string> problems;
   if (!j.is_object()) throw RecipeError(source, {fmt::format("a recipe is a JSON object, got {}", type_name(j))});
-  // A model given by path becomes inline, so that overrides such as model.dim=256 reach it.
-  if (j.contains("model") && j["model"].is_string()) {
-    const auto path = resolve(j["model"].get<std::string>(), base_dir);
+  // A model given by path becomes inline, so that overrides such as model.dim=256 reach it: in the
+  // file, relative to the recipe; as an override (model=configs/x.json), to the working directory.
+  const auto inline_model = [&](const std::string& dir) {
+    if (!j.contains("model") || !j["model"].is_string()) return;
+    const auto path = resolve(j["model"].get<std::string>(), dir);
     try {
       j["model"] = read_json_file(path, "model config");
     } catch (const RecipeError& e) {
       throw RecipeError(source, {fmt::format("model: {}: {}", path, e.problems().front())});
     }
+  };
+  inline_model(base_dir);
+  for (const auto& o : overrides) {
+    apply_override(j, o, problems);
+    if (o.rfind("model=", 0) == 0) inline_model(fs::current_path().string());
   }
-  for (const auto& o : overrides) apply_override(j, o, problems);
   if (!problems.empty()) throw RecipeError(source, problems);
 
   Recipe rc;
@@ -428,8 +473,11 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       for (size_t i = 0; i < rc.data.paths.size(); ++i) {
         auto& p = rc.data.paths[i];
         p = resolve(p, base_dir);
-        std::error_code ec;
-        if (!fs::exists(p, ec)) d.fail(fmt::format("paths[{}]", i), fmt::format("{} does not exist", p));
+        // Text files and directories of them: a FIFO would block, a device never end.
+        if (const auto kind = file_kind(p); kind == "missing")
+          d.fail(fmt::format("paths[{}]", i), fmt::format("{} does not exist", p));
+        else if (kind != "a regular file" && kind != "a directory")
+          d.fail(fmt::format("paths[{}]", i), fmt::format("{} is {}, not a text file or a directory of them", p, kind));
       }
     }
     {
@@ -438,7 +486,15 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
       p.integer("pp", rc.parallel.pp, 1, 1024);
       p.string("schedule", rc.parallel.schedule);
       p.integer("microbatches", rc.parallel.microbatches, 1, 1 << 16);
+      const bool stages_given = p.find("stages_per_rank") != nullptr;
       p.integer("stages_per_rank", rc.parallel.stages_per_rank, 1, 64);
+      // A V schedule holds two stages per rank: that is its default.
+      if (!stages_given && rc.parallel.pp > 1 && !pipeline::is_table_file(rc.parallel.schedule)) {
+        const auto names = pipeline::schedule_names();
+        if (std::find(names.begin(), names.end(), rc.parallel.schedule) != names.end() &&
+            pipeline::make_schedule(rc.parallel.schedule)->layout() == pipeline::Layout::kV)
+          rc.parallel.stages_per_rank = 2;
+      }
       p.integer("max_outstanding_sends", rc.parallel.max_outstanding_sends, 0, 1 << 16);
       p.boolean("keep_stages_unsharded", rc.parallel.keep_stages_unsharded);
       p.integer("unshard_window", rc.parallel.unshard_window, 1, 64);
@@ -655,6 +711,24 @@ Recipe parse_recipe(json j, const std::string& source, const std::string& base_d
   if (!problems.empty()) throw RecipeError(source, problems);
   rc.resolved = std::move(j);
   return rc;
+}
+
+std::vector<std::string> unmatched_overrides(const Recipe& recipe) {
+  const auto& overrides = recipe.precision.overrides;
+  if (overrides.empty()) return {};
+  // Parameter names depend on the layers' kinds, not their sizes.
+  auto c = recipe.model;
+  c.dim = 2 * c.heads, c.ffn_hidden = 2, c.expert_hidden = 2, c.vocab_size = 2, c.max_seq_len = 2;
+  std::vector<std::string> names;
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& p : models::MoETransformer(c)->named_parameters()) names.push_back(p.key());
+  }
+  std::vector<std::string> out;
+  for (size_t i = 0; i < overrides.size(); ++i)
+    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return fsdp::glob_match(overrides[i].match, n); }))
+      out.push_back(fmt::format("precision.overrides[{}].match \"{}\"", i, overrides[i].match));
+  return out;
 }
 
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides, std::optional<int> world_size) {

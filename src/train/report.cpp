@@ -164,13 +164,12 @@ void Tracer::write(const std::string& path) const {
   meta.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank_}, {"args", {{"name", fmt::format("rank {}", rank_)}, {"monotonic_offset_us", monotonic_offset_us_}}}});
   for (size_t i = 0; i < tracks_.size(); ++i)
     meta.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank_}, {"tid", i}, {"args", {{"name", tracks_[i]}}}});
-  std::ofstream f(path);
-  f << "[";
+  std::string text = "[";
   bool first = true;
-  for (const auto& m : meta) f << (first ? "" : ",\n") << m.dump(), first = false;
-  for (const auto& e : events_) f << (first ? "" : ",\n") << e, first = false;
-  f << "]\n";
-  if (!f) throw std::runtime_error("cannot write " + path);
+  for (const auto& m : meta) text += (first ? "" : ",\n") + m.dump(), first = false;
+  for (const auto& e : events_) text += (first ? "" : ",\n") + e, first = false;
+  text += "]\n";
+  write_file_atomically(path, text);
 }
 
 void Tracer::merge(const std::vector<std::string>& inputs, const std::string& output) {
@@ -179,9 +178,7 @@ void Tracer::merge(const std::vector<std::string>& inputs, const std::string& ou
     std::ifstream f(in);
     for (auto& e : nlohmann::json::parse(f)) all.push_back(std::move(e));
   }
-  std::ofstream f(output);
-  f << nlohmann::json{{"traceEvents", all}, {"displayTimeUnit", "ms"}}.dump() << "\n";
-  if (!f) throw std::runtime_error("cannot write " + output);
+  write_file_atomically(output, nlohmann::json{{"traceEvents", all}, {"displayTimeUnit", "ms"}}.dump() + "\n");
 }
 
 }  // namespace fsdpp::train

@@ -50,15 +50,25 @@ void ShardSet::open(const std::string& dir, const std::string& split) {
   std::vector<std::pair<std::string, int64_t>> listed;  // file, tokens the index records (-1: none)
   bool raw = false;
   if (fs::exists(index_path)) {
+    if (!fs::is_regular_file(index_path))
+      throw std::runtime_error(fmt::format("data: {} is {}, not a shard index", index_path.string(), file_kind(index_path)));
     index_ = read_json_file(index_path.string());
-    for (const auto& s : index_.at("shards"))
-      if (s.at("split") == split) listed.emplace_back((fs::path(dir) / s.at("file").get<std::string>()).string(), s.at("tokens").get<int64_t>());
+    try {
+      for (const auto& s : index_.at("shards")) {
+        const auto file = s.at("file").get<std::string>();
+        if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
+          throw std::runtime_error(fmt::format("shard file name \"{}\" is not a plain file name in the directory", file));
+        if (s.at("split") == split) listed.emplace_back((fs::path(dir) / file).string(), s.at("tokens").get<int64_t>());
+      }
+    } catch (const std::exception& e) {
+      throw std::runtime_error(fmt::format("data: {} is malformed: {}", index_path.string(), e.what()));
+    }
   } else if (fs::exists(fs::path(dir) / (split + ".bin"))) {
     raw = true;  // nanoGPT's train.bin / val.bin
     listed.emplace_back((fs::path(dir) / (split + ".bin")).string(), -1);
   } else {
     for (const auto& e : fs::directory_iterator(dir))
-      if (e.is_regular_file() && is_shard_name(e.path().filename().string(), split)) listed.emplace_back(e.path().string(), -1);
+      if (is_shard_name(e.path().filename().string(), split)) listed.emplace_back(e.path().string(), -1);
     std::sort(listed.begin(), listed.end());
   }
   if (listed.empty())
@@ -67,10 +77,18 @@ void ShardSet::open(const std::string& dir, const std::string& split) {
   for (const auto& [path, recorded] : listed) {
     // The mapping outlives the descriptor, which is closed at once: a corpus of thousands of
     // shards holds no descriptors.
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw std::runtime_error(fmt::format("data: cannot open {}: {}", path, std::strerror(errno)));
+    // Regular files only: opening a FIFO blocks until a writer comes, and a device never ends.
+    // O_NONBLOCK keeps a FIFO put there after this check from blocking the open.
+    if (!fs::is_regular_file(path))
+      throw std::runtime_error(fmt::format("data: {} is {}, not a shard file (shards are regular files)", path,
+                                           file_kind(path)));
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) throw std::runtime_error(fmt::format("data: cannot open {}: {}", path, os_error(errno)));
     struct stat st {};
-    ::fstat(fd, &st);
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw std::runtime_error(fmt::format("data: {} is not a regular file", path));
+    }
     const auto size = static_cast<int64_t>(st.st_size);
     void* m = size > 0 ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0) : nullptr;
     const int map_errno = errno;
@@ -155,19 +173,9 @@ void ShardSet::read(int64_t segment, int64_t offset, int64_t count, int64_t* out
   ::madvise(const_cast<unsigned char*>(f.map) + first, static_cast<size_t>(end - first), MADV_DONTNEED);
 }
 
-ShardWriter::ShardWriter(std::string path, ShardLayout layout) : path_(std::move(path)), tmp_(path_ + ".tmp"), layout_(layout) {
-  f_ = std::fopen(tmp_.c_str(), "wb");
-  if (!f_) throw std::runtime_error(fmt::format("tokenize: cannot write {}: {}", tmp_, std::strerror(errno)));
-  const std::vector<unsigned char> header(kShardHeaderBytes, 0);
-  if (std::fwrite(header.data(), 1, header.size(), f_) != header.size())
-    throw std::runtime_error(fmt::format("tokenize: cannot write {}: {}", tmp_, std::strerror(errno)));
-}
-
-ShardWriter::~ShardWriter() {
-  if (f_) {
-    std::fclose(f_);
-    std::remove(tmp_.c_str());
-  }
+ShardWriter::ShardWriter(std::string path, ShardLayout layout) : layout_(layout), file_(std::move(path)) {
+  const std::vector<unsigned char> header(kShardHeaderBytes, 0);  // filled in by close()
+  file_.write(header.data(), header.size());
 }
 
 void ShardWriter::append(const int32_t* tokens, size_t count) {
@@ -181,22 +189,14 @@ void ShardWriter::append(const int32_t* tokens, size_t count) {
       std::memcpy(buffer_.data() + 4 * i, &v, 4);
     }
   }
-  if (std::fwrite(buffer_.data(), 1, buffer_.size(), f_) != buffer_.size())
-    throw std::runtime_error(fmt::format("tokenize: cannot write {}: {}", tmp_, std::strerror(errno)));
+  file_.write(buffer_.data(), buffer_.size());
   tokens_ += static_cast<int64_t>(count);
 }
 
 void ShardWriter::close() {
   const int32_t header[3] = {layout_.magic, layout_.version, static_cast<int32_t>(tokens_)};
-  const bool ok = std::fseek(f_, 0, SEEK_SET) == 0 && std::fwrite(header, 4, 3, f_) == 3 && std::fflush(f_) == 0 &&
-                  ::fsync(::fileno(f_)) == 0;
-  std::fclose(f_);
-  f_ = nullptr;
-  if (!ok) {
-    std::remove(tmp_.c_str());
-    throw std::runtime_error(fmt::format("tokenize: cannot write {}: {}", tmp_, std::strerror(errno)));
-  }
-  fs::rename(tmp_, path_);
+  file_.write_at(0, header, sizeof header);
+  file_.commit();
 }
 
 namespace {
@@ -263,22 +263,34 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
     }
   if (files.empty()) throw std::runtime_error(fmt::format("tokenize: {} holds no files", fmt::join(o.inputs, " ")));
 
-  // The output directory: new, empty, or an earlier run's (its shards and index are replaced).
+  // The output directory: new, empty, or an earlier run's, whose shards and index are replaced only
+  // once this run has succeeded. Until then the new shards wait in a staging directory inside it,
+  // removed on failure, so that a run that fails leaves what was there.
   fs::create_directories(o.output);
+  constexpr std::string_view kStaging = ".staging-";
   for (const auto& e : fs::directory_iterator(o.output)) {
     const auto name = e.path().filename().string();
-    const bool ours = name == kShardIndexFile || (name.rfind(o.name + "_", 0) == 0 &&
-                                                  (name.ends_with(".bin") || name.ends_with(".bin.tmp")));
+    const bool ours = name == kShardIndexFile || name.rfind(kStaging, 0) == 0 ||
+                      (name.rfind(o.name + "_", 0) == 0 && (name.ends_with(".bin") || name.ends_with(".bin.tmp")));
     if (!ours)
       throw std::runtime_error(fmt::format("tokenize: {} holds {}, which is not a shard or index of an earlier run: give an "
                                            "empty or new directory", o.output, e.path().string()));
+    if (name.rfind(kStaging, 0) == 0 || name.ends_with(".tmp")) fs::remove_all(e.path());  // left by a killed run
   }
-  fs::remove((fs::path(o.output) / kShardIndexFile));
-  for (const auto& e : fs::directory_iterator(o.output)) fs::remove(e.path());
+  TokenizeOptions staged = o;
+  staged.output = (fs::path(o.output) / fmt::format("{}{}", kStaging, ::getpid())).string();
+  fs::create_directories(staged.output);
+  struct RemoveStaging {
+    std::string dir;
+    ~RemoveStaging() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } remove_staging{staged.output};
 
   const ShardLayout layout = tok.vocab_size() > 65536 ? kShardU32 : kShardU16;
   json shards = json::array();
-  SplitWriter val(o, "val", layout, shards, 0), train(o, "train", layout, shards, 1);
+  SplitWriter val(staged, "val", layout, shards, 0), train(staged, "train", layout, shards, 1);
   TokenizeReport r;
   TokenizeProgress p;
   p.bytes_total = total;
@@ -341,6 +353,14 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
                 {"tokens_per_shard", o.tokens_per_shard},
                 {"splits", {{"train", split_json(r.train)}, {"val", split_json(r.val)}}},
                 {"shards", shards}};
+  // The earlier run's index first (no index ever lists a shard that is gone), then its shards; then
+  // this run's shards move in and its index is written.
+  fs::remove(fs::path(o.output) / kShardIndexFile);
+  for (const auto& e : fs::directory_iterator(o.output))
+    if (e.path().filename().string().rfind(kStaging, 0) != 0) fs::remove(e.path());
+  for (const auto& shard : shards)
+    fs::rename(fs::path(staged.output) / shard.at("file").get<std::string>(),
+               fs::path(o.output) / shard.at("file").get<std::string>());
   write_file_atomically((fs::path(o.output) / kShardIndexFile).string(), index.dump(2) + "\n");
   sync_to_disk(o.output);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

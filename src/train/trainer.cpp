@@ -1,6 +1,7 @@
 #include "fsdpp/train/trainer.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <sys/resource.h>
@@ -40,6 +41,7 @@
 #include "fsdpp/train/data.hpp"
 #include "fsdpp/train/model_files.hpp"
 #include "fsdpp/train/report.hpp"
+#include "fsdpp/train/run_lock.hpp"
 #include "fsdpp/train/sharding.hpp"
 #include "fsdpp/train/shards.hpp"
 #include "fsdpp/train/tokenizer.hpp"
@@ -88,6 +90,20 @@ int env_int(const char* name, int fallback) {
 bool stdout_is_terminal() {
   if (const char* e = std::getenv("FSDPP_STDOUT_TTY")) return std::string(e) == "1";
   return isatty(STDOUT_FILENO);
+}
+
+// Refuses (or, with --resume-with-changes, returns) what resuming from `dir` with `recipe` changes.
+std::vector<std::string> check_resume_settings(const std::string& dir, const json& meta, const Recipe& recipe,
+                                               const RunOptions& options) {
+  // Checkpoints from before resume_settings were recorded are not compared.
+  if (!meta.contains("resume_settings")) return {};
+  const auto changes = resume_changes(meta["resume_settings"], resume_settings(recipe));
+  if (!changes.empty() && !options.resume_with_changes)
+    throw std::runtime_error(fmt::format(
+        "--resume: {} was written with other settings, which its data order or optimizer state depend on:\n  {}\n"
+        "resume with the recipe it was written with, or pass --resume-with-changes to continue with these changes",
+        dir, fmt::join(changes, "\n  ")));
+  return changes;
 }
 
 class Trainer {
@@ -173,11 +189,12 @@ class Trainer {
   }
   void metric(json j) {
     if (options_.restart > 0) j["restart"] = options_.restart;  // which start of the group wrote the line
-    if (metrics_) *metrics_ << j.dump() << "\n" << std::flush;
+    if (metrics_) metrics_->append(j.dump());
   }
 
   const Recipe& recipe_;
   RunOptions options_;
+  std::optional<RunLock> lock_;  // held here only where no launcher of ours holds it
   comm::DeviceMesh mesh_;
   fs::path out_;
   int rank_;
@@ -206,7 +223,7 @@ class Trainer {
   at::Tensor graph_sums_;  // the captured step's figures, rewritten by every replay
   double current_lr_ = 0;
   std::vector<at::Tensor> params_;
-  std::unique_ptr<std::ofstream> metrics_;
+  std::unique_ptr<LineLog> metrics_;
   Series train_series_, val_series_;
   double last_grad_norm_ = 0;
   struct {
@@ -215,6 +232,13 @@ class Trainer {
 };
 
 void Trainer::prepare_output() {
+  // Under another launcher than `fsdpp run`'s (torchrun, `fsdpp launch -- fsdpp run`), the rank that
+  // manages the directory claims it for the run (include/fsdpp/train/run_lock.hpp).
+  if (checkpoint_writer() && !std::getenv(RunLock::kHeldVariable)) {
+    std::optional<std::string> took_over;
+    lock_.emplace(RunLock::acquire(out_.string(), "fsdpp run " + recipe_.source, &took_over));
+    if (took_over) std::cerr << "fsdpp run: note: " << *took_over << std::endl;
+  }
   check_output_dir(recipe_, options_);
   if (lead()) {
     if (!options_.resume && fs::exists(out_)) {
@@ -267,6 +291,8 @@ void Trainer::load_data() {
 
 void Trainer::build() {
   const auto& c = recipe_.model;
+  if (const auto unmatched = unmatched_overrides(recipe_); !unmatched.empty())
+    log(fmt::format("warning: {} matches no parameter of this model, and changes nothing", fmt::join(unmatched, ", ")));
   load_data();
 
   if (recipe_.train.device == "cuda") device_ = at::Device(at::kCUDA, fsdpp::current_cuda_device());
@@ -667,6 +693,7 @@ void Trainer::save_checkpoint(int64_t step) {
                  {"dp_replicate", recipe_.parallel.dp_replicate}, {"ep", recipe_.parallel.ep},
                  {"model", to_json(recipe_.model)},
                  {"recipe", recipe_.resolved},
+                 {"resume_settings", resume_settings(recipe_)},
                  // The data order is a function of the seed; the position, of the step.
                  {"data", {{"seed", recipe_.train.seed}, {"samples_consumed", step * recipe_.train.global_batch}}},
                  {"tokenizer", tokenizer_identity()},
@@ -736,6 +763,8 @@ int64_t Trainer::restore() {
                                          candidates.size(), out_.string(),
                                          local_storage() ? " on every node" : ""));
   const json meta = read_json_file((fs::path(dir) / "trainer.json").string());
+  if (const auto changes = check_resume_settings(dir, meta, recipe_, options_); !changes.empty())
+    log(fmt::format("--resume-with-changes: continuing {} with {}", dir, fmt::join(changes, "; ")));
   const json saved_model = meta.at("model"), now_model = to_json(recipe_.model);
   for (const auto& [k, v] : now_model.items())
     if (!saved_model.contains(k) || saved_model[k] != v)
@@ -820,8 +849,8 @@ RunResult Trainer::run() {
         }
       }
     }
-    metrics_ = std::make_unique<std::ofstream>(path, std::ios::trunc);
-    for (const auto& l : kept) *metrics_ << l << "\n";
+    metrics_ = std::make_unique<LineLog>(path, /*truncate=*/true);
+    for (const auto& l : kept) metrics_->append(l);
   }
 
   const int64_t end = std::min(recipe_.train.steps, options_.stop_after.value_or(recipe_.train.steps));
@@ -958,10 +987,24 @@ RunResult run_training(const Recipe& recipe, comm::Comm world, const RunOptions&
 
 void check_output_dir(const Recipe& recipe, const RunOptions& options) {
   const auto out = recipe.output_dir();
+  if (options.resume && options.overwrite)
+    throw std::invalid_argument("--resume and --overwrite contradict each other: --resume continues the run in " + out +
+                                ", --overwrite deletes it; give one");
   const auto all = committed_checkpoints(out);
   const auto latest = all.empty() ? std::nullopt : std::optional<std::string>(all.front());
   if (options.resume && !latest)
     throw std::runtime_error(fmt::format("--resume: no checkpoint under {}/checkpoints to resume from", out));
+  if (options.resume) {
+    // The latest checkpoint, as far as its record can be read (a damaged one is skipped, with a
+    // message, when the ranks restore).
+    json meta;
+    try {
+      meta = read_json_file((fs::path(*latest) / "trainer.json").string());
+    } catch (const std::runtime_error&) {
+      return;
+    }
+    check_resume_settings(*latest, meta, recipe, options);
+  }
   if (!options.resume && latest && !options.overwrite)
     throw std::runtime_error(fmt::format("{} already holds checkpoints (latest {}); pass --resume to continue that run "
                                          "or --overwrite to start afresh",

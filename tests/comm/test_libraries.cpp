@@ -1,4 +1,4 @@
-// One copy of each library where it matters: Gloo and fmt.
+// One copy of each library where it matters (Gloo and fmt), and SentencePiece kept to itself.
 //
 // LibTorch carries its own Gloo (exported from libtorch_cpu.so) and its own fmt. fsdpp uses LibTorch's
 // fmt, header-only, and keeps its Gloo backend (Debian's libgloo) in a plugin opened in a lookup
@@ -9,10 +9,14 @@
 #include <fmt/ranges.h>
 #include <link.h>
 
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Logging.h>
+
 #include <algorithm>
 #include <filesystem>
 
 #include "../../src/comm/backend.hpp"
+#include "fsdpp/train/tokenizer.hpp"
 #include "comm/ranks.hpp"
 
 using namespace fsdpp;
@@ -80,4 +84,20 @@ TEST_CASE("fmt: no libfmt is loaded; fsdpp formats with LibTorch's fmt, header-o
   // The fmt headers this file compiled with are LibTorch's (its include directory comes first), not
   // another fmt on the system's include path.
   CHECK(FMT_VERSION == FSDPP_TORCH_FMT_VERSION);
+}
+
+// Note [SentencePiece in its own lookup scope] (src/train/piece_tokenizer.hpp): loaded the usual way,
+// libsentencepiece's flag globals were built over libc10's, which made LibTorch abort on every failed
+// allocation, in any program that linked fsdpp.
+TEST_CASE("SentencePiece: its flags stay its own, LibTorch's stay LibTorch's, and a failed allocation throws") {
+  CHECK_FALSE(FLAGS_caffe2_use_fatal_for_enforce);
+  const auto tok = train::Tokenizer::load(std::string(FSDPP_SOURCE_DIR) + "/recipes/tokenizers/fortunes-bpe-2048.model");
+  CHECK(tok->vocab_size() == 2048);
+  CHECK(tok->decode(tok->encode("the same text")) == "the same text");
+  const auto objects = loaded_objects();
+  INFO(fmt::format("{}", fmt::join(objects, "\n")));
+  CHECK(count_named(objects, "libfsdpp_sentencepiece") == 1);
+  CHECK(count_named(objects, "libsentencepiece.so") == 1);
+  CHECK_FALSE(FLAGS_caffe2_use_fatal_for_enforce);
+  CHECK_THROWS_AS(c10::GetDefaultCPUAllocator()->allocate(size_t{1} << 52), c10::Error);
 }

@@ -38,6 +38,39 @@ TEST_CASE("[no gpu] nccl core: creating a communicator fails naming the rank, th
   CHECK(err.rfind("rank 0/1 cudaSetDevice: CUDA error '", 0) == 0);
 }
 
+// Note [captured operations]: what only a GPU run proves is that captured operations get no query
+// at all and that the watchdog leaves a communicator alone after a capture (tests/gpu/test_gpu.cpp);
+// the classification every query goes through is checked here, on any machine.
+TEST_CASE("[no gpu] nccl core: a captured event counts as done, not as a device failure") {
+  CHECK(completion_of(cudaSuccess, false, ncclSuccess) == Completion::kDone);
+  CHECK(completion_of(cudaErrorCapturedEvent, false, ncclSuccess) == Completion::kDone);
+  CHECK(completion_of(cudaErrorNotReady, false, ncclSuccess) == Completion::kInFlight);
+  // Not ready, but the communicator was aborted or NCCL failed: it will never complete.
+  CHECK(completion_of(cudaErrorNotReady, true, ncclSuccess) == Completion::kFailed);
+  CHECK(completion_of(cudaErrorNotReady, false, ncclRemoteError) == Completion::kFailed);
+  // A real device error fails the operation.
+  for (const auto e : {cudaErrorLaunchFailure, cudaErrorIllegalAddress, cudaErrorStreamCaptureInvalidated})
+    CHECK(completion_of(e, false, ncclSuccess) == Completion::kFailed);
+}
+
+TEST_CASE("[no gpu] nccl core: a stream that cannot be asked does not count as capturing") {
+  CHECK_FALSE(capturing(nullptr));  // without a device, cudaStreamIsCapturing fails
+}
+
+TEST_CASE("nccl core: a stream counts as capturing exactly while a capture records it") {
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  CHECK_FALSE(capturing(s));
+  REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  CHECK(capturing(s));
+  cudaGraph_t g = nullptr;
+  REQUIRE(cudaStreamEndCapture(s, &g) == cudaSuccess);
+  CHECK_FALSE(capturing(s));
+  if (g) cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+  CHECK(cudaGetLastError() == cudaSuccess);
+}
+
 TEST_CASE("nccl core: collectives on one rank, checked after copying back") {
   Core core(0, 1, 0, in_memory(), "id");
   const size_t n = 5;

@@ -105,6 +105,12 @@ class Router(nn.Module):
         super().__init__()
         self.gate = nn.Linear(dim, E, bias=False)
 
+    def forward(self, flat):
+        # The gate's product in its own dtype, scores in float32. A forward of its own, so that a
+        # router wrapped by fully_shard on its own (bench/torch_moe_fsdp.py) is gathered for it.
+        gw = self.gate.weight
+        return torch.matmul(flat.to(gw.dtype), gw.t()).float()
+
 
 class MoE(nn.Module):
     def __init__(self, c):
@@ -121,8 +127,7 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         T, k, E = flat.shape[0], c["top_k"], c["experts"]
-        gw = self.router.gate.weight
-        logits = torch.matmul(flat.to(gw.dtype), gw.t()).float()
+        logits = self.router(flat)
         scores = torch.sigmoid(logits) if c["score"] == "sigmoid" else torch.softmax(logits, -1)
         w, idx = torch.topk(scores, k, -1)
         if c["normalize_top_k"] and (k > 1 or c["score"] == "sigmoid"):

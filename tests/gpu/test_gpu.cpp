@@ -5,13 +5,24 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <doctest/doctest.h>
 
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
 
+#include "fsdpp/comm/flight_recorder.hpp"
 #include "fsdpp/comm/init.hpp"
 #include "fsdpp/comm/store.hpp"
 #include "fsdpp/fsdp/adamw.hpp"
 #include "fsdp/models.hpp"
+#include "gpu/collectives.hpp"
 #include "fsdpp/base/cuda_graph.hpp"
 #include "fsdpp/models/moe.hpp"
 #include "fsdpp/train/sharding.hpp"
@@ -42,70 +53,88 @@ at::TensorOptions on(int device, at::ScalarType t = at::kFloat) {
 
 }  // namespace
 
-TEST_CASE("NCCL through comm::Comm: every operation on CUDA tensors") {
+TEST_CASE("NCCL through comm::Comm: every operation on CUDA tensors, float32 and bfloat16") {
   REQUIRE(gpus() >= 1);
   const int n = std::min(2, gpus());
-  MESSAGE("world size " << n << " (" << gpus() << " GPUs)");
-  run_nccl_ranks(n, [n](comm::Comm& comm, int d) {
-    const int r = comm.rank();
-    CHECK(std::string(comm.backend()) == "nccl");
-    auto t = at::full({5}, double(r + 1), on(d));
-    comm.all_reduce(t).wait();
-    t.add_(1);  // ordered after the all-reduce on the device, without a host wait
-    CHECK(at::allclose(t.cpu(), at::full({5}, n * (n + 1) / 2.0 + 1)));
-
-    auto h = at::full({4}, double(r + 1), on(d, at::kBFloat16));
-    comm.all_reduce(h, {comm::ReduceOp::kAvg}).wait();
-    CHECK(at::allclose(h.cpu().to(at::kFloat), at::full({4}, (n + 1) / 2.0)));
-
-    auto out = at::empty({3 * n}, on(d));
-    comm.all_gather(out, at::full({3}, double(r), on(d))).wait();
-    for (int q = 0; q < n; ++q) CHECK(at::equal(out.cpu().narrow(0, 3 * q, 3), at::full({3}, double(q))));
-
-    // Uneven parts: rank q contributes q + 1 elements.
-    std::vector<int64_t> counts;
-    for (int q = 0; q < n; ++q) counts.push_back(q + 1);
-    auto uneven = at::empty({n * (n + 1) / 2}, on(d, at::kLong));
-    comm.all_gather(uneven, at::full({r + 1}, int64_t(r), on(d, at::kLong)), {counts}).wait();
-    int64_t at_ = 0;
-    for (int q = 0; q < n; ++q)
-      for (int i = 0; i <= q; ++i) CHECK(uneven.cpu()[at_++].item<int64_t>() == q);
-
-    auto rs_in = at::arange(4 * n, on(d)) + double(r);
-    auto rs_out = at::empty({4}, on(d));
-    comm.reduce_scatter(rs_out, rs_in).wait();
-    const auto want = at::arange(4 * n, at::kFloat).narrow(0, 4 * r, 4) * n + double(n * (n - 1) / 2);
-    CHECK(at::equal(rs_out.cpu(), want));
-
-    auto b = at::full({2}, r == 0 ? 7.0 : -1.0, on(d));
-    comm.broadcast(b).wait();
-    CHECK(at::equal(b.cpu(), at::full({2}, 7.0)));
-
-    auto a2a_in = at::arange(2 * n, on(d)) + 100.0 * r, a2a_out = at::empty({2 * n}, on(d));
-    comm.all_to_all(a2a_out, a2a_in).wait();
-    for (int q = 0; q < n; ++q)
-      CHECK(at::equal(a2a_out.cpu().narrow(0, 2 * q, 2), at::arange(2, at::kFloat) + 2.0 * r + 100.0 * q));
-
-    if (n == 2) {
-      auto msg = at::full({6}, double(r), on(d));
-      auto got = at::empty({6}, on(d));
-      if (r == 0) {
-        comm.send(msg, 1, 3).wait();
-        comm.recv(got, 1, 4).wait();
-      } else {
-        comm.recv(got, 0, 3).wait();
-        comm.send(msg, 0, 4).wait();
-      }
-      CHECK(at::equal(got.cpu(), at::full({6}, double(1 - r))));
-    }
-    comm.barrier().wait();
-    auto sub = comm.split(0, -r);  // reversed order
-    REQUIRE(sub);
-    CHECK(sub.rank() == n - 1 - r);
-    auto s = at::ones({1}, on(d));
-    sub.all_reduce(s).wait();
-    CHECK(s.cpu().item<float>() == float(n));
+  MESSAGE("world size " << n << " (" << gpus() << " GPUs; world 2 on one GPU runs as processes: gpu_ranks)");
+  run_nccl_ranks(n, [](comm::Comm& comm, int d) {
+    for (const auto& failure : test::check_collectives(comm, d)) FAIL_CHECK(failure);
   });
+}
+
+// Note [captured operations] in nccl_core.hpp: the watchdog polls every operation's completion
+// every 100 ms. An operation recorded during a capture must not be queried as if it had run.
+TEST_CASE("after a captured step, the watchdog leaves the communicator alone and records nothing overdue") {
+  REQUIRE(gpus() >= 1);
+  const auto dumps = std::filesystem::temp_directory_path() / fmt::format("fsdpp-gpu-watchdog-{}", getpid());
+  std::filesystem::remove_all(dumps);
+  run_nccl_ranks(1, [&](comm::Comm& comm, int d) {
+    comm::WatchdogOptions w;
+    w.timeout = std::chrono::milliseconds(500);
+    w.dump_dir = dumps.string();
+    w.exit_code = 0;  // dump only: the test reads what it did
+    comm::start_watchdog(w);
+    auto t = at::ones({1024}, on(d));
+    auto body = [&] {
+      t.mul_(2);
+      comm.all_reduce(t).wait();
+      auto g = at::empty({1024}, on(d));
+      comm.all_gather(g, t).wait();
+      t.copy_(g);
+    };
+    body();  // eager: the communicator's buffers exist before the capture
+    auto step = CapturedStep::capture(body);
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));  // several polls after the capture
+    for (int i = 0; i < 3; ++i) step->replay();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto after = at::full({3}, 5.0, on(d));
+    comm.all_reduce(after).wait();  // throws if the watchdog's query aborted the communicator
+    CHECK(at::equal(after.cpu(), at::full({3}, 5.0)));
+    CHECK(at::equal(t.cpu(), at::full({1024}, 16.0)));  // eager 2, three replays 16
+    const auto records = nlohmann::json::parse(comm.recorder()->to_json());
+    for (const auto& e : records["entries"]) CHECK_MESSAGE(e["state"] == "completed", e.dump());
+    comm::stop_watchdog();
+  });
+  CHECK_MESSAGE(!std::filesystem::exists(dumps), "the watchdog dumped flight records to " << dumps);
+}
+
+// Note [a failed capture] in cuda_graph.cpp.
+TEST_CASE("a failed capture leaves the allocator usable: eager work, and a later capture, run as before") {
+  REQUIRE(gpus() >= 1);
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  const int d = 0;
+  c10::cuda::set_device(d);
+  auto x = at::arange(4096, on(d));
+  c10::cuda::device_synchronize();
+  alloc::emptyCache();
+  const auto reserved = [&] { return alloc::getDeviceStats(d).reserved_bytes[0].current; };
+  const int64_t before = reserved();
+  std::string error;
+  try {
+    CapturedStep::capture([&] {
+      auto y = at::empty({1 << 20}, on(d));  // from the graph's pool
+      y.fill_(1);
+      (void)y.sum().item<float>();  // a host read: the capture refuses it
+    });
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  CHECK_MESSAGE(error.find("CUDA graph capture of the step failed") != std::string::npos, error);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CHECK_FALSE(stream_capturing(d));
+  // The failed capture's pool is gone and the allocator routes nothing there any more.
+  CHECK(reserved() <= before);
+  auto z = x * 2;  // eager work on the caller's stream and on a side stream
+  {
+    c10::cuda::CUDAStreamGuard g(c10::cuda::getStreamFromPool());
+    auto w = at::ones({1 << 16}, on(d)).cumsum(0);
+    CHECK(w[-1].item<float>() == float(1 << 16));
+  }
+  CHECK(z[4095].item<float>() == 8190.0f);
+  at::Tensor out;
+  auto ok = CapturedStep::capture([&] { out = x * 3; });
+  ok->replay();
+  CHECK(out[4095].item<float>() == 12285.0f);
 }
 
 TEST_CASE("fully_shard on CUDA over NCCL trains like the unsharded model on the CPU") {

@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "fsdpp/comm/init.hpp"
 #include "fsdpp/base/files.hpp"
 #include "fsdpp/pipeline/plan.hpp"
+#include "fsdpp/train/data.hpp"
 #include "fsdpp/train/recipe.hpp"
 #include "fsdpp/train/shards.hpp"
 #include "fsdpp/train/tokenizer.hpp"
@@ -430,4 +432,80 @@ TEST_CASE("recipe: a corpus of malformed and hostile recipes; each is refused wi
     // Every message names the file it is about.
     CHECK(got.find(file.substr(0, file.size() - 5)) != std::string::npos);
   }
+}
+
+TEST_CASE("recipe: a refused value is named once, as given, not the default it left in place") {
+  const auto got = problems(base(), {"data.seq_len=0"});
+  expect(got, "1 problem");
+  expect(got, "data.seq_len: must be in [2, 1048576], got 0");
+  CHECK(got.find("max_seq_len") == std::string::npos);
+}
+
+TEST_CASE("recipe: a key given twice in a recipe file is refused, naming its path") {
+  const auto dir = fs::temp_directory_path() / ("fsdpp-dup-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "top.json") << R"({"model": {"dim": 32, "layers": 2, "heads": 2, "max_seq_len": 64}, "data": {"source": "synthetic"},)"
+                                  << R"( "train": {"steps": 3, "global_batch": 8}, "train": {"steps": 5}})";
+  std::ofstream(dir / "nested.json") << R"({"model": {"dim": 32, "layers": 2, "heads": 2, "max_seq_len": 64, "dim": 64},)"
+                                     << R"( "data": {"source": "synthetic"}, "precision": {"overrides": [{"match": "a"},)"
+                                     << R"( {"match": "b", "param_dtype": "float32", "param_dtype": "bfloat16"}]}})";
+  for (const auto& [file, path] : {std::pair<std::string, std::string>{"top.json", "train:"}, {"nested.json", "model.dim:"}}) {
+    CAPTURE(file);
+    std::string got = "accepted";
+    try {
+      train::load_recipe((dir / file).string());
+    } catch (const train::RecipeError& e) {
+      got = e.what();
+    }
+    expect(got, path + " given twice in this recipe file");
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("recipe: data.paths must be text files or directories: a device or a FIFO is refused, naming it") {
+  const auto fifo = fs::temp_directory_path() / ("fsdpp-fifo-" + std::to_string(getpid()));
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+  auto j = base();
+  j["data"] = {{"source", "files"}, {"paths", {"/dev/zero", fifo.string(), kSource + "/README.md"}}};
+  const auto got = problems(j);
+  expect(got, "data.paths[0]: /dev/zero is a character device, not a text file or a directory of them");
+  expect(got, "data.paths[1]: " + fifo.string() + " is a FIFO");
+  CHECK(got.find("paths[2]") == std::string::npos);
+  // A FIFO inside a directory of text: named, not read (reading it would block).
+  const auto dir = fs::temp_directory_path() / ("fsdpp-fifo-dir-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "a.txt") << "text\n";
+  REQUIRE(mkfifo((dir / "b.txt").c_str(), 0600) == 0);
+  std::string error;
+  try {
+    train::list_text_files(dir.string());
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  expect(error, (dir / "b.txt").string() + " is a FIFO, not a text file");
+  fs::remove(fifo);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("recipe: a V schedule defaults to 2 stages per rank; others to 1") {
+  auto j = base();
+  j["model"]["layers"] = 4;
+  j["parallel"] = {{"dp", 1}, {"pp", 2}, {"microbatches", 4}, {"schedule", "ZBVZeroBubble"}};
+  const auto v = train::parse_recipe(j, "test.json", kSource + "/recipes");
+  CHECK(v.parallel.stages_per_rank == 2);
+  j["parallel"]["schedule"] = "1F1B";
+  CHECK(train::parse_recipe(j, "test.json", kSource + "/recipes").parallel.stages_per_rank == 1);
+  j["parallel"]["schedule"] = "DualPipeV";
+  j["parallel"]["stages_per_rank"] = 1;  // given: kept, and refused by the schedule
+  expect(problems(j), "DualPipeV: exactly 2 stages per rank");
+}
+
+TEST_CASE("recipe: precision.overrides patterns that match no parameter are listed") {
+  auto j = base();
+  j["precision"] = {{"param_dtype", "bfloat16"},
+                    {"overrides", {{{"match", "*.router.gate.weight"}, {"param_dtype", "float32"}},
+                                   {{"match", "*.gate_proj.*"}, {"param_dtype", "float32"}},
+                                   {{"match", "*norm*"}, {"param_dtype", "float32"}}}}};
+  const auto r = train::parse_recipe(j, "test.json", kSource + "/recipes");
+  CHECK(train::unmatched_overrides(r) == std::vector<std::string>{"precision.overrides[1].match \"*.gate_proj.*\""});
 }

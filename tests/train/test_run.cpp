@@ -33,61 +33,14 @@
 #include "fsdpp/train/shards.hpp"
 #include "fsdpp/train/tokenizer.hpp"
 #include "fsdpp/train/trainer.hpp"
+#include "train/run_helpers.hpp"
 
 using namespace fsdpp;
+using namespace fsdpp::test;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
 namespace {
-
-const std::string kBin = FSDPP_BIN;
-const std::string kRecipe = std::string(FSDPP_SOURCE_DIR) + "/recipes/tiny-synthetic.json";
-const std::string kPython = FSDPP_PYTHON;  // the Python of the PyTorch fsdpp was built against
-
-struct Result {
-  int rc;
-  std::string out;
-};
-
-Result sh(const std::string& cmd) {
-  Result r{0, ""};
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(p);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
-
-std::string fresh_dir(const std::string& name) {
-  const auto d = fs::temp_directory_path() / ("fsdpp-run-" + std::to_string(getpid()) + "-" + name);
-  fs::remove_all(d);
-  return d.string();
-}
-
-// Runs the tiny recipe into `dir` with extra arguments (and `env`, "NAME=value " assignments, before
-// the command); requires success.
-std::string train_run(const std::string& dir, const std::string& args, const std::string& env = "") {
-  const auto r = sh(env + kBin + " run " + kRecipe + " logging.output_dir=" + dir + " " + args);
-  INFO(r.out);
-  REQUIRE(r.rc == 0);
-  return r.out;
-}
-
-// One figure of rank 0's metrics, by step.
-std::map<int64_t, double> metric_by_step(const std::string& dir, const std::string& key) {
-  std::map<int64_t, double> out;
-  std::ifstream f(fs::path(dir) / "metrics" / "rank0.jsonl");
-  for (std::string line; std::getline(f, line);) {
-    const auto j = json::parse(line);
-    if (j.contains(key)) out[j["step"]] = j[key];
-  }
-  return out;
-}
-
-std::map<int64_t, double> losses(const std::string& dir) { return metric_by_step(dir, "loss"); }
 
 // Two runs of 10 steps at different layouts that must train alike: losses and gradient norms
 // within `tolerance` at every step.
@@ -601,7 +554,8 @@ TEST_CASE("run: token shards from `fsdpp tokenize` train to the same losses at d
   fs::remove_all(dir);
 }
 
-TEST_CASE("run: `fsdpp tokenize` killed mid-way leaves no half-written shard under a shard's name, and runs again") {
+TEST_CASE("run: `fsdpp tokenize` killed mid-way leaves no shard in its output, only whole ones in its staging "
+          "directory, and runs again") {
   const auto dir = fresh_dir("tokenize-killed");
   const auto text = dir + "/text", shards = dir + "/shards";
   fs::create_directories(text);
@@ -619,10 +573,12 @@ TEST_CASE("run: `fsdpp tokenize` killed mid-way leaves no half-written shard und
   pclose(p);
   // Kill it once the first shard is complete and the next one is being written.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  auto count = [&](const std::string& suffix) {
+  // Files ending in `suffix` in the output (recursive: the run's staging directory too).
+  auto count = [&](const std::string& suffix, bool recursive = true) {
     int n = 0;
     if (fs::exists(shards))
-      for (const auto& e : fs::directory_iterator(shards)) n += e.path().string().ends_with(suffix);
+      for (const auto& e : fs::recursive_directory_iterator(shards))
+        n += e.path().string().ends_with(suffix) && (recursive || e.path().parent_path() == shards);
     return n;
   };
   while (count(".bin") < 1 && std::chrono::steady_clock::now() < deadline)
@@ -631,14 +587,21 @@ TEST_CASE("run: `fsdpp tokenize` killed mid-way leaves no half-written shard und
   ::waitpid(pid, nullptr, 0);
   REQUIRE(count(".bin") >= 1);
   CHECK_FALSE(fs::exists(shards + "/index.json"));
-  // Every file under a shard's name is whole: the reader checks each header against its size.
+  CHECK(count(".bin", /*recursive=*/false) == 0);  // nothing under the output's own shard names
+  // Every file under a shard's name in the staging directory is whole: the reader checks each
+  // header against its size.
+  std::string staging;
+  for (const auto& e : fs::directory_iterator(shards))
+    if (e.path().filename().string().rfind(".staging-", 0) == 0) staging = e.path();
+  REQUIRE_FALSE(staging.empty());
   std::unique_ptr<train::ShardSet> partial;
-  CHECK_NOTHROW(partial = std::make_unique<train::ShardSet>(shards, "train", 2048));
+  CHECK_NOTHROW(partial = std::make_unique<train::ShardSet>(staging, "train", 2048));
   if (partial) CHECK(partial->tokens() == 300000 * partial->segments());
   const auto again = sh(cmd);
   INFO(again.out);
   REQUIRE(again.rc == 0);
   CHECK(count(".tmp") == 0);
+  CHECK_FALSE(fs::exists(staging));
   CHECK(fs::exists(shards + "/index.json"));
   fs::remove_all(dir);
 }

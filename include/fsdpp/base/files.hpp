@@ -5,13 +5,58 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 
 namespace fsdpp {
 
-// Writes `text` to `path` through `path`.tmp and a rename, so that a reader (or a crash) never sees
-// half a file under the final name; the bytes reach the disk before the rename. Throws
-// std::runtime_error naming the file when writing fails.
+// The operating system's reason for errno `err`, with its name: "No space left on device (ENOSPC)".
+std::string os_error(int err);
+
+// A file written through `path`.tmp and committed under `path` by a rename, so that a reader (or a
+// crash) never sees half a file under the final name. Every write is checked: a failure throws
+// std::runtime_error naming `path` and the OS's reason ("writing runs/x/summary.json failed: No
+// space left on device (ENOSPC)"), and the temporary file is removed, then or when the writer is
+// destroyed uncommitted. commit() makes the bytes reach the disk before the rename.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  void write(const void* data, size_t bytes);
+  void write(std::string_view text) { write(text.data(), text.size()); }
+  // Writes at `offset` (a header filled in at the end).
+  void write_at(uint64_t offset, const void* data, size_t bytes);
+  void commit();
+  const std::string& path() const { return path_; }
+
+ private:
+  [[noreturn]] void fail(const char* what, int err);
+  std::string path_, tmp_;
+  int fd_ = -1;
+};
+
+// Writes `text` to `path` as an AtomicFile.
 void write_file_atomically(const std::string& path, const std::string& text);
+
+// A log of lines (metrics), each appended whole or not at all: a write that fails part-way is cut
+// back to the line before, and the failure throws std::runtime_error naming the file and the OS's
+// reason, so that the file never holds a broken line.
+class LineLog {
+ public:
+  // Opens `path` to append (truncate: emptied first).
+  LineLog(std::string path, bool truncate);
+  ~LineLog();
+  LineLog(const LineLog&) = delete;
+  LineLog& operator=(const LineLog&) = delete;
+  // Appends `line` and a newline.
+  void append(std::string_view line);
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
 
 // Flushes a file's or a directory's contents (a directory: its entries, after renames) to the disk
 // (fsync). Throws std::runtime_error naming the path when that fails.

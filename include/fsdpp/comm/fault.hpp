@@ -27,8 +27,11 @@ struct Fault {
   }
 };
 
-// Parsed once from the environment. Throws std::invalid_argument naming a malformed value.
+// Parsed once from the environment. Throws std::invalid_argument naming a malformed value, or a
+// rank outside WORLD_SIZE.
 const Fault& injected_fault();
+// Checks FSDPP_FAULT for a world of `world_size` ranks before they start (`fsdpp run` does).
+void check_injected_fault(int world_size);
 
 namespace detail {
 // Called by every all_gather: true when this one is to be skipped.

@@ -53,7 +53,14 @@ Comm init_from_env(const InitOptions& options = {});
 // sees the same keys (for example the same file, or the same TCP store).
 Comm connect(std::shared_ptr<Store> store, int rank, int size, const InitOptions& options = {});
 
-// Whether this build has each backend (FSDPP_WITH_GLOO / FSDPP_WITH_NCCL).
+// Whether this build has each backend (FSDPP_WITH_GLOO / FSDPP_WITH_NCCL), whatever devices this
+// machine has.
 bool has_backend(Backend backend);
+
+// How many CUDA devices this process sees; where none, `why` says why ("no CUDA device is visible",
+// the CUDA runtime's error, or a build without CUDA).
+int cuda_device_count(std::string* why = nullptr);
+// Bytes of memory on CUDA device `device` (0 where there is none).
+double cuda_device_memory(int device);
 
 }  // namespace fsdpp::comm

@@ -28,6 +28,13 @@ struct LaunchOptions {
   // --max-restarts; `fsdpp run` then resumes from the latest checkpoint. With several nodes the
   // launchers agree through the store: a failure on one node restarts every node.
   int max_restarts = 0;
+  // The node's ranks share GPUs (more ranks than GPUs; rank r uses GPU LOCAL_RANK % count). NCCL
+  // refuses two ranks of one communicator on one GPU of one host, so each rank is given an
+  // NCCL_HOSTID of its own: NCCL then takes the ranks for separate hosts and connects them over
+  // its socket transport on loopback (NCCL_SOCKET_IFNAME=lo and NCCL_IB_DISABLE=1, unless set).
+  // For correctness checks on a machine with fewer GPUs than ranks: the ranks' contexts share
+  // the GPU, so timings mean little. Single node only.
+  bool share_gpu = false;
 };
 
 struct LaunchResult {

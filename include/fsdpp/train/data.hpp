@@ -27,8 +27,12 @@ struct DataOptions;
 std::string fortunes_dir();
 
 // The regular files under `root` (itself, when it is a file), sorted; a file reached again through
-// a link is left out. Throws naming a missing root.
+// a link is left out. Throws naming a missing root, or one that is neither a regular file nor a
+// directory, and naming a FIFO, device or socket under it (reading one would block or never end).
 std::vector<std::string> list_text_files(const std::string& root);
+// What kind of file `path` is, for messages: "a regular file", "a directory", "a FIFO", "a character
+// device", "a block device", "a socket", "missing" (symbolic links followed).
+std::string file_kind(const std::string& path);
 // A file's bytes. Throws std::runtime_error naming the file when it cannot be read.
 std::string read_text_file(const std::string& path);
 // Text tools skip binary files: those with a NUL byte in their first 8 KiB.

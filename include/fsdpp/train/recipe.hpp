@@ -220,6 +220,11 @@ struct Recipe {
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides = {},
                    std::optional<int> world_size = std::nullopt);
 
+// The precision.overrides patterns that match no parameter of the recipe's model, as
+// "precision.overrides[1].match \"*gate*\"": such a pattern (a typo, another model's names)
+// changes nothing, silently. Names come from a model of the same structure built at a tiny size.
+std::vector<std::string> unmatched_overrides(const Recipe& recipe);
+
 // The same for a JSON value; relative model paths resolve against `base_dir`.
 Recipe parse_recipe(nlohmann::json j, const std::string& source, const std::string& base_dir,
                     const std::vector<std::string>& overrides = {}, std::optional<int> world_size = std::nullopt);

@@ -22,6 +22,8 @@
 
 #include "fsdpp/train/data.hpp"
 
+#include "fsdpp/base/files.hpp"
+
 namespace fsdpp::train {
 
 class Tokenizer;
@@ -78,18 +80,16 @@ class ShardSet final : public TokenSource {
 // it is closed, so that an interrupted writer leaves no file under a shard's name.
 class ShardWriter {
  public:
+  // Writes through <path>.tmp (an AtomicFile): a writer not closed, or one whose write failed,
+  // leaves nothing behind; failures name the file and the OS's reason.
   ShardWriter(std::string path, ShardLayout layout);
-  ~ShardWriter();  // an unclosed writer removes its .tmp
-  ShardWriter(const ShardWriter&) = delete;
-  ShardWriter& operator=(const ShardWriter&) = delete;
   void append(const int32_t* tokens, size_t count);
   int64_t tokens() const { return tokens_; }
   void close();
 
  private:
-  std::string path_, tmp_;
   ShardLayout layout_;
-  std::FILE* f_ = nullptr;
+  AtomicFile file_;
   int64_t tokens_ = 0;
   std::vector<unsigned char> buffer_;
 };

@@ -31,6 +31,9 @@ namespace fsdpp::train {
 
 struct RunOptions {
   bool resume = false;     // continue from the latest checkpoint of the output directory
+  // With resume: continue even where the recipe changed what the checkpoint's data order or
+  // optimizer depend on (resume_changes in checkpoints.hpp), saying what changed.
+  bool resume_with_changes = false;
   bool overwrite = false;  // start afresh even when the output directory holds checkpoints
   bool trace = false;      // write trace.json covering `trace_steps` steps
   int64_t trace_steps = 3;
@@ -51,8 +54,10 @@ struct RunResult {
 // Collective over `world` (dp x pp ranks). Throws on bad input before any rank starts work.
 RunResult run_training(const Recipe& recipe, comm::Comm world, const RunOptions& options = {});
 
-// Refuses a run that would misuse checkpoints, before any work: --resume without one, or a fresh
-// start in an output directory that holds some (without --overwrite).
+// Refuses a run that would misuse checkpoints, before any work: --resume without one, --resume with
+// --overwrite, a fresh start in an output directory that holds some (without --overwrite), or a
+// resume whose recipe changes what the latest checkpoint's data order or optimizer depend on
+// (without resume_with_changes).
 void check_output_dir(const Recipe& recipe, const RunOptions& options);
 
 }  // namespace fsdpp::train

@@ -8,7 +8,9 @@
 // after the operation, so the flight recorder shows operations in flight, the watchdog sees one
 // that hangs, and the pipeline's send budget waits for sends to leave. While an operation has not
 // completed, the same query polls NCCL's asynchronous error; on one, the communicator is aborted
-// and the operation fails. The watchdog aborts every NCCL communicator before it ends the process.
+// and the operation fails. An operation captured into a CUDA graph has no such query (Note
+// [captured operations] in nccl_core.hpp). The watchdog aborts every NCCL communicator before it
+// ends the process.
 // Tensors an operation reads or writes are marked as used on the
 // communicator's stream (recordStream), so the caching allocator does not hand their memory out
 // again before the operation has finished, even when the caller drops them at once. Nothing here
@@ -23,6 +25,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <numeric>
 #include <vector>
@@ -222,7 +225,9 @@ class NcclComm final : public CommImpl {
     state->start();
     const auto device = static_cast<c10::DeviceIndex>(core_->device());
     try {
-      check(cudaEventRecord(ready_.get(), c10::cuda::getCurrentCUDAStream(device).stream()), "cudaEventRecord");
+      const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device).stream();
+      const bool captured = nccl::capturing(caller);
+      check(cudaEventRecord(ready_.get(), caller), "cudaEventRecord");
       EventPtr done = enqueue(ready_.get());
       for (const auto& t : tensors)
         if (t.defined() && t.numel() > 0) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm_stream_);
@@ -230,9 +235,10 @@ class NcclComm final : public CommImpl {
         check_cuda(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device).stream(), done.get(), 0), r, n,
                    "cudaStreamWaitEvent");
       };
-      state->device_done = [done, core = std::weak_ptr<Core>(core_), op = std::weak_ptr<WorkState>(state)] {
-        return device_done(done.get(), core, op);
-      };
+      if (!captured)
+        state->device_done = [done, core = std::weak_ptr<Core>(core_), op = std::weak_ptr<WorkState>(state)] {
+          return device_done(done.get(), core, op);
+        };
       state->finish();
     } catch (const nccl::NcclError& e) {
       // An NCCL failure leaves the communicator unusable; the launcher stops the job.
@@ -242,25 +248,22 @@ class NcclComm final : public CommImpl {
     return Work(state);
   }
 
-  // Whether the operation whose completion `done` records has finished on the device. Inside a CUDA
-  // graph capture an event cannot be queried, and order comes from stream dependencies, so a
-  // captured operation counts as completed for the host.
+  // Whether the operation whose completion `done` records has finished on the device (it was not
+  // captured: those have no query).
   static bool device_done(cudaEvent_t done, const std::weak_ptr<Core>& core, const std::weak_ptr<WorkState>& op) {
     const auto c = core.lock();
     if (!c) return true;  // the communicator is gone, and destroying it drained its stream
-    // The watchdog's thread asks too: in the default (global) capture mode its queries would
+    // The watchdog's thread asks too: in the default (global) capture mode its query would
     // invalidate a capture running on another thread, so this thread's mode is relaxed meanwhile.
     struct RelaxedCapture {
       cudaStreamCaptureMode previous = cudaStreamCaptureModeRelaxed;
       RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&previous); }
       ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&previous); }
     } relaxed;
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(c->stream(), &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone)
-      return true;
     const cudaError_t q = cudaEventQuery(done);
-    if (q == cudaSuccess) return true;
-    if (q == cudaErrorNotReady && !c->aborted() && c->async_error() == ncclSuccess) return false;
+    if (q != cudaSuccess && q != cudaErrorNotReady) (void)cudaGetLastError();  // not sticky; leave none behind
+    const auto completion = nccl::completion_of(q, c->aborted(), c->async_error());
+    if (completion != nccl::Completion::kFailed) return completion == nccl::Completion::kDone;
     // The device failed, or NCCL did (a peer gone): the operation will never complete. Abort the
     // communicator so that nothing waits on it forever, and fail the operation.
     const std::string why = q != cudaErrorNotReady ? fmt::format("CUDA error '{}'", cudaGetErrorString(q))
@@ -282,15 +285,40 @@ class NcclComm final : public CommImpl {
 
 }  // namespace
 
-bool nccl_available() {
+bool nccl_available() { return true; }
+
+double cuda_device_memory(int device) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return double(prop.totalGlobalMem);
+}
+
+int cuda_device_count(std::string* why) {
   int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (why) *why = fmt::format("cudaGetDeviceCount: {}", cudaGetErrorString(e));
+    return 0;
+  }
+  if (n == 0 && why) *why = "no CUDA device is visible";
+  return n;
 }
 
 std::shared_ptr<CommImpl> make_nccl_comm(std::shared_ptr<Store> store, int rank, int size, const BackendConfig& config) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
     throw CommError(fmt::format("rank {}/{}: the NCCL backend needs a CUDA device, and none is visible", rank, size));
+  const char* host_id = std::getenv("NCCL_HOSTID");
+  if (config.device >= count && !(host_id && *host_id))
+    throw CommError(fmt::format(
+        "rank {}/{}: local rank {} but {} GPU{} visible: NCCL refuses two ranks of one communicator on one GPU. "
+        "Start fewer ranks per node, or, for a correctness check only, let ranks share GPUs with "
+        "`fsdpp launch --share-gpu` (or `fsdpp run --share-gpu`), which gives each rank an NCCL_HOSTID of its own",
+        rank, size, config.device, count, count == 1 ? " is" : "s are"));
   const int device = config.device >= 0 ? config.device % count : c10::cuda::current_device();
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
   nccl::Rendezvous rendezvous{[&](const std::string& k, const std::vector<uint8_t>& v) { store->set(k, v); },

@@ -58,6 +58,21 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   std::vector<cudaEvent_t> free_;
 };
 
+Completion completion_of(cudaError_t query, bool aborted, ncclResult_t async_error) {
+  if (query == cudaSuccess || query == cudaErrorCapturedEvent) return Completion::kDone;
+  if (query == cudaErrorNotReady && !aborted && async_error == ncclSuccess) return Completion::kInFlight;
+  return Completion::kFailed;
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: leave no error behind for the next CUDA call to report
+    return false;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
 size_t Core::element_size(ncclDataType_t type) {
   switch (type) {
     case ncclInt8:

@@ -9,6 +9,15 @@
 // returns an event. Whoever reads the output makes its own stream wait for that event. So the
 // host never blocks, collectives overlap compute, and operations on one communicator run in issue
 // order, as on the Gloo backend's worker thread.
+//
+// Note [captured operations]
+// An operation enqueued while the caller's stream is being captured into a CUDA graph is recorded,
+// not run: it runs at each replay, where no host-side handle sees it. Its event is a captured event,
+// which cudaEventQuery refuses with cudaErrorCapturedEvent (during the capture and after it, until
+// the event is recorded again outside a capture). So such an operation gets no completion query
+// at all (it is complete for the host once enqueued, like PyTorch's ProcessGroupNCCL, which keeps
+// captured work away from its watchdog), and a query that meets a captured event all the same
+// counts it as complete instead of taking it for a device failure and aborting the communicator.
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -35,6 +44,18 @@ class NcclError : public std::runtime_error {
 using EventPtr = std::shared_ptr<std::remove_pointer_t<cudaEvent_t>>;
 
 class EventPool;
+
+// What a completion query of an operation's event found (Note [captured operations]).
+enum class Completion { kDone, kInFlight, kFailed };
+
+// Classifies cudaEventQuery's answer for an operation on a communicator that is `aborted` or whose
+// asynchronous error is `async_error`: done on success or on a captured event; in flight while not
+// ready and nothing failed; failed otherwise (a device error, an abort, an NCCL error).
+Completion completion_of(cudaError_t query, bool aborted, ncclResult_t async_error);
+
+// Whether work issued now on `stream` is being captured into a CUDA graph (recorded, not run).
+// False where the stream cannot be asked (an error clears itself and counts as not capturing).
+bool capturing(cudaStream_t stream);
 
 // How ranks meet: rank 0 publishes the NCCL unique id under a key, the others read it (blocking
 // until it is there). The dist layer passes its Store.

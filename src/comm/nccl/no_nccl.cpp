@@ -6,6 +6,13 @@ namespace fsdpp::comm::detail {
 
 bool nccl_available() { return false; }
 
+double cuda_device_memory(int) { return 0; }
+
+int cuda_device_count(std::string* why) {
+  if (why) *why = "this fsdpp was built without CUDA";
+  return 0;
+}
+
 std::shared_ptr<CommImpl> make_nccl_comm(std::shared_ptr<Store>, int rank, int size,
                                          const BackendConfig&) {
   throw CommError("rank " + std::to_string(rank) + "/" + std::to_string(size) +

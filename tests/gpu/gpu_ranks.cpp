@@ -1,0 +1,71 @@
+// A GPU rank for the device check (scripts/gpu-check.sh), started as processes under
+//   fsdpp launch --nproc N [--share-gpu] -- fsdpp_test_gpu_ranks
+// so that world sizes above the machine's GPU count run too (ranks sharing a GPU, each with its own
+// NCCL_HOSTID). Checks every collective in float32 and bfloat16 (tests/gpu/collectives.hpp), then
+// the same collectives captured into a CUDA graph with a watchdog polling: three replays give what
+// three eager runs give, and the communicator works afterwards. Prints "rank R/N ok" or the failures
+// and exits 1.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <iostream>
+
+#include "fsdpp/base/cuda_graph.hpp"
+#include "fsdpp/comm/init.hpp"
+#include "gpu/collectives.hpp"
+
+using namespace fsdpp;
+
+namespace {
+
+// A captured sequence: all-reduce, all-to-all, a ring exchange. Returns the values it leaves.
+at::Tensor round_trip(comm::Comm& comm, at::Tensor& t) {
+  const int r = comm.rank(), n = comm.size();
+  t.mul_(0.5).add_(r);
+  comm.all_reduce(t).wait();
+  auto out = at::empty_like(t);
+  comm.all_to_all(out, t).wait();
+  if (n > 1) {
+    auto got = at::empty_like(out);
+    auto w = comm.recv(got, (r + n - 1) % n, 5);
+    comm.send(out, (r + 1) % n, 5).wait();
+    w.wait();
+    out = got;
+  }
+  t.copy_(out);
+  return t;
+}
+
+}  // namespace
+
+int main() {
+  try {
+    comm::InitOptions o;
+    o.backend = comm::Backend::kNccl;
+    o.watchdog_timeout = std::chrono::seconds(30);  // polls every 100 ms, as under fsdpp run
+    auto comm = comm::init_from_env(o);
+    const int r = comm.rank(), n = comm.size(), d = current_cuda_device();
+    auto bad = test::check_collectives(comm, d);
+
+    const auto opts = at::TensorOptions(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
+    auto eager = at::arange(8 * n, opts).add(r);
+    auto graphed = eager.clone();
+    for (int i = 0; i < 4; ++i) round_trip(comm, eager);
+    round_trip(comm, graphed);  // warm-up, as the trainer's eager steps
+    auto step = CapturedStep::capture([&] { round_trip(comm, graphed); });
+    for (int i = 0; i < 3; ++i) step->replay();
+    if (!at::equal(eager.cpu(), graphed.cpu())) bad.push_back("captured collectives differ from eager ones");
+    auto after = at::full({2}, 1.0, opts);
+    comm.all_reduce(after).wait();
+    if (!at::equal(after.cpu(), at::full({2}, double(n)))) bad.push_back("all_reduce after the replays");
+    comm.barrier().wait();
+    for (const auto& b : bad) std::cerr << "FAILED: " << b << "\n";
+    if (!bad.empty()) return 1;
+    std::cout << "rank " << r << "/" << n << " on GPU " << d << " ok: collectives in float32 and bfloat16, "
+              << "captured collectives equal to eager" << std::endl;
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "FAILED: " << e.what() << std::endl;
+    return 1;
+  }
+}
