@@ -16,10 +16,16 @@ if [[ -z $cxx ]]; then
   exit 1
 fi
 
+extra=()
 case $target in
   recipe) sources=("$src/tests/fuzz/recipe_fuzz.cpp" "$src/src/train/recipe.cpp") ;;
   checkpoint) sources=("$src/tests/fuzz/checkpoint_fuzz.cpp" "$src/src/base/safetensors.cpp" "$src/src/fsdp/checkpoint.cpp") ;;
-  *) echo "fuzz: unknown target $target (recipe, checkpoint)" >&2; exit 2 ;;
+  shards) sources=("$src/tests/fuzz/shards_fuzz.cpp" "$src/src/train/shards.cpp") ;;
+  tokenizer)
+    # The plugin's source, instrumented, with SentencePiece linked into the target itself.
+    sources=("$src/tests/fuzz/tokenizer_fuzz.cpp" "$src/src/train/sentencepiece_tokenizer.cpp")
+    extra=(-lsentencepiece_train -lsentencepiece) ;;
+  *) echo "fuzz: unknown target $target (recipe, checkpoint, shards, tokenizer)" >&2; exit 2 ;;
 esac
 
 # The LibTorch that CMake found (cmake/fsdppDependencies.cmake): Torch_DIR is <torch>/share/cmake/Torch.
@@ -36,7 +42,7 @@ if [[ ! -x $bin || $(cat "$bin.stamp" 2>/dev/null) != "$stamp" ]]; then
     -DFSDPP_SOURCE_DIR="\"$src\"" -DFSDPP_WITH_GLOO=1 -DFSDPP_WITH_NCCL=$with_nccl -DFMT_HEADER_ONLY=1 \
     -I"$src/include" -isystem "$torch/include" -isystem "$torch/include/torch/csrc/api/include" \
     "${sources[@]}" "$build/libfsdpp.so" -Wl,-rpath,"$build" \
-    -L"$torch/lib" -Wl,-rpath,"$torch/lib" -ltorch -ltorch_cpu -lc10 -ldl -lpthread -o "$bin"
+    -L"$torch/lib" -Wl,-rpath,"$torch/lib" -ltorch -ltorch_cpu -lc10 "${extra[@]}" -ldl -lpthread -o "$bin"
   echo "$stamp" > "$bin.stamp"
 fi
 
@@ -45,6 +51,21 @@ rm -rf "$corpus"
 mkdir -p "$corpus"
 if [[ $target == recipe ]]; then
   cp "$src"/tests/train/hostile_recipes/*.json "$src"/recipes/*.json "$corpus"/
+elif [[ $target == tokenizer ]]; then
+  # A small model (300 pieces, 5 KB) trained here by the CLI: small inputs run many times faster
+  # than the bundled 2048-piece model, and mutate into the same kinds of damage.
+  seed_text=$out/tokenizer_seed_text
+  mkdir -p "$seed_text"
+  for i in 1 2; do head -c 20000 "$src/README.md" | tr -cd 'a-z \n' > "$seed_text/$i.txt"; done
+  "$build/fsdpp" tokenizer train --vocab 300 "$seed_text" -o "$corpus/tiny.model" > /dev/null
+elif [[ $target == shards ]]; then
+  # An index (mode byte 1) and a whole uint16 shard of 3 tokens (mode byte 0).
+  printf '\x01{"format":"fsdpp.token_shards","version":1,"shards":[{"file":"tokens_train_000001.bin","split":"train","tokens":300}]}' > "$corpus/index"
+  python3 - "$corpus/shard" <<'PY'
+import struct, sys
+with open(sys.argv[1], "wb") as f:
+    f.write(b"\x00" + struct.pack("<256i", 20240520, 1, 3, *([0] * 253)) + struct.pack("<3H", 1, 2, 3))
+PY
 else
   # Valid files to mutate: a small safetensors file (mode byte 0) and a checkpoint index (mode 1).
   printf '\x00' > "$corpus/st"

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -14,7 +15,8 @@
 
 namespace fsdpp::test {
 
-inline const std::string kBin = FSDPP_BIN;
+// FSDPP_TEST_BIN runs the tests against another build's `fsdpp` (an older one, to see a test fail).
+inline const std::string kBin = std::getenv("FSDPP_TEST_BIN") ? std::getenv("FSDPP_TEST_BIN") : FSDPP_BIN;
 inline const std::string kRecipe = std::string(FSDPP_SOURCE_DIR) + "/recipes/tiny-synthetic.json";
 inline const std::string kPython = FSDPP_PYTHON;  // the Python of the PyTorch fsdpp was built against
 
