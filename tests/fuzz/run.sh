@@ -2,7 +2,7 @@
 # Builds a libFuzzer target with clang, AddressSanitizer and UndefinedBehaviorSanitizer (the code
 # under test compiled from source; the rest of fsdpp and the LibTorch it was configured with linked
 # as built) and runs it for a fixed number of inputs from a seed corpus.
-#   tests/fuzz/run.sh BUILD_DIR recipe|checkpoint RUNS
+#   tests/fuzz/run.sh BUILD_DIR recipe|checkpoint|shards|tokenizer RUNS
 set -euo pipefail
 src=$(cd "$(dirname "$0")/../.." && pwd)
 build=$(cd "$1" && pwd)
@@ -18,7 +18,12 @@ fi
 
 extra=()
 case $target in
-  recipe) sources=("$src/tests/fuzz/recipe_fuzz.cpp" "$src/src/train/recipe.cpp") ;;
+  recipe)
+    # The parser loads data.tokenizer to check its vocabulary: the plugin is linked in, not opened
+    # (piece_plugin_linked.cpp says why).
+    sources=("$src/tests/fuzz/recipe_fuzz.cpp" "$src/src/train/recipe.cpp" "$src/src/train/recipe_sections.cpp"
+      "$src/src/train/tokenizer.cpp" "$src/src/train/sentencepiece_tokenizer.cpp" "$src/tests/fuzz/piece_plugin_linked.cpp")
+    extra=(-lsentencepiece_train -lsentencepiece) ;;
   checkpoint) sources=("$src/tests/fuzz/checkpoint_fuzz.cpp" "$src/src/base/safetensors.cpp" "$src/src/fsdp/checkpoint.cpp") ;;
   shards) sources=("$src/tests/fuzz/shards_fuzz.cpp" "$src/src/train/shards.cpp") ;;
   tokenizer)
