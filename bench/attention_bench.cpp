@@ -38,7 +38,8 @@ int main(int argc, char** argv) {
 
   auto aten_qkv = [&] {
     const auto p = qkv.permute({2, 0, 3, 1, 4});
-    return std::tuple{models::rotary_reference(p[0], cos, sin), models::rotary_reference(p[1], cos, sin), p[2]};
+    return std::tuple{models::rotary_reference(p[0], cos, sin), models::rotary_reference(p[1], cos, sin),
+                      p[2]};
   };
   std::map<std::string, std::function<at::Tensor()>> ways = {
       {"composed",
@@ -83,10 +84,12 @@ int main(int argc, char** argv) {
   };
   const auto t = bench::interleave(order, step, int(rounds), /*per_round=*/10);
   for (const auto& w : order)
-    fmt::print("RESULT attention way={} batch={} seq={} dim={} heads={} threads={} fwd_bwd_ms={:.2f} "
-               "speedup_over_composed={:.2f}\n",
-               w, B, T, D, H, threads, t.median_ms(w), t.ratio("composed", w));
-  fmt::print("RESULT attention_kernel threads={} speedup_over_sdpa={:.2f}\n", threads, t.ratio("fused-sdpa", "fused"));
+    fmt::print(
+        "RESULT attention way={} batch={} seq={} dim={} heads={} threads={} fwd_bwd_ms={:.2f} "
+        "speedup_over_composed={:.2f}\n",
+        w, B, T, D, H, threads, t.median_ms(w), t.ratio("composed", w));
+  fmt::print("RESULT attention_kernel threads={} speedup_over_sdpa={:.2f}\n", threads,
+             t.ratio("fused-sdpa", "fused"));
   fmt::print("RESULT one_pass threads={} speedup_over_fused={:.2f}\n", threads, t.ratio("fused", "one-pass"));
   return 0;
 }

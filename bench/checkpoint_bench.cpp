@@ -41,7 +41,9 @@ int main(int argc, char** argv) {
   const int64_t floats = mb * (1 << 20) / 4 / 3;
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const char* name : {"w", "w.exp_avg", "w.exp_avg_sq"}) tensors.emplace_back(name, at::randn({floats}));
-  const auto path = (std::filesystem::path(dir) / fmt::format("fsdpp-checkpoint-bench-{}.safetensors", ::getpid())).string();
+  const auto path =
+      (std::filesystem::path(dir) / fmt::format("fsdpp-checkpoint-bench-{}.safetensors", ::getpid()))
+          .string();
   std::vector<double> write, read, digest, crc_memory, crc_table;
   const auto& bytes = tensors[0].second;
   const size_t n = static_cast<size_t>(bytes.numel()) * 4;
@@ -68,14 +70,20 @@ int main(int argc, char** argv) {
   }
   std::filesystem::remove(path);
   const double shard_mb = 3.0 * n / 1e6;
-  const double w = median(write), d = median(digest), rd = median(read), c = median(crc_memory), t = median(crc_table);
+  const double w = median(write), d = median(digest), rd = median(read), c = median(crc_memory),
+               t = median(crc_table);
   fmt::print("shard: {:.1f} MB in {} ({} rounds, medians; checksum {:08x})\n", shard_mb, dir, rounds, sink);
   fmt::print("| what | ms | MB/s | vs writing the shard |\n|---|---|---|---|\n");
-  fmt::print("| write the shard (safetensors, then rename) | {:.1f} | {:.0f} | 1.00x |\n", w, shard_mb / w * 1e3);
+  fmt::print("| write the shard (safetensors, then rename) | {:.1f} | {:.0f} | 1.00x |\n", w,
+             shard_mb / w * 1e3);
   fmt::print("| read it back (safetensors) | {:.1f} | {:.0f} | {:.2f}x |\n", rd, shard_mb / rd * 1e3, rd / w);
-  fmt::print("| CRC-32C of the file (digest_file: read + sum), added to saving and loading | {:.1f} | {:.0f} | {:.2f}x |\n", d,
-             shard_mb / d * 1e3, d / w);
-  fmt::print("| CRC-32C of the bytes in memory (SSE 4.2 crc32) | {:.1f} | {:.0f} | {:.2f}x |\n", c, shard_mb / c * 1e3, c / w);
-  fmt::print("| CRC-32C in memory, table fallback (no SSE 4.2) | {:.1f} | {:.0f} | {:.2f}x |\n", t, shard_mb / t * 1e3, t / w);
+  fmt::print(
+      "| CRC-32C of the file (digest_file: read + sum), added to saving and loading | {:.1f} | {:.0f} | "
+      "{:.2f}x |\n",
+      d, shard_mb / d * 1e3, d / w);
+  fmt::print("| CRC-32C of the bytes in memory (SSE 4.2 crc32) | {:.1f} | {:.0f} | {:.2f}x |\n", c,
+             shard_mb / c * 1e3, c / w);
+  fmt::print("| CRC-32C in memory, table fallback (no SSE 4.2) | {:.1f} | {:.0f} | {:.2f}x |\n", t,
+             shard_mb / t * 1e3, t / w);
   return 0;
 }

@@ -67,9 +67,11 @@ int main(int argc, char** argv) {
         run = [&] { comm.all_reduce(full).wait(); };
       const double secs = time_round(comm, iters, run);
       if (comm.rank() == 0)
-        std::cout << fmt::format(
-            R"({{"impl": "fsdpp", "world": {}, "op": "{}", "dtype": "{}", "bytes": {}, "seconds": {:.9f}}})",
-            n, op, dtype, chunk * n * esize, secs) << std::endl;
+        std::cout
+            << fmt::format(
+                   R"({{"impl": "fsdpp", "world": {}, "op": "{}", "dtype": "{}", "bytes": {}, "seconds": {:.9f}}})",
+                   n, op, dtype, chunk * n * esize, secs)
+            << std::endl;
     }
   }
   comm.barrier().wait();

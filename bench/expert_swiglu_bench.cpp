@@ -1,4 +1,4 @@
-// The MoE layer's expert SwiGLU (models/kernels.hpp) at moe-small's shapes (4 experts, dim 128,
+// The MoE layer's expert SwiGLU (models/cpu/kernels.hpp) at moe-small's shapes (4 experts, dim 128,
 // expert_hidden 192, every expert given the same rows; other counts and widths by option), forward
 // and backward, with the caches cleared (64 MB written, untimed) before the forward and before the
 // backward, as a training step meets its operands:
@@ -7,8 +7,7 @@
 //   kernel-C      models::expert_swiglu with chunks of C rows (C = rows: each expert whole)
 //   dense         with --experts 1 only: the dense layer's SwiGLU as the model runs it (at::linear for
 //                 w1, w3 and w2, models::swiglu's gate), beside the kernel given the layer as one expert
-// The ways alternate within each round, each round starting one further along; medians. Malloc
-// keeps freed memory as `fsdpp run` has its ranks keep it (bench/kept_malloc.hpp).
+// The ways alternate within each round, each round starting one further along; medians.
 //   fsdpp_expert_swiglu_bench [--threads N] [--rounds R] [--rows ROWS_PER_EXPERT] [--experts E] [--hidden H]
 // (E 4 and H 192 by default: moe-small's experts; --experts 1 --hidden 384 is its dense layer)
 // Prints one line per way:
@@ -26,9 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdpp/base/host_memory.hpp"
-#include "fsdpp/models/kernels.hpp"
-#include "kept_malloc.hpp"
+#include "fsdpp/models/cpu/kernels.hpp"
 #include "options.hpp"
 
 using namespace fsdpp;
@@ -43,21 +40,23 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench::restart_with_kept_malloc_thresholds(argv, "expert_swiglu_bench");
-  fmt::print("host memory: {}\n", describe_malloc_thresholds(malloc_environment()));
   int64_t threads = 1, rounds = 15, rows = 1024, E = 4, H = 192;
-  if (!bench::parse_options(argc, argv, "expert_swiglu_bench",
-                            {{"threads", &threads}, {"rounds", &rounds}, {"rows", &rows}, {"experts", &E}, {"hidden", &H}}))
+  if (!bench::parse_options(
+          argc, argv, "expert_swiglu_bench",
+          {{"threads", &threads}, {"rounds", &rounds}, {"rows", &rows}, {"experts", &E}, {"hidden", &H}}))
     return 2;
   if (threads < 1 || rounds < 1 || rows < 1 || E < 1 || H < 1) {
-    fmt::print(stderr, "expert_swiglu_bench: --threads, --rounds, --rows, --experts and --hidden must be at least 1\n");
+    fmt::print(
+        stderr,
+        "expert_swiglu_bench: --threads, --rounds, --rows, --experts and --hidden must be at least 1\n");
     return 2;
   }
   at::set_num_threads(int(threads));
   const int64_t D = 128;  // moe-small's dim
   at::manual_seed(0);
   const auto x = (at::randn({E * rows, D}) * 0.5).requires_grad_(), dy = at::randn({E * rows, D}) * 0.1;
-  const auto w1 = (at::randn({E, H, D}) * 0.1).requires_grad_(), w3 = (at::randn({E, H, D}) * 0.1).requires_grad_(),
+  const auto w1 = (at::randn({E, H, D}) * 0.1).requires_grad_(),
+             w3 = (at::randn({E, H, D}) * 0.1).requires_grad_(),
              w2 = (at::randn({E, D, H}) * 0.1).requires_grad_();
   const auto ends = (at::arange(1, E + 1, at::kLong) * rows).to(at::kInt);
   std::vector<char> junk(64 << 20);
@@ -69,16 +68,22 @@ int main(int argc, char** argv) {
     std::vector<double> fwd, bwd;
   };
   std::vector<Way> ways;
-  ways.push_back({"composition", [&] { return models::expert_swiglu_reference(x, w1, w3, w2, ends); }, {}, {}});
+  ways.push_back(
+      {"composition", [&] { return models::expert_swiglu_reference(x, w1, w3, w2, ends); }, {}, {}});
   if (E == 1)
-    ways.push_back({"dense", [&] {
-                      return at::linear(models::swiglu(at::linear(x, w1[0]), at::linear(x, w3[0])), w2[0]);
-                    }, {}, {}});
+    ways.push_back(
+        {"dense",
+         [&] { return at::linear(models::swiglu(at::linear(x, w1[0]), at::linear(x, w3[0])), w2[0]); },
+         {},
+         {}});
   // Chunk sizes up to the rows per expert, the last the whole expert (once, where the rows are one
   // of the sizes before it).
   for (const int64_t c : {int64_t(64), int64_t(128), int64_t(256), int64_t(512), rows})
     if (c < rows || (c == rows && ways.back().name != fmt::format("kernel-{}", c)))
-      ways.push_back({fmt::format("kernel-{}", c), [&, c] { return models::expert_swiglu(x, w1, w3, w2, ends, c); }, {}, {}});
+      ways.push_back({fmt::format("kernel-{}", c),
+                      [&, c] { return models::expert_swiglu(x, w1, w3, w2, ends, c); },
+                      {},
+                      {}});
 
   using Clock = std::chrono::steady_clock;
   const auto ms = [](Clock::time_point a, Clock::time_point b) {
@@ -105,8 +110,9 @@ int main(int argc, char** argv) {
     std::vector<double> ratio;
     for (int64_t r = 0; r < rounds; ++r) ratio.push_back((base.fwd[r] + base.bwd[r]) / (w.fwd[r] + w.bwd[r]));
     const double f = median(w.fwd), b = median(w.bwd);
-    fmt::print("RESULT expert_swiglu rows={} threads={} way={} forward_ms={:.3f} backward_ms={:.3f} total_ms={:.3f} "
-               "speedup={:.3f}\n",
-               rows, threads, w.name, f, b, f + b, median(ratio));
+    fmt::print(
+        "RESULT expert_swiglu rows={} threads={} way={} forward_ms={:.3f} backward_ms={:.3f} total_ms={:.3f} "
+        "speedup={:.3f}\n",
+        rows, threads, w.name, f, b, f + b, median(ratio));
   }
 }

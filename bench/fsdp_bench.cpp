@@ -55,20 +55,28 @@ Args parse(int argc, char** argv) {
   for (int i = 2; i < argc; ++i) {
     const std::string s = argv[i];
     auto next = [&] { return i + 1 < argc ? std::atoll(argv[++i]) : 0; };
-    if (s == "--sharded") a.sharded = true;
-    else if (s == "--unsharded") a.sharded = false;
-    else if (s == "--no-overlap") a.overlap = false;
-    else if (s == "--no-reshard") a.reshard = false;
+    if (s == "--sharded")
+      a.sharded = true;
+    else if (s == "--unsharded")
+      a.sharded = false;
+    else if (s == "--no-overlap")
+      a.overlap = false;
+    else if (s == "--no-reshard")
+      a.reshard = false;
     else if (s == "--only" && i + 1 < argc) {
       a.only = argv[++i];
       if (a.only != "plain" && a.only != "sharded" && a.only != "ops")
         throw std::invalid_argument("fsdp_bench: --only takes plain, sharded or ops, not " + a.only);
-    }
-    else if (s == "--threads") a.threads = static_cast<int>(next());
-    else if (s == "--steps") a.steps = static_cast<int>(next());
-    else if (s == "--rounds") a.rounds = std::max(1, static_cast<int>(next()));
-    else if (s == "--batch") a.batch = next();
-    else throw std::invalid_argument("fsdp_bench: unknown argument " + s);
+    } else if (s == "--threads")
+      a.threads = static_cast<int>(next());
+    else if (s == "--steps")
+      a.steps = static_cast<int>(next());
+    else if (s == "--rounds")
+      a.rounds = std::max(1, static_cast<int>(next()));
+    else if (s == "--batch")
+      a.batch = next();
+    else
+      throw std::invalid_argument("fsdp_bench: unknown argument " + s);
   }
   return a;
 }
@@ -114,10 +122,11 @@ int throughput(const Args& a) {
   if (a.sharded) comm.barrier().wait();
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   if (rank == 0)
-    std::cout << fmt::format("RESULT throughput {} dp={} threads/rank={} overlap={} reshard_after_forward={} "
-                             "tokens/s={:.0f} step_ms={:.1f}\n",
-                             a.sharded ? "fsdpp" : "unsharded", dp, a.threads, a.overlap, a.reshard,
-                             a.batch * cfg.seq * a.steps / secs, secs / a.steps * 1e3);
+    std::cout << fmt::format(
+        "RESULT throughput {} dp={} threads/rank={} overlap={} reshard_after_forward={} "
+        "tokens/s={:.0f} step_ms={:.1f}\n",
+        a.sharded ? "fsdpp" : "unsharded", dp, a.threads, a.overlap, a.reshard,
+        a.batch * cfg.seq * a.steps / secs, secs / a.steps * 1e3);
   return 0;
 }
 
@@ -259,18 +268,21 @@ int unit_cost(const Args& a) {
   std::vector<double> tp, ts, d_wall, d_cpu;
   for (int r = 0; r < a.rounds; ++r) {
     std::pair<double, double> p, s;
-    if (r % 2 == 0) p = timed(plain_step), s = timed(sharded_step);
-    else s = timed(sharded_step), p = timed(plain_step);
+    if (r % 2 == 0)
+      p = timed(plain_step), s = timed(sharded_step);
+    else
+      s = timed(sharded_step), p = timed(plain_step);
     tp.push_back(p.first);
     ts.push_back(s.first);
     d_wall.push_back((s.first - p.first) / 200);
     d_cpu.push_back((s.second - p.second) / 200);
   }
   if (comm.rank() == 0)
-    std::cout << fmt::format("RESULT unit-cost units=200 world={} rounds={} plain_step_us={:.0f} sharded_step_us={:.0f} "
-                             "us_per_unit_per_step={:.1f} cpu_us_per_unit_per_step={:.1f} min_us_per_unit_per_step={:.1f}\n",
-                             comm.size(), a.rounds, median(tp) * 1e6, median(ts) * 1e6, median(d_wall) * 1e6,
-                             median(d_cpu) * 1e6, (*std::min_element(ts.begin(), ts.end()) - *std::min_element(tp.begin(), tp.end())) / 200 * 1e6);
+    std::cout << fmt::format(
+        "RESULT unit-cost units=200 world={} rounds={} plain_step_us={:.0f} sharded_step_us={:.0f} "
+        "us_per_unit_per_step={:.1f} cpu_us_per_unit_per_step={:.1f} min_us_per_unit_per_step={:.1f}\n",
+        comm.size(), a.rounds, median(tp) * 1e6, median(ts) * 1e6, median(d_wall) * 1e6, median(d_cpu) * 1e6,
+        (*std::min_element(ts.begin(), ts.end()) - *std::min_element(tp.begin(), tp.end())) / 200 * 1e6);
   return 0;
 }
 
@@ -280,7 +292,8 @@ int adamw(const Args& a) {
   at::set_num_threads(a.threads);
   const std::string path = "configs/moe-small.json";
   std::ifstream in(path);
-  if (!in) throw std::runtime_error("fsdp_bench adamw: cannot read " + path + " (run from the repository root)");
+  if (!in)
+    throw std::runtime_error("fsdp_bench adamw: cannot read " + path + " (run from the repository root)");
   const auto cfg = train::parse_model_config(nlohmann::json::parse(in), path);
   at::manual_seed(0);
   models::MoETransformer net(cfg);
@@ -310,7 +323,8 @@ int adamw(const Args& a) {
   nd->weight_decay(0);
   groups.emplace_back(sides[2].no_decay, std::move(nd));
   torch::optim::AdamW libtorch(std::move(groups), lo);
-  const std::function<void()> steps[3] = {[&] { fused.step(); }, [&] { expression.step(); }, [&] { libtorch.step(); }};
+  const std::function<void()> steps[3] = {[&] { fused.step(); }, [&] { expression.step(); },
+                                          [&] { libtorch.step(); }};
   for (auto& s : steps) s();  // state allocated, pages touched
   std::vector<double> ms[3];
   for (int r = 0; r < a.rounds; ++r)
@@ -320,10 +334,11 @@ int adamw(const Args& a) {
       for (int i = 0; i < a.steps; ++i) steps[side]();
       ms[side].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / a.steps);
     }
-  std::cout << fmt::format("RESULT adamw params={} tensors={} threads={} rounds={} steps={} fused_ms={:.2f} "
-                           "expression_ms={:.2f} libtorch_ms={:.2f}\n",
-                           numel, sides[0].decay.size() + sides[0].no_decay.size(), a.threads, a.rounds, a.steps,
-                           median(ms[0]), median(ms[1]), median(ms[2]));
+  std::cout << fmt::format(
+      "RESULT adamw params={} tensors={} threads={} rounds={} steps={} fused_ms={:.2f} "
+      "expression_ms={:.2f} libtorch_ms={:.2f}\n",
+      numel, sides[0].decay.size() + sides[0].no_decay.size(), a.threads, a.rounds, a.steps, median(ms[0]),
+      median(ms[1]), median(ms[2]));
   return 0;
 }
 

@@ -32,8 +32,9 @@ struct Interleaved {
 };
 
 // Two warm-up calls per way, then `rounds` rounds.
-inline Interleaved interleave(const std::vector<std::string>& order, const std::function<void(const std::string&)>& call,
-                              int rounds, int per_round) {
+inline Interleaved interleave(const std::vector<std::string>& order,
+                              const std::function<void(const std::string&)>& call, int rounds,
+                              int per_round) {
   using Clock = std::chrono::steady_clock;
   for (const auto& w : order) call(w), call(w);
   Interleaved out;

@@ -1,4 +1,4 @@
-// The model's elementwise kernels (models/kernels.hpp) against the ATen compositions they stand
+// The model's elementwise kernels (models/cpu/kernels.hpp) against the ATen compositions they stand
 // for, forward and backward, at moe-small's shapes (one dp 1 step's 32 x 128 tokens; the dense
 // SwiGLU's hidden 384), side by side (interleaved rounds, medians), one thread unless --threads:
 //   rms_norm-aten, rms_norm-fused   [rows, 128], weight [128]
@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdpp/models/kernels.hpp"
+#include "fsdpp/models/cpu/kernels.hpp"
 #include "interleaved.hpp"
 #include "options.hpp"
 
@@ -35,8 +35,9 @@ using namespace fsdpp;
 
 int main(int argc, char** argv) {
   int64_t threads = 1, rounds = 7, rows = 32 * 128, bf16_flag = 0;
-  if (!bench::parse_options(argc, argv, "kernels_bench",
-                            {{"threads", &threads}, {"rounds", &rounds}, {"rows", &rows}, {"bf16", &bf16_flag}}))
+  if (!bench::parse_options(
+          argc, argv, "kernels_bench",
+          {{"threads", &threads}, {"rounds", &rounds}, {"rows", &rows}, {"bf16", &bf16_flag}}))
     return 2;
   const bool bf16 = bf16_flag != 0;
   at::set_num_threads(int(threads));
@@ -46,7 +47,8 @@ int main(int argc, char** argv) {
   const auto x = at::randn({rows, dim}).to(dtype).requires_grad_();
   const auto w = (1 + 0.1 * at::randn({dim})).requires_grad_();
   const auto r = at::randn({rows, dim}).to(dtype).requires_grad_(), gs = at::randn({rows, dim}).to(dtype);
-  const auto a = at::randn({rows, hidden}).to(dtype).requires_grad_(), b = at::randn({rows, hidden}).to(dtype).requires_grad_();
+  const auto a = at::randn({rows, hidden}).to(dtype).requires_grad_(),
+             b = at::randn({rows, hidden}).to(dtype).requires_grad_();
   const auto gx = at::randn({rows, dim}).to(dtype), gh = at::randn({rows, hidden}).to(dtype);
   auto residual_backward = [&](const at::Tensor& sum, const at::Tensor& y) {
     torch::autograd::backward({sum, y}, {gs, gx});
@@ -57,7 +59,8 @@ int main(int argc, char** argv) {
   const auto qkv = at::randn({batch, seq, 3, heads, hd}).to(dtype).requires_grad_();
   const auto [cos, sin] = models::rotary_tables(seq, hd, 10000.0, at::TensorOptions().dtype(dtype));
   std::vector<at::Tensor> gqkv;
-  for (int i = 0; i < 3; ++i) gqkv.push_back(at::randn({batch, seq, heads, hd}).to(dtype).permute({0, 2, 1, 3}));
+  for (int i = 0; i < 3; ++i)
+    gqkv.push_back(at::randn({batch, seq, heads, hd}).to(dtype).permute({0, 2, 1, 3}));
   auto rotary_backward = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     torch::autograd::backward({q, k, v}, gqkv);
   };
@@ -90,8 +93,8 @@ int main(int argc, char** argv) {
       {"rotary-aten",
        [&] {
          const auto parts = qkv.permute({2, 0, 3, 1, 4});
-         rotary_backward(models::rotary_reference(parts[0], cos, sin), models::rotary_reference(parts[1], cos, sin),
-                         parts[2]);
+         rotary_backward(models::rotary_reference(parts[0], cos, sin),
+                         models::rotary_reference(parts[1], cos, sin), parts[2]);
        }},
       {"rotary-fused",
        [&] {
@@ -115,18 +118,21 @@ int main(int argc, char** argv) {
          models::combine_rows(models::dispatch_rows(xm, o), wm, o).backward(gm);
        }},
   };
-  const std::vector<std::string> order = {"rms_norm-aten", "rms_norm-fused", "residual-aten", "residual-fused",
-                                          "swiglu-aten",   "swiglu-fused",   "rotary-aten",   "rotary-fused",
-                                          "router-aten",   "router-fused",   "moe_rows-aten", "moe_rows-fused"};
+  const std::vector<std::string> order = {"rms_norm-aten",  "rms_norm-fused", "residual-aten",
+                                          "residual-fused", "swiglu-aten",    "swiglu-fused",
+                                          "rotary-aten",    "rotary-fused",   "router-aten",
+                                          "router-fused",   "moe_rows-aten",  "moe_rows-fused"};
   auto call = [&](const std::string& way) {
-    for (const auto* t : {&x, &w, &r, &a, &b, &qkv, &xm, &wm, &logits}) const_cast<at::Tensor&>(*t).mutable_grad() = at::Tensor();
+    for (const auto* t : {&x, &w, &r, &a, &b, &qkv, &xm, &wm, &logits})
+      const_cast<at::Tensor&>(*t).mutable_grad() = at::Tensor();
     ways[way]();
   };
   const auto t = bench::interleave(order, call, int(rounds), /*per_round=*/10);
   for (const auto& way : order) {
     const auto kernel = way.substr(0, way.find('-'));
-    fmt::print("RESULT kernels way={} rows={} dtype={} threads={} fwd_bwd_ms={:.3f} speedup_over_aten={:.2f}\n", way, rows,
-               bf16 ? "bfloat16" : "float32", threads, t.median_ms(way), t.ratio(kernel + "-aten", way));
+    fmt::print(
+        "RESULT kernels way={} rows={} dtype={} threads={} fwd_bwd_ms={:.3f} speedup_over_aten={:.2f}\n", way,
+        rows, bf16 ? "bfloat16" : "float32", threads, t.median_ms(way), t.ratio(kernel + "-aten", way));
   }
   return 0;
 }

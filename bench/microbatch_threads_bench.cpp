@@ -3,14 +3,12 @@
 //   sequential  one microbatch after the other, every operator on 2 intra-op threads: what
 //               `fsdpp run recipes/moe-small.json parallel.dp=1` does by default.
 //   concurrent  both at once, one on each of two threads, every operator on 1 thread (what
-//               parallel.microbatch_threads=2 does, there on the gathered parameters). The second
+//               cpu.microbatch_threads=2 does, there on the gathered parameters). The second
 //               thread runs a second copy of the model whose parameters share the first copy's
 //               storage (its own gradients and router statistics, so the threads write nothing in
 //               common); its gradients are then added into the first copy's, which completes the step.
 // The gradients of the two ways are compared too (largest difference relative to the largest
 // gradient): the same sums, possibly rounded differently since the products run on other thread counts.
-// Malloc keeps freed memory as `fsdpp run` has its ranks keep it (dist.keep_freed_memory): the
-// bench starts itself again with those thresholds unless the environment sets its own.
 //   fsdpp_microbatch_threads_bench [--rounds R] [--per-round K] [--micro-batch B] [--seq T] [--config F]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,11 +23,9 @@
 #include <thread>
 #include <vector>
 
-#include "fsdpp/base/host_memory.hpp"
 #include "fsdpp/models/moe.hpp"
 #include "fsdpp/train/recipe.hpp"
 #include "interleaved.hpp"
-#include "kept_malloc.hpp"
 
 using namespace fsdpp;
 
@@ -42,25 +38,29 @@ void forward_backward(models::MoETransformerImpl& model, const at::Tensor& x, co
 
 std::vector<at::Tensor> grads(models::MoETransformerImpl& model) {
   std::vector<at::Tensor> g;
-  for (const auto& p : model.parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
+  for (const auto& p : model.parameters())
+    g.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
   return g;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench::restart_with_kept_malloc_thresholds(argv, "microbatch_threads_bench");
-  fmt::print("host memory: {}\n", describe_malloc_thresholds(malloc_environment()));
   int rounds = 7, per_round = 5;
   int64_t micro_batch = 16, seq = 128;
   std::string config_path = "configs/moe-small.json";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--rounds") rounds = std::atoi(v.c_str());
-    else if (a == "--per-round") per_round = std::atoi(v.c_str());
-    else if (a == "--micro-batch") micro_batch = std::atol(v.c_str());
-    else if (a == "--seq") seq = std::atol(v.c_str());
-    else if (a == "--config") config_path = v;
+    if (a == "--rounds")
+      rounds = std::atoi(v.c_str());
+    else if (a == "--per-round")
+      per_round = std::atoi(v.c_str());
+    else if (a == "--micro-batch")
+      micro_batch = std::atol(v.c_str());
+    else if (a == "--seq")
+      seq = std::atol(v.c_str());
+    else if (a == "--config")
+      config_path = v;
     else {
       fmt::print(stderr, "microbatch_threads_bench: unknown option {}\n", a);
       return 2;
@@ -68,7 +68,8 @@ int main(int argc, char** argv) {
   }
   std::ifstream file(config_path);
   if (!file) {
-    fmt::print(stderr, "microbatch_threads_bench: cannot read {} (run from the repository root or give --config)\n",
+    fmt::print(stderr,
+               "microbatch_threads_bench: cannot read {} (run from the repository root or give --config)\n",
                config_path);
     return 2;
   }
@@ -112,8 +113,10 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < a.size(); ++i) {
       const auto& gb = b[i].grad();
       if (!gb.defined()) continue;  // a parameter the second microbatch did not reach
-      if (a[i].grad().defined()) a[i].mutable_grad().add_(gb);
-      else a[i].mutable_grad() = gb.clone();
+      if (a[i].grad().defined())
+        a[i].mutable_grad().add_(gb);
+      else
+        a[i].mutable_grad() = gb.clone();
     }
   };
 
@@ -128,17 +131,18 @@ int main(int argc, char** argv) {
   }
 
   const auto t = bench::interleave(
-      {"sequential", "concurrent"}, [&](const std::string& w) { w == "sequential" ? sequential() : concurrent(); },
-      rounds, per_round);
+      {"sequential", "concurrent"},
+      [&](const std::string& w) { w == "sequential" ? sequential() : concurrent(); }, rounds, per_round);
   const double tokens = double(2 * micro_batch * seq);
   for (const auto& w : {"sequential", "concurrent"}) {
     std::string each;
     for (double ms : t.ms.at(w)) each += fmt::format(" {:.1f}", ms);
-    fmt::print("{}: {:.1f} ms per step's forward and backward ({:.0f} tokens/s); rounds:{}\n", w, t.median_ms(w),
-               tokens / t.median_ms(w) * 1e3, each);
+    fmt::print("{}: {:.1f} ms per step's forward and backward ({:.0f} tokens/s); rounds:{}\n", w,
+               t.median_ms(w), tokens / t.median_ms(w) * 1e3, each);
   }
-  fmt::print("RESULT microbatch-threads rounds={} tokens_per_step={:.0f} sequential_ms={:.1f} concurrent_ms={:.1f} "
-             "speedup={:.3f} grad_max_rel_diff={:.1e}\n",
-             rounds, tokens, t.median_ms("sequential"), t.median_ms("concurrent"), t.ratio("sequential", "concurrent"),
-             scale > 0 ? diff / scale : diff);
+  fmt::print(
+      "RESULT microbatch-threads rounds={} tokens_per_step={:.0f} sequential_ms={:.1f} concurrent_ms={:.1f} "
+      "speedup={:.3f} grad_max_rel_diff={:.1e}\n",
+      rounds, tokens, t.median_ms("sequential"), t.median_ms("concurrent"),
+      t.ratio("sequential", "concurrent"), scale > 0 ? diff / scale : diff);
 }

@@ -19,7 +19,7 @@ meets operands written long before. With attention's two products counted at the
 gives the most tokens/s that one thread per core can reach on these kernels, every other operation
 free. Prints, for each
 NAME=TOKENS_PER_S, the GFLOP/s that rate implies and what fraction of the cores' matrix-multiply
-speed it is. Run it with libfsdpp.so preloaded on a non-Intel CPU so that MKL uses the same
+speed it is. Run it with libfsdpp_mkl_kernels.so preloaded on a non-Intel CPU so that MKL uses the same
 kernels as fsdpp (bench/run_dp1_flops.sh does).
 """
 import json

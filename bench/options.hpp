@@ -11,7 +11,8 @@ namespace fsdpp::bench {
 
 // Sets *options.at(name) from each `--name value` pair of argv. False, having said on stderr what is
 // wrong, for a name not in `options`, a name without a value, or a value that is not an integer.
-inline bool parse_options(int argc, char** argv, const char* program, const std::map<std::string, int64_t*>& options) {
+inline bool parse_options(int argc, char** argv, const char* program,
+                          const std::map<std::string, int64_t*>& options) {
   for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
     const auto it = a.rfind("--", 0) == 0 ? options.find(a.substr(2)) : options.end();

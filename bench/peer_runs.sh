@@ -1,12 +1,15 @@
 # Sourced by the scripts that put fsdpp beside PyTorch (bench/run_pytorch_bench.sh,
-# bench/run_pytorch_bf16_bench.sh), once fsdpp, python and work are set: each run of fsdpp_run and
-# torch_run appends "NAME TOKENS_PER_S" to $results, measured over `steps` steps after `warmup`;
-# `peer` runs bench/torch_peer.py.
+# bench/run_pytorch_bf16_bench.sh), once build, fsdpp, python and work are set: each run of
+# fsdpp_run and torch_run appends "NAME TOKENS_PER_S" to $results, measured over `steps` steps after
+# `warmup`; `peer` runs bench/torch_peer.py, `$same $peer` on fsdpp's kernels.
 warmup=5
 steps=20
 results=$work/results.txt
 : > "$results"
 peer="$python bench/torch_peer.py"
+# PyTorch on the kernels fsdpp's command line runs: libfsdpp_mkl_kernels.so preloaded makes MKL
+# choose for PyTorch as it does for `fsdpp run` (Note [MKL's kernels on other vendors' CPUs]).
+same="env LD_PRELOAD=$(realpath "$build/libfsdpp_mkl_kernels.so")"
 
 # fsdpp: tokens/s over steps warmup+1 .. warmup+steps, from the run's metrics (time_s at both ends).
 fsdpp_run() {

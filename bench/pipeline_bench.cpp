@@ -54,7 +54,10 @@ int main(int argc, char** argv) {
   auto comm = comm::init_from_env();
   const int pp = comm.size();
   auto schedule = make_schedule(name);
-  const int v = (name == "ZBVZeroBubble" || name == "DualPipeV" || name == "Interleaved1F1B" || name == "LoopedBFS") ? 2 : 1;
+  const int v =
+      (name == "ZBVZeroBubble" || name == "DualPipeV" || name == "Interleaved1F1B" || name == "LoopedBFS")
+          ? 2
+          : 1;
   const ScheduleSpec spec{.pp = pp, .stages_per_rank = v, .microbatches = m};
   const auto plan = make_plan(*schedule, spec);
   std::vector<at::Tensor> weights(spec.num_stages());
@@ -76,7 +79,8 @@ int main(int argc, char** argv) {
   const double step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double measured = 1 - g_busy / step;
   if (std::getenv("FSDPP_BENCH_VERBOSE"))
-    std::cerr << fmt::format("rank {} step {:.1f} ms busy {:.1f} ms\n", comm.rank(), step * 1e3, g_busy * 1e3);
+    std::cerr << fmt::format("rank {} step {:.1f} ms busy {:.1f} ms\n", comm.rank(), step * 1e3,
+                             g_busy * 1e3);
   Costs costs{1, 2, 1, 1, 0};
   costs.first_stage_skips_input_grad = true;  // as the executor does (stage 0's input needs no gradient)
   const auto sim = simulate(plan.lowered, plan.owner, costs);

@@ -28,7 +28,8 @@ std::optional<Action> computation(const std::string& name) {
   try {
     const auto a = parse_action(name);
     using T = ActionType;
-    if (a.type == T::kForward || a.type == T::kBackward || a.type == T::kBackwardInput || a.type == T::kBackwardWeight)
+    if (a.type == T::kForward || a.type == T::kBackward || a.type == T::kBackwardInput ||
+        a.type == T::kBackwardWeight)
       return a;
   } catch (const std::exception&) {
   }
@@ -48,24 +49,31 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const ScheduleSpec spec{.pp = std::stoi(argv[3]), .stages_per_rank = std::stoi(argv[4]), .microbatches = std::stoi(argv[5])};
+    const ScheduleSpec spec{
+        .pp = std::stoi(argv[3]), .stages_per_rank = std::stoi(argv[4]), .microbatches = std::stoi(argv[5])};
     const auto plan = make_plan(*make_schedule(argv[2]), spec, {.fsdp_stages = true});
     std::ifstream in(argv[1]);
     if (!in) throw std::runtime_error(fmt::format("cannot read {}", argv[1]));
     const auto trace = json::parse(in);
 
-    struct Span { double begin, end; std::string name; };
+    struct Span {
+      double begin, end;
+      std::string name;
+    };
     std::map<int, std::vector<Span>> steps, computes;  // by rank
     for (const auto& e : trace.at("traceEvents")) {
       if (e.value("ph", "") != "X" || e.value("cat", "") != "compute") continue;
       const double ts = e.at("ts"), dur = e.at("dur");
       const std::string name = e.at("name");
       const int rank = e.at("pid");
-      if (name == "pipeline step") steps[rank].push_back({ts, ts + dur, name});
-      else if (computation(name)) computes[rank].push_back({ts, ts + dur, name});
+      if (name == "pipeline step")
+        steps[rank].push_back({ts, ts + dur, name});
+      else if (computation(name))
+        computes[rank].push_back({ts, ts + dur, name});
     }
     if (steps.size() != static_cast<size_t>(spec.pp))
-      throw std::runtime_error(fmt::format("{}: pipeline steps traced on {} ranks, expected {}", argv[1], steps.size(), spec.pp));
+      throw std::runtime_error(
+          fmt::format("{}: pipeline steps traced on {} ranks, expected {}", argv[1], steps.size(), spec.pp));
 
     Costs costs;
     std::map<std::pair<int, ActionType>, std::vector<double>> durations;
@@ -95,12 +103,14 @@ int main(int argc, char** argv) {
       std::cout << fmt::format(" {}{}={:.1f}", key.first, type_token(key.second), ms);
     std::cout << "\n";
     for (int r = 0; r < spec.pp; ++r)
-      std::cout << fmt::format("RESULT rank={} measured_bubble={:.3f} simulated_bubble={:.3f} measured_step_ms={:.1f} "
-                               "simulated_step_ms={:.1f}\n",
-                               r, measured_bubble[r], sim.bubble[r], step_ms[r], sim.makespan);
+      std::cout << fmt::format(
+          "RESULT rank={} measured_bubble={:.3f} simulated_bubble={:.3f} measured_step_ms={:.1f} "
+          "simulated_step_ms={:.1f}\n",
+          r, measured_bubble[r], sim.bubble[r], step_ms[r], sim.makespan);
     double mean_measured = 0;
     for (double b : measured_bubble) mean_measured += b / spec.pp;
-    std::cout << fmt::format("RESULT mean measured_bubble={:.3f} simulated_bubble={:.3f}\n", mean_measured, sim.mean_bubble());
+    std::cout << fmt::format("RESULT mean measured_bubble={:.3f} simulated_bubble={:.3f}\n", mean_measured,
+                             sim.mean_bubble());
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "fsdpp_pipeline_trace_bubble: " << e.what() << "\n";

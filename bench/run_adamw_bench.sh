@@ -7,8 +7,8 @@
 # Runs with the machine's OPENBLAS_* settings as they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source bench/cpuinfo.sh
 build=${1:-build}
+source bench/preamble.sh
 rounds=${2:-15}
 out=bench/results/adamw.md
 lines=$(for t in 2 1; do "$build/bench/fsdpp_fsdp_bench" adamw --threads "$t" --rounds "$rounds" --steps 10 | grep '^RESULT'; done)

@@ -5,10 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 rounds=${2:-7}
 out=bench/results/attention.md
-source bench/cpuinfo.sh
-cpu=$(cpuinfo 'model name')
 {
   echo "# The attention core: composed, scaled_dot_product_attention, fsdpp's kernels"
   echo

@@ -4,7 +4,7 @@
 # shared machine falls on both. Tokens/s over the steps after the warm-up, from each run's metrics,
 # and the loss logged at the last step (the same for both where the change keeps the bits). Each
 # CONFIG is one set of overrides for `fsdpp run`, space-separated in one argument (e.g.
-# "parallel.dp=1 parallel.microbatch_threads=2"; "" for the recipe as it is); each round runs
+# "parallel.dp=1 cpu.microbatch_threads=2"; "" for the recipe as it is); each round runs
 # every one.
 #   bash bench/run_build_ab.sh NAME [rounds] before=dir after=dir CONFIG [CONFIG ...]
 # Each dir holds a build's libfsdpp.so and libfsdpp_gloo.so (copied from its tree); the fsdpp CLI of

@@ -9,11 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 rounds=${2:-2}
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 out=bench/results/activation_checkpointing.md
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 for r in $(seq "$rounds"); do
   for ac in none 2 full; do
     d=$work/$ac-$r

@@ -8,12 +8,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 max_mib=${2:-64}
 rounds=${3:-5}
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 out=bench/results/comm_bandwidth.md
-rows=$(mktemp)
-trap 'rm -f "$rows"' EXIT
+rows=$work/rows
 
 for n in 2 4; do
   for dtype in float32 bfloat16; do

@@ -17,12 +17,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 rounds=${2:-2}
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 out=bench/results/data.md
 tok=recipes/tokenizers/fortunes-bpe-2048.model
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 
 # ---- 1. tokenize throughput
 mkdir -p "$work/text"

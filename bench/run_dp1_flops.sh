@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The FLOP/s that dp 1 training rates imply for moe-small's model, against one core's float32
-# matrix-multiply speed on this machine (bench/model_flops.py; libfsdpp.so preloaded so that MKL
+# matrix-multiply speed on this machine (bench/model_flops.py; libfsdpp_mkl_kernels.so preloaded so that MKL
 # runs the kernels fsdpp's products run, on any vendor's CPU). The rates are given as NAME=TOKENS_PER_S,
 # for example the medians of bench/results/pytorch.md. Writes bench/results/dp1_flops.md, or the
 # file given by FSDPP_FLOPS_OUT. Runs with the machine's OPENBLAS_* settings as they are.
@@ -8,14 +8,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 shift || true
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 out=${FSDPP_FLOPS_OUT:-bench/results/dp1_flops.md}
-source bench/cpuinfo.sh
-cpu=$(cpuinfo 'model name')
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-LD_PRELOAD=$(realpath "$build/libfsdpp.so") "$python" bench/model_flops.py configs/moe-small.json 128 "$@" | tee "$log"
+log=$work/log
+LD_PRELOAD=$(realpath "$build/libfsdpp_mkl_kernels.so") "$python" bench/model_flops.py configs/moe-small.json 128 "$@" | tee "$log"
 "$python" - "$log" "$build" "$cpu" "$(nproc)" "$*" > "$out.tmp" <<'PY'
 import datetime, re, sys
 log, build, cpu, cores, args = sys.argv[1:6]

@@ -7,7 +7,7 @@
 # time of the traced steps alone is split into computing, fsdpp's collectives and the kernel; what
 # is left of 2 CPUs over those steps is time no thread of the run was running. Needs perf (Debian's
 # linux-perf). Writes bench/results/dp2_profile.md, or the file given third; recipe overrides after it
-# apply to the dp 2 runs (another placement: dist.compute_policy=idle dist.compute_nice=0, say).
+# apply to the dp 2 runs (parallel.reshard_after_forward=true, say).
 #   bash bench/run_dp2_profile.sh [build-dir] [rounds] [output] [override...]
 # Runs with the machine's OPENBLAS_* settings as they are.
 set -euo pipefail
@@ -36,7 +36,7 @@ run_way() {
     "${rec[@]}" bash -c '
       for r in 0 1; do
         OMP_NUM_THREADS=1 "$1" run recipes/moe-small.json parallel.dp=1 train.global_batch=16 "${@:3}" \
-          dist.cpu_binding=none dist.compute_nice=0 dist.cpu_rotation_ms=0 logging.output_dir="$2-$r" > "$2-$r.log" 2>&1 &
+          logging.output_dir="$2-$r" > "$2-$r.log" 2>&1 &
       done
       for p in $(jobs -p); do wait "$p" || exit 1; done' _ "$fsdpp" "$d" "${args[@]}" > "$d.log" 2>&1 ||
       { cat "$d.log" "$d"-*.log; exit 1; }

@@ -11,11 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 rounds=${2:-3}
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 out=bench/results/expert_parallel.md
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 common=(parallel.dp=4 eval.interval=0 eval.batches=1 checkpoint.enabled=false logging.interval=1 logging.plot=false)
 for r in $(seq "$rounds"); do
   for ep in 1 2 4; do

@@ -7,10 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 rounds=${2:-30}
 out=bench/results/expert_swiglu_kernel.md
-source bench/cpuinfo.sh
-cpu=$(cpuinfo 'model name')
 {
   echo "# The experts' SwiGLU: the composition against one kernel, expert after expert in chunks of rows"
   echo
@@ -18,12 +17,11 @@ cpu=$(cpuinfo 'model name')
   echo
   echo "One MoE layer's experts at moe-small's shapes (4 experts, dim 128, expert_hidden 192, every"
   echo "expert given the same rows), forward and backward, the caches cleared (64 MB written, untimed)"
-  echo "before each, as a training step meets its operands, malloc's thresholds as \`fsdpp run\` sets them"
-  echo "(the bench starts itself again with them, \`bench/kept_malloc.hpp\`); the ways alternate within each of $rounds"
+  echo "before each, as a training step meets its operands; the ways alternate within each of $rounds"
   echo "rounds; medians, and the median of the per-round ratios. \`composition\` is"
   echo "\`models::expert_swiglu_reference\`, what the model ran before the kernel: \`models::grouped_linear\`"
   echo "(ATen's \`at::_grouped_mm\`) for w1, w3 and w2 and \`models::swiglu\`'s gate, under autograd."
-  echo "\`kernel-C\` is \`models::expert_swiglu\` with chunks of C rows (\`src/models/kernels.cpp\`; the"
+  echo "\`kernel-C\` is \`models::expert_swiglu\` with chunks of C rows (\`src/models/cpu/kernels.cpp\`; the"
   echo "model's is \`kExpertChunkRows\`, 128; C = the rows per expert takes each expert whole)."
   echo
   echo "| rows per expert | threads | way | forward ms | backward ms | total ms | speed-up over composition |"

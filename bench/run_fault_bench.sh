@@ -6,10 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 fuzz_runs=${2:-300000}
 out=bench/results/faults.md
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 recipe=recipes/tiny-synthetic.json
 
 timed() {  # timed NAME ENV... -- ARGS: runs fsdpp, prints "exit seconds"

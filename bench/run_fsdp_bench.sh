@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 steps=${2:-30}
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python  # PyTorch 2.15 for the DDP baseline
 bin=$build/bench/fsdpp_fsdp_bench
 launch="$build/fsdpp launch --no-prefix"
 out=bench/results/fsdp.md

@@ -6,10 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 rounds=${2:-7}
 out=bench/results/kernels.md
-source bench/cpuinfo.sh
-cpu=$(cpuinfo 'model name')
 {
   echo "# RMSNorm (alone and with the residual stream), SwiGLU's gate, the rotary embedding, the router and the MoE layer's rows: single-pass kernels against the ATen compositions"
   echo

@@ -7,7 +7,7 @@
 #   bash bench/run_knob_bench.sh NAME [rounds] KNOB ... 
 # KNOB: "label|A|B", A and B each a space-separated list of recipe overrides, of --flags for `fsdpp
 # run`, and of env:NAME=value entries for the ranks' environment (env:-NAME unsets NAME), e.g.
-#   "cpu_binding|dist.cpu_binding=none|dist.cpu_binding=compute"
+#   "microbatch threads (dp 1)|parallel.dp=1|parallel.dp=1 cpu.microbatch_threads=2"
 # FSDPP_KNOB_RECIPE picks the recipe (default recipes/moe-small.json); FSDPP_KNOB_STEPS the steps
 # timed (default 100, after 10 of warm-up). Runs with the machine's OPENBLAS_* settings as they are;
 # writes bench/results/NAME.md.

@@ -2,26 +2,23 @@
 # Whether a dp 1 step on 2 cores would gain from running its two microbatches at once, one per
 # thread, instead of one after the other on 2 intra-op threads (bench/microbatch_threads_bench.cpp:
 # moe-small's model, 2 microbatches of 16 x 128 tokens, forward and backward, gradients summed).
-# The bench keeps freed memory as `fsdpp run`'s ranks do by default (dist.keep_freed_memory,
-# include/fsdpp/base/host_memory.hpp). Runs with the machine's OPENBLAS_* settings as they are;
+# Runs with the machine's OPENBLAS_* settings as they are;
 # writes bench/results/microbatch_threads.md, or the file given third.
 #   bash bench/run_microbatch_threads_bench.sh [build-dir] [rounds] [output]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 rounds=${2:-21}
 out=${3:-bench/results/microbatch_threads.md}
-source bench/cpuinfo.sh
-cpu=$(cpuinfo 'model name')
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+log=$work/log
 "$build/bench/fsdpp_microbatch_threads_bench" --rounds "$rounds" --per-round 5 | tee "$log"
 grep -q '^RESULT microbatch-threads ' "$log" || { echo "the bench printed no result"; exit 1; }
 field() { grep '^RESULT' "$log" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
 {
   echo "# A dp 1 step's two microbatches: one after the other on 2 threads, or at once on one thread each"
   echo
-  echo "Command: \`bash bench/run_microbatch_threads_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores of $cpu, OPENBLAS_* as set by the machine, malloc: $(sed -n 's/^host memory: //p' "$log")."
+  echo "Command: \`bash bench/run_microbatch_threads_bench.sh $build $rounds\` ($(date +%F)), $(nproc) cores of $cpu, OPENBLAS_* as set by the machine."
   echo
   echo "moe-small's model, two microbatches of 16 x 128 tokens, forward and backward (no optimizer step),"
   echo "\`bench/microbatch_threads_bench.cpp\`. *sequential*: one microbatch after the other, every operator"
@@ -48,9 +45,9 @@ field() { grep '^RESULT' "$log" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
   done
   echo
   echo "\`fsdpp run\` takes the sequential way at dp 1 by default and the concurrent one with"
-  echo "\`parallel.microbatch_threads=2\`: it saves what the second intra-op thread spends waiting, and costs"
+  echo "\`cpu.microbatch_threads=2\`: it saves what the second intra-op thread spends waiting, and costs"
   echo "a second copy of the model's gradients and a second microbatch's activations held at once. Two"
   echo "threads each running its own half of the batch is also what dp 2 does, in two processes with one"
-  echo "thread each and the gradients summed by reduce-scatter (\`recipes/moe-small.json\`; bench/results/dp2_threads_intel.md)."
+  echo "thread each and the gradients summed by reduce-scatter (\`recipes/moe-small.json\`)."
 } > "$out"
 echo "wrote $out"

@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 unit=${2:-10}
 out=bench/results/pipeline_bubbles.md
 {

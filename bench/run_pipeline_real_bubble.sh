@@ -10,9 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 out=bench/results/pipeline_real_bubble.md
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 m=8
 {
   echo "# Pipeline bubbles with real compute, beside the simulator"

@@ -4,7 +4,7 @@
 # precision.param_dtype=bfloat16 (float32 reduction, parameters and optimizer), PyTorch with
 # fully_shard's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) at dp 2 and
 # torch.autocast("cpu", bfloat16) for DDP and eager (bench/torch_peer.py --dtype bfloat16); float32
-# runs of both beside them. Rounds alternate the implementations; each figure is the median over
+# runs of both beside them. PyTorch runs on the MKL kernels fsdpp runs (bench/peer_runs.sh). Rounds alternate the implementations; each figure is the median over
 # rounds, each ratio the median of the rounds' ratios. Writes bench/results/pytorch_bf16.md.
 #   bash bench/run_pytorch_bf16_bench.sh [build-dir] [rounds]
 # Runs with the machine's OPENBLAS_* settings as they are.
@@ -19,16 +19,16 @@ bf16=precision.param_dtype=bfloat16
 for round in $(seq "$rounds"); do
   echo "round $round of $rounds" >&2
   fsdpp_run fsdpp-dp2-bf16 recipes/moe-small.json $bf16
-  torch_run pytorch-fsdp-dp2-kept-bf16 "$fsdpp" launch --nproc 2 -- $peer train --mode fsdp --dtype bfloat16 \
+  torch_run pytorch-fsdp-dp2-kept-bf16 "$fsdpp" launch --nproc 2 -- $same $peer train --mode fsdp --dtype bfloat16 \
     --reshard-after-forward false --accum 2 --warmup $warmup --steps $steps
-  torch_run pytorch-ddp-dp2-bf16 "$fsdpp" launch --nproc 2 -- $peer train --mode ddp --dtype bfloat16 --accum 2 \
+  torch_run pytorch-ddp-dp2-bf16 "$fsdpp" launch --nproc 2 -- $same $peer train --mode ddp --dtype bfloat16 --accum 2 \
     --warmup $warmup --steps $steps
   fsdpp_run fsdpp-dp1-bf16 recipes/moe-small.json parallel.dp=1 $bf16
-  fsdpp_run fsdpp-dp1-threads-bf16 recipes/moe-small.json parallel.dp=1 parallel.microbatch_threads=2 $bf16
-  fsdpp_run fsdpp-dp1-threads recipes/moe-small.json parallel.dp=1 parallel.microbatch_threads=2
-  torch_run pytorch-eager-dp1-bf16 $peer train --mode eager --dtype bfloat16 --threads 2 --accum 2 --warmup $warmup \
+  fsdpp_run fsdpp-dp1-threads-bf16 recipes/moe-small.json parallel.dp=1 cpu.microbatch_threads=2 $bf16
+  fsdpp_run fsdpp-dp1-threads recipes/moe-small.json parallel.dp=1 cpu.microbatch_threads=2
+  torch_run pytorch-eager-dp1-bf16 $same $peer train --mode eager --dtype bfloat16 --threads 2 --accum 2 --warmup $warmup \
     --steps $steps
-  torch_run pytorch-eager-dp1 $peer train --mode eager --threads 2 --accum 2 --warmup $warmup --steps $steps
+  torch_run pytorch-eager-dp1 $same $peer train --mode eager --threads 2 --accum 2 --warmup $warmup --steps $steps
 done
 
 "$python" - "$results" "$build" "$rounds" "$cpu" > "$out.tmp" <<'PY'
@@ -43,8 +43,8 @@ LABELS = {
     "pytorch-fsdp-dp2-kept-bf16": "PyTorch `fully_shard` dp=2, MixedPrecisionPolicy(bfloat16, float32), each block gathered once per step",
     "pytorch-ddp-dp2-bf16": "PyTorch DDP dp=2, autocast bfloat16",
     "fsdpp-dp1-bf16": "fsdpp dp=1, bfloat16 (2 microbatches of 16, 2 threads)",
-    "fsdpp-dp1-threads-bf16": "fsdpp dp=1, bfloat16, `parallel.microbatch_threads=2`",
-    "fsdpp-dp1-threads": "fsdpp dp=1, float32, `parallel.microbatch_threads=2`",
+    "fsdpp-dp1-threads-bf16": "fsdpp dp=1, bfloat16, `cpu.microbatch_threads=2`",
+    "fsdpp-dp1-threads": "fsdpp dp=1, float32, `cpu.microbatch_threads=2`",
     "pytorch-eager-dp1-bf16": "PyTorch eager, one process, 2 threads, autocast bfloat16",
     "pytorch-eager-dp1": "PyTorch eager, one process, 2 threads, float32",
 }
@@ -75,7 +75,7 @@ print()
 print(f"- fsdpp dp=2 / PyTorch `fully_shard` dp=2, both bfloat16 and gathering once per step: {ratio('fsdpp-dp2-bf16', 'pytorch-fsdp-dp2-kept-bf16')}")
 print(f"- fsdpp dp=2 / PyTorch DDP dp=2, both bfloat16: {ratio('fsdpp-dp2-bf16', 'pytorch-ddp-dp2-bf16')}")
 print(f"- fsdpp dp=1 / PyTorch eager, both bfloat16: {ratio('fsdpp-dp1-bf16', 'pytorch-eager-dp1-bf16')}; "
-      f"with `parallel.microbatch_threads=2`: {ratio('fsdpp-dp1-threads-bf16', 'pytorch-eager-dp1-bf16')}")
+      f"with `cpu.microbatch_threads=2`: {ratio('fsdpp-dp1-threads-bf16', 'pytorch-eager-dp1-bf16')}")
 print(f"- bfloat16 / float32, fsdpp dp=1 with microbatch threads: {ratio('fsdpp-dp1-threads-bf16', 'fsdpp-dp1-threads')}; "
       f"PyTorch eager: {ratio('pytorch-eager-dp1-bf16', 'pytorch-eager-dp1')}")
 PY

@@ -7,11 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 rounds=${2:-3}
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 out=bench/results/pipeline_fsdp.md
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 for r in $(seq "$rounds"); do
   for keep in true false; do
     d=$work/$keep-$r

@@ -7,9 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 out=bench/results/trainer.md
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 
 start=$(date +%s)
 "$build/fsdpp" run recipes/moe-small.json logging.output_dir="$work/default" --overwrite > "$work/default.log"

@@ -9,6 +9,8 @@
 # tree). Writes bench/results/unit_cost_ab.md; about 12 seconds per build per round.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+build=${FSDPP_BUILD:-build}
+source bench/preamble.sh
 rounds=15
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
 [[ $# -eq 2 && $rounds -gt 0 ]] || { echo "usage: bash bench/run_unit_cost_ab.sh [rounds] before=dir after=dir"; exit 1; }
@@ -17,10 +19,7 @@ for v in "$@"; do
   [[ $v == *=* && -x $dir/fsdpp_fsdp_bench && -f $dir/libfsdpp.so ]] ||
     { echo "$v: expected label=dir, dir holding fsdpp_fsdp_bench, libfsdpp.so and libfsdpp_gloo.so"; exit 1; }
 done
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 out=bench/results/unit_cost_ab.md
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 # One rank without the launcher, as bench/run_unit_cost_count.sh runs it.
 export WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
 port=$((20000 + RANDOM % 20000))

@@ -13,12 +13,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 shift || true
 command -v valgrind > /dev/null || { echo "needs valgrind (apt-get install valgrind)"; exit 1; }
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 out=bench/results/unit_cost_count.md
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 variants=("this build=$build/bench/fsdpp_fsdp_bench:$build")
 for v in "$@"; do
   dir=${v#*=}

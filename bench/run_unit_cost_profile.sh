@@ -9,12 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+source bench/preamble.sh
 steps=${2:-200}
 command -v perf > /dev/null || { echo "needs perf (apt-get install linux-perf)"; exit 1; }
-python=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}/bin/python
 out=bench/results/unit_cost_profile.md
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 # Three alternating profiles of each side; each side's least sampled one (the least disturbed by the
 # rest of the machine) is kept.
 for round in 1 2 3; do

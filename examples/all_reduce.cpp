@@ -10,6 +10,5 @@ int main() {
   auto comm = fsdpp::comm::init_from_env();
   auto t = at::full({4}, comm.rank() + 1.0);
   comm.all_reduce(t).wait();  // every element becomes 1 + 2 + ... + size
-  std::cout << "rank " << comm.rank() << " of " << comm.size() << ": " << t[0].item<double>()
-            << "\n";
+  std::cout << "rank " << comm.rank() << " of " << comm.size() << ": " << t[0].item<double>() << "\n";
 }

@@ -61,11 +61,13 @@ int main() {
                         {.activation_shape = {4, 8}});  // each microbatch: 4 rows of 8
   torch::optim::SGD opt(mine->parameters(), torch::optim::SGDOptions(0.1));
   std::vector<at::Tensor> xs, ys;
-  for (int m = 0; m < spec.microbatches; ++m) xs.push_back(at::randn({4, 8})), ys.push_back(at::randn({4, 8}).tanh());
+  for (int m = 0; m < spec.microbatches; ++m)
+    xs.push_back(at::randn({4, 8})), ys.push_back(at::randn({4, 8}).tanh());
   for (int step = 1; step <= 30; ++step) {
     opt.zero_grad();
     const double loss = exec.step(xs, ys);
     opt.step();
-    if (comm.rank() == comm.size() - 1 && step % 10 == 0) std::cout << "step " << step << ": loss " << loss << "\n";
+    if (comm.rank() == comm.size() - 1 && step % 10 == 0)
+      std::cout << "step " << step << ": loss " << loss << "\n";
   }
 }

@@ -59,7 +59,9 @@ int main() {
     opt.step();
     auto global = loss.detach().clone();
     comm.all_reduce(global, {comm::ReduceOp::kAvg}).wait();
-    if (comm.rank() == 0 && step % 50 == 0) std::cout << "step " << step << ": loss " << global.item<double>() << "\n";
+    if (comm.rank() == 0 && step % 50 == 0)
+      std::cout << "step " << step << ": loss " << global.item<double>() << "\n";
   }
-  if (comm.rank() == 0) std::cout << "parameters per rank: " << model->sharded_parameters().size() << " shards\n";
+  if (comm.rank() == 0)
+    std::cout << "parameters per rank: " << model->sharded_parameters().size() << " shards\n";
 }

@@ -19,6 +19,7 @@ packages=(
   fortunes                        # the default training corpus (/usr/share/games/fortunes)
   python3 python3-venv            # the virtual environment that holds PyTorch 2.15
   clang-14 libclang-rt-14-dev     # libFuzzer and the sanitizers for the fuzz tests
+  clang-format                    # the tree's C++ layout (.clang-format, scripts/format.sh)
 )
 
 missing=()

@@ -28,8 +28,7 @@ std::string classify(const std::string& path) {
   if (path.find("blis") != std::string::npos) return "BLIS";
   if (path.find("atlas") != std::string::npos) return "ATLAS";
   if (path.find("mkl") != std::string::npos) return "MKL";
-  if (path.find("/blas/") != std::string::npos)
-    return "reference BLAS (slow: install libopenblas0-pthread)";
+  if (path.find("/blas/") != std::string::npos) return "reference BLAS (slow: install libopenblas0-pthread)";
   return "unknown";
 }
 
@@ -75,8 +74,8 @@ BlasInfo probe_blas(bool measure) {
 }
 
 std::string describe(const BlasInfo& info) {
-  return fmt::format("BLAS: {} [{}], float32 1024x1024 matmul {:.1f} GFLOP/s on {} thread(s)",
-                     info.kind, info.library, info.matmul_gflops, at::get_num_threads());
+  return fmt::format("BLAS: {} [{}], float32 1024x1024 matmul {:.1f} GFLOP/s on {} thread(s)", info.kind,
+                     info.library, info.matmul_gflops, at::get_num_threads());
 }
 
 }  // namespace fsdpp

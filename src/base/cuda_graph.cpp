@@ -31,7 +31,8 @@ void order_after(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStrea
   cudaEvent_t e = nullptr;
   if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess)
     throw std::runtime_error("CUDA graph: cudaEventCreate failed");
-  const bool ok = cudaEventRecord(e, producer.stream()) == cudaSuccess && cudaStreamWaitEvent(waiter.stream(), e, 0) == cudaSuccess;
+  const bool ok = cudaEventRecord(e, producer.stream()) == cudaSuccess &&
+                  cudaStreamWaitEvent(waiter.stream(), e, 0) == cudaSuccess;
   cudaEventDestroy(e);
   if (!ok) throw std::runtime_error("CUDA graph: ordering streams failed");
 }
@@ -100,8 +101,10 @@ std::unique_ptr<CapturedStep> CapturedStep::capture(const std::function<void()>&
     } catch (const std::exception& e) {
       const std::string what = e.what();
       abandon_capture(std::move(impl->graph), side, pool);
-      throw std::runtime_error("CUDA graph capture of the step failed (the allocator is restored; run with "
-                               "train.cuda_graph=false, or FSDPP_CHECK_DEVICES=1 to find host copies): " + what);
+      throw std::runtime_error(
+          "CUDA graph capture of the step failed (the allocator is restored; run with "
+          "train.cuda_graph=false, or FSDPP_CHECK_DEVICES=1 to find host copies): " +
+          what);
     }
   }
   order_after(caller, side);
@@ -126,7 +129,8 @@ namespace fsdpp {
 struct CapturedStep::Impl {};
 
 std::unique_ptr<CapturedStep> CapturedStep::capture(const std::function<void()>&) {
-  throw std::runtime_error("CUDA graph capture needs fsdpp built against a CUDA LibTorch (this build is CPU-only)");
+  throw std::runtime_error(
+      "CUDA graph capture needs fsdpp built against a CUDA LibTorch (this build is CPU-only)");
 }
 
 void CapturedStep::replay() {}

@@ -56,9 +56,10 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
         if (inputs[i].isTensor()) from_tensor = true;
       }
       if (unset && !from_tensor) {
-        const std::string what = fmt::format(
-            "{} without a device, {}", fn.name(),
-            backward_nodes.empty() ? std::string("in forward") : "in the backward of " + backward_nodes.back().name);
+        const std::string what =
+            fmt::format("{} without a device, {}", fn.name(),
+                        backward_nodes.empty() ? std::string("in forward")
+                                               : "in the backward of " + backward_nodes.back().name);
         if (active_state->count[what]++ == 0) active_state->order.push_back(what);
       }
     }
@@ -85,9 +86,10 @@ DefaultDeviceCheck::DefaultDeviceCheck() : state_(std::make_unique<State>()), ou
   {
     std::lock_guard<std::mutex> lock(registration_mutex);
     if (checks++ == 0)
-      handle = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
-                                         .needsInputs(true)
-                                         .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+      handle =
+          at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
+                                    .needsInputs(true)
+                                    .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
   }
   active = this;
   active_state = state_.get();

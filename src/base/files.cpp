@@ -65,8 +65,8 @@ void AtomicFile::fail(const char* what, int err) {
   ::close(fd_);
   fd_ = -1;
   ::unlink(tmp_.c_str());
-  throw std::runtime_error("writing " + path_ + " failed" + (*what ? std::string(" (") + what + ")" : "") + ": " +
-                           os_error(err));
+  throw std::runtime_error("writing " + path_ + " failed" + (*what ? std::string(" (") + what + ")" : "") +
+                           ": " + os_error(err));
 }
 
 void AtomicFile::write(const void* data, size_t bytes) {
@@ -191,10 +191,12 @@ uint32_t crc32c_portable(const void* data, size_t bytes, uint32_t crc) {
     uint32_t lo, hi;
     std::memcpy(&lo, p, 4);
     std::memcpy(&hi, p + 4, 4);
-    if constexpr (std::endian::native == std::endian::big) lo = __builtin_bswap32(lo), hi = __builtin_bswap32(hi);
+    if constexpr (std::endian::native == std::endian::big)
+      lo = __builtin_bswap32(lo), hi = __builtin_bswap32(hi);
     lo ^= c;
-    c = kTables[7][lo & 0xff] ^ kTables[6][(lo >> 8) & 0xff] ^ kTables[5][(lo >> 16) & 0xff] ^ kTables[4][lo >> 24] ^
-        kTables[3][hi & 0xff] ^ kTables[2][(hi >> 8) & 0xff] ^ kTables[1][(hi >> 16) & 0xff] ^ kTables[0][hi >> 24];
+    c = kTables[7][lo & 0xff] ^ kTables[6][(lo >> 8) & 0xff] ^ kTables[5][(lo >> 16) & 0xff] ^
+        kTables[4][lo >> 24] ^ kTables[3][hi & 0xff] ^ kTables[2][(hi >> 8) & 0xff] ^
+        kTables[1][(hi >> 16) & 0xff] ^ kTables[0][hi >> 24];
   }
   for (; bytes > 0; ++p, --bytes) c = kTables[0][(c ^ *p) & 0xff] ^ (c >> 8);
   return ~c;
@@ -225,17 +227,19 @@ FileDigest digest_file(const std::string& path) {
   return d;
 }
 
-void check_file_digest(const std::string& path, uint64_t bytes, const std::string& crc32c, const std::string& recorded_in) {
+void check_file_digest(const std::string& path, uint64_t bytes, const std::string& crc32c,
+                       const std::string& recorded_in) {
   std::error_code ec;
   const auto size = std::filesystem::file_size(path, ec);
   if (ec) throw std::runtime_error("checkpoint: " + path + " is missing");
   if (size != bytes)
-    throw std::runtime_error("checkpoint: " + path + " is " + std::to_string(size) + " bytes, but " + recorded_in +
-                             " records " + std::to_string(bytes) + " (cut short or overwritten)");
+    throw std::runtime_error("checkpoint: " + path + " is " + std::to_string(size) + " bytes, but " +
+                             recorded_in + " records " + std::to_string(bytes) +
+                             " (cut short or overwritten)");
   const auto got = crc_hex(digest_file(path).crc32c);
   if (got != crc32c)
-    throw std::runtime_error("checkpoint: " + path + " is damaged: its CRC-32C is " + got + ", " + recorded_in +
-                             " records " + crc32c);
+    throw std::runtime_error("checkpoint: " + path + " is damaged: its CRC-32C is " + got + ", " +
+                             recorded_in + " records " + crc32c);
 }
 
 std::string crc_hex(uint32_t crc) {

@@ -27,8 +27,9 @@ void detail::call_mkl_vml_functions() {
   // The operators of ATen/cpu/vml.h's IMPLEMENT_VML_MKL list, each on one element (0.5 is in every
   // one's domain) of each type it is declared for.
   using Op = at::Tensor (*)(const at::Tensor&);
-  static constexpr Op kOps[] = {at::acos, at::asin, at::atan, at::cos,   at::erf, at::erfc, at::erfinv, at::exp,
-                                at::log,  at::log10, at::log2, at::sin, at::sqrt, at::tan, at::tanh,   at::trunc};
+  static constexpr Op kOps[] = {at::acos,   at::asin, at::atan, at::cos,   at::erf,  at::erfc,
+                                at::erfinv, at::exp,  at::log,  at::log10, at::log2, at::sin,
+                                at::sqrt,   at::tan,  at::tanh, at::trunc};
   for (const auto dtype : {at::kFloat, at::kDouble}) {
     const auto x = at::full({1}, 0.5, at::TensorOptions().dtype(dtype).device(at::kCPU));
     for (const Op op : kOps) op(x);

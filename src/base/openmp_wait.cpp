@@ -11,9 +11,12 @@ bool set(const char* v) { return v && *v; }
 
 }  // namespace
 
-OpenMPWaitEnvironment openmp_wait_environment() { return {std::getenv("GOMP_SPINCOUNT"), std::getenv("OMP_WAIT_POLICY")}; }
+OpenMPWaitEnvironment openmp_wait_environment() {
+  return {std::getenv("GOMP_SPINCOUNT"), std::getenv("OMP_WAIT_POLICY")};
+}
 
-std::optional<std::string> microbatch_threads_spin_count(int microbatch_threads, const OpenMPWaitEnvironment& env) {
+std::optional<std::string> microbatch_threads_spin_count(int microbatch_threads,
+                                                         const OpenMPWaitEnvironment& env) {
   if (microbatch_threads <= 1 || set(env.spin_count) || set(env.wait_policy)) return std::nullopt;
   return std::string(kMicrobatchThreadsSpinCount);
 }

@@ -12,7 +12,8 @@ void parallel_ranges(int64_t count, int64_t grain, const std::function<void(int6
   if (count <= 0) return;
   if (count <= grain) return body(0, count);
   const auto marks = at::empty({count}, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
-  auto iter = at::TensorIteratorConfig().add_output(marks).resize_outputs(false).check_all_same_dtype(false).build();
+  auto iter =
+      at::TensorIteratorConfig().add_output(marks).resize_outputs(false).check_all_same_dtype(false).build();
   const char* base = static_cast<const char*>(marks.data_ptr());
   iter.for_each(
       [&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {

@@ -40,7 +40,8 @@ const at::Tensor* SafetensorsFile::find(const std::string& name) const {
   return nullptr;
 }
 
-void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+void write_safetensors(const std::string& path,
+                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
@@ -48,10 +49,12 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
     if (name == "__metadata__" || header.contains(name))
-      throw std::invalid_argument(fmt::format("write_safetensors {}: tensor name '{}' is reserved or repeated", path, name));
+      throw std::invalid_argument(
+          fmt::format("write_safetensors {}: tensor name '{}' is reserved or repeated", path, name));
     auto c = t.detach().to(at::kCPU).contiguous();
     const uint64_t bytes = c.numel() * c.element_size();
-    header[name] = {{"dtype", dtype_name(c.scalar_type())}, {"shape", c.sizes().vec()},
+    header[name] = {{"dtype", dtype_name(c.scalar_type())},
+                    {"shape", c.sizes().vec()},
                     {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
     data.push_back(std::move(c));
@@ -118,8 +121,8 @@ SafetensorsFile read_safetensors(const std::string& path) {
       throw bad("needs dtype, shape and data_offsets");
     if (!e["dtype"].is_string()) throw bad("dtype is not a string");
     const auto dname = e["dtype"].get<std::string>();
-    const auto* it = std::find_if(std::begin(kDtypes), std::end(kDtypes),
-                                  [&](const auto& d) { return dname == d.first; });
+    const auto* it =
+        std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](const auto& d) { return dname == d.first; });
     if (it == std::end(kDtypes)) throw bad(fmt::format("unsupported dtype '{}'", dname));
     if (!e["shape"].is_array()) throw bad("shape is not an array");
     std::vector<int64_t> shape;
@@ -136,8 +139,10 @@ SafetensorsFile read_safetensors(const std::string& path) {
       throw bad("data_offsets is not a pair of non-negative integers");
     const uint64_t b = off[0].get<uint64_t>(), en = off[1].get<uint64_t>();
     const uint64_t bytes = numel * c10::elementSize(it->second);
-    if (b > en || en > data_size) throw bad(fmt::format("data_offsets [{}, {}] outside the {} data bytes", b, en, data_size));
-    if (en - b != bytes) throw bad(fmt::format("data_offsets span {} bytes, shape and dtype need {}", en - b, bytes));
+    if (b > en || en > data_size)
+      throw bad(fmt::format("data_offsets [{}, {}] outside the {} data bytes", b, en, data_size));
+    if (en - b != bytes)
+      throw bad(fmt::format("data_offsets span {} bytes, shape and dtype need {}", en - b, bytes));
     spans.push_back({b, en, name});
     pending.emplace_back(name, std::make_pair(b, at::empty(shape, at::TensorOptions().dtype(it->second))));
   }
@@ -146,7 +151,8 @@ SafetensorsFile read_safetensors(const std::string& path) {
     if (spans[i].begin < spans[i - 1].end)
       throw fail(fmt::format("tensors '{}' and '{}' overlap", spans[i - 1].name, spans[i].name));
   // File order: by offset.
-  std::sort(pending.begin(), pending.end(), [](const auto& a, const auto& b) { return a.second.first < b.second.first; });
+  std::sort(pending.begin(), pending.end(),
+            [](const auto& a, const auto& b) { return a.second.first < b.second.first; });
   for (auto& [name, p] : pending) {
     auto& [b, t] = p;
     f.seekg(static_cast<std::streamoff>(8 + n + b));

@@ -114,7 +114,7 @@ class HostBufferCache {
     return nullptr;
   }
   SpinLock lock_;
-  std::atomic<int64_t> limit_;  // read without the lock by host_buffer_cache_limit()
+  std::atomic<int64_t> limit_;   // read without the lock by host_buffer_cache_limit()
   std::vector<Bucket> buckets_;  // a model's units come in a few sizes
   HostBufferCacheStats stats_;   // limit_bytes filled in by stats()
 };
@@ -141,8 +141,10 @@ void* resize_storage_bytes_cached(const at::Tensor& t, size_t nbytes) {
       // its old buffer to the cache first.
       at::DataPtr old = s->set_data_ptr(at::DataPtr(nullptr, s->device()));
       if (had > 0 && old.get() != nullptr) cache.give(s->allocator(), std::move(old), had);
-      if (nbytes > 0) set_bytes(s, cache.take(s->allocator(), nbytes), nbytes);
-      else s->set_nbytes(0);
+      if (nbytes > 0)
+        set_bytes(s, cache.take(s->allocator(), nbytes), nbytes);
+      else
+        s->set_nbytes(0);
     }
   }
   return s->mutable_data();

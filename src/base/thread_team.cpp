@@ -6,7 +6,8 @@
 namespace fsdpp {
 
 ThreadTeam::ThreadTeam(int size) {
-  if (size < 1) throw std::invalid_argument("ThreadTeam: size must be at least 1, got " + std::to_string(size));
+  if (size < 1)
+    throw std::invalid_argument("ThreadTeam: size must be at least 1, got " + std::to_string(size));
   errors_.resize(size);
   threads_.reserve(size - 1);
   for (int i = 1; i < size; ++i) threads_.emplace_back([this, i] { loop(i); });

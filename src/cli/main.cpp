@@ -20,7 +20,6 @@
 #include "fsdpp/comm/launch.hpp"
 #include "fsdpp/base/blas.hpp"
 #include "fsdpp/base/files.hpp"
-#include "fsdpp/base/host_memory.hpp"
 #include "fsdpp/base/mkl_vml.hpp"
 #include "fsdpp/base/openmp_wait.hpp"
 #include "fsdpp/pipeline/plan.hpp"
@@ -34,17 +33,13 @@
 #include "fsdpp/train/tokenizer.hpp"
 #include "fsdpp/train/trainer.hpp"
 #include "data_commands.hpp"
+#include "tool_commands.hpp"
 
 namespace {
 
 using namespace fsdpp;
+using namespace fsdpp::cli;
 
-// Exit codes (docs/cli.md): 0 done; 1 the command failed (a run diverged, a file is damaged, a rank
-// died); 2 bad input (a recipe, an option, an argument), nothing started; under `fsdpp launch` and
-// `fsdpp run`, the first failing rank's code: 124 when its watchdog ended a collective that never
-// completed, 128 + N when signal N killed it.
-constexpr int kExitFailed = 1;
-constexpr int kExitBadInput = 2;
 constexpr int kMaxRanks = 65536;
 
 // What a person reads of an error: LibTorch's own text without its C++ stack trace, and never an
@@ -59,212 +54,10 @@ std::string user_message(const std::exception& e) {
   return text;
 }
 
-std::string self_exe() {
-  char buf[PATH_MAX];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) throw std::runtime_error("cannot find the fsdpp executable (/proc/self/exe)");
-  return std::string(buf, n);
-}
-
 int run_launch(comm::LaunchOptions options) {
   const auto result = comm::launch(options);
-  if (result.exit_code != 0)
-    std::cerr << "fsdpp launch: failed: " << result.reason << "\n";
+  if (result.exit_code != 0) std::cerr << "fsdpp launch: failed: " << result.reason << "\n";
   return result.exit_code;
-}
-
-// The demo job: every rank checks an all-reduce against its closed form, then rank 0 prints the
-// all-reduce bandwidth table (nccl-tests convention: bus bandwidth = algbw * 2(n-1)/n).
-int demo_worker(int64_t max_bytes) {
-  auto comm = comm::init_from_env();
-  const int rank = comm.rank(), n = comm.size();
-  if (rank == 0) {
-    std::cout << describe(probe_blas()) << "\n";
-    std::cout << fmt::format("world: {} ranks over {}\n", n, comm.backend());
-  }
-  // sum over ranks of (rank + 1) is n(n+1)/2 in every element
-  auto t = at::full({1 << 16}, rank + 1, at::kFloat);
-  comm.all_reduce(t).wait();
-  const float expected = n * (n + 1) / 2.0f;
-  if (!at::all(t == expected).item<bool>()) {
-    std::cerr << fmt::format("rank {}: all_reduce gave {} instead of {}\n", rank,
-                             t[0].item<float>(), expected);
-    return 1;
-  }
-  if (rank == 0) {
-    std::cout << fmt::format("all_reduce check: sum of (rank+1) over {} ranks = {} on every rank\n",
-                             n, expected);
-    std::cout << fmt::format("{:>10} {:>6} {:>12} {:>12} {:>12}\n", "bytes", "iters", "time (us)",
-                             "algbw GB/s", "busbw GB/s");
-  }
-  for (int64_t bytes = 4 << 10; bytes <= max_bytes; bytes *= 4) {
-    auto buf = at::ones({bytes / 4}, at::kFloat);
-    comm.all_reduce(buf).wait();  // warm-up
-    // Every rank runs the same number of iterations: rank 0's choice is broadcast.
-    auto iters = at::zeros({1}, at::kLong);
-    if (rank == 0) {
-      const auto t0 = std::chrono::steady_clock::now();
-      comm.all_reduce(buf).wait();
-      const double once = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      iters.fill_(std::max<int64_t>(3, std::min<int64_t>(200, static_cast<int64_t>(0.25 / once))));
-    } else {
-      comm.all_reduce(buf).wait();
-    }
-    comm.broadcast(iters).wait();
-    comm.barrier().wait();
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < iters.item<int64_t>(); ++i) comm.all_reduce(buf).wait();
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
-                        iters.item<int64_t>();
-    if (rank == 0) {
-      const double algbw = bytes / secs / 1e9;
-      std::cout << fmt::format("{:>10} {:>6} {:>12.1f} {:>12.3f} {:>12.3f}\n", bytes,
-                               iters.item<int64_t>(), secs * 1e6, algbw,
-                               algbw * 2.0 * (n - 1) / n);
-    }
-  }
-  comm.barrier().wait();
-  return 0;
-}
-
-struct ShowOptions {
-  std::string schedule, csv, out;  // out: a prefix of files to write; empty: print only
-  int pp = 2, microbatches = 4, max_outstanding_sends = 0, unshard_window = 3;
-  std::optional<int> stages_per_rank;  // unset: 2 for V schedules, else 1
-  bool fsdp = false;
-  std::vector<double> costs{1, 2, 1, 1};
-};
-
-// Validates and simulates a schedule; prints the timeline and bubbles; with --out, also writes an
-// SVG, a trace and the action tables.
-int schedule_show(const ShowOptions& o) {
-  using namespace fsdpp::pipeline;
-  std::unique_ptr<Schedule> schedule;
-  if (!o.csv.empty()) {
-    schedule = load_table_schedule(o.csv);
-  } else {
-    schedule = make_schedule(o.schedule);
-  }
-  const int stages_per_rank = o.stages_per_rank.value_or(schedule->layout() == Layout::kV ? 2 : 1);
-  const ScheduleSpec spec{.pp = o.pp, .stages_per_rank = stages_per_rank, .microbatches = o.microbatches};
-  const auto plan = make_plan(*schedule, spec, {.fsdp_stages = o.fsdp, .max_outstanding_sends = o.max_outstanding_sends,
-                                                .unshard_window = o.unshard_window});
-  const Costs costs{o.costs[0], o.costs[1], o.costs[2], o.costs[3], 0};
-  const auto sim = simulate(plan.lowered, plan.owner, costs, o.max_outstanding_sends);
-  const std::string title = fmt::format("{} pp={} stages/rank={} microbatches={}", schedule->name(),
-                                        spec.pp, spec.stages_per_rank, spec.microbatches);
-  std::cout << title << " (costs F=" << costs.forward << " B=" << costs.backward
-            << " I=" << costs.backward_input << " W=" << costs.backward_weight << ")\n"
-            << render_timeline(sim);
-  for (size_t r = 0; r < plan.lowered.size(); ++r)
-    std::cout << fmt::format("rank {}: {} actions after lowering, peak live activations {}, peak "
-                             "receive buffers {}\n",
-                             r, plan.lowered[r].size(), sim.peak_activations[r], sim.peak_recv_buffers[r]);
-  std::cout << fmt::format("mean bubble fraction {:.3f}, step time {} units\n", sim.mean_bubble(), sim.makespan);
-  if (o.out.empty()) return 0;
-  write_file_atomically(o.out + ".svg", render_svg(sim, title));
-  write_file_atomically(o.out + ".trace.json", chrome_trace(sim));
-  std::ostringstream lowered, compute;
-  write_csv(lowered, plan.lowered);
-  // The compute actions alone: the format of PyTorch's _load_csv(format="compute_only").
-  write_csv(compute, plan.compute);
-  write_file_atomically(o.out + ".csv", lowered.str());
-  write_file_atomically(o.out + ".compute.csv", compute.str());
-  std::cout << "wrote " << o.out << ".svg, " << o.out << ".trace.json, " << o.out << ".csv (lowered) and " << o.out
-            << ".compute.csv (compute actions, as PyTorch's compute_only CSV)\n";
-  return 0;
-}
-
-// Where bundled recipes and configs live: FSDPP_HOME, next to the source tree of this build, the
-// install prefix's share/fsdpp, or the working directory.
-std::vector<std::filesystem::path> resource_roots() {
-  namespace fs = std::filesystem;
-  std::vector<fs::path> roots;
-  if (const char* h = std::getenv("FSDPP_HOME")) roots.emplace_back(h);
-  const fs::path exe_dir = fs::path(self_exe()).parent_path();
-  for (const auto& p : {exe_dir / "..", exe_dir / ".." / "share" / "fsdpp", fs::current_path()})
-    if (fs::is_directory(p / "recipes")) roots.push_back(fs::weakly_canonical(p));
-  std::vector<fs::path> unique;
-  for (const auto& r : roots)
-    if (std::find(unique.begin(), unique.end(), r) == unique.end()) unique.push_back(r);
-  return unique;
-}
-
-// `fsdpp ckpt verify`: one checkpoint, or every committed checkpoint of a run directory, newest
-// first. Exit 1 when any is damaged.
-int verify_checkpoints(std::string path) {
-  namespace fs = std::filesystem;
-  std::vector<std::string> dirs;
-  // checkpoints/latest, the pointer the tree shows beside the checkpoints: the one it names.
-  if (fs::is_regular_file(path)) {
-    std::ifstream f(path);
-    std::string name;
-    std::getline(f, name);
-    const auto target = fs::path(path).parent_path() / name;
-    if (name.empty() || name.find('/') != std::string::npos || !fs::is_directory(target)) {
-      std::cerr << fmt::format("fsdpp ckpt verify: {} is a file, but not a pointer to a checkpoint beside it{}\n", path,
-                               name.empty() ? "" : fmt::format(" (it names '{}')", name));
-      return kExitBadInput;
-    }
-    path = target.string();
-  }
-  if (fs::exists(fs::path(path) / "trainer.json") || fs::exists(fs::path(path) / "rank0.json"))
-    dirs.push_back(path);
-  else
-    dirs = train::committed_checkpoints(path);
-  if (dirs.empty()) {
-    std::cerr << fmt::format("fsdpp ckpt verify: {} is neither a checkpoint nor a run directory with one\n", path);
-    return kExitBadInput;
-  }
-  int damaged = 0;
-  for (const auto& dir : dirs) {
-    try {
-      const auto [files, bytes] = train::verify_checkpoint(dir);
-      std::cout << fmt::format("{}: ok ({} files, {:.1f} MB, sizes and CRC-32C checked)\n", dir, files, bytes / 1e6);
-    } catch (const std::exception& e) {
-      std::cout << fmt::format("{}: DAMAGED: {}\n", dir, e.what());
-      ++damaged;
-    }
-  }
-  return damaged ? 1 : 0;
-}
-
-int list_bundled() {
-  namespace fs = std::filesystem;
-  const auto roots = resource_roots();
-  if (roots.empty()) {
-    std::cout << "no recipes found (looked next to the fsdpp binary, in share/fsdpp and in the working directory; "
-                 "set FSDPP_HOME to the source tree)\n";
-    return 1;
-  }
-  for (const char* kind : {"recipes", "configs"}) {
-    std::cout << kind << ":\n";
-    for (const auto& root : roots) {
-      std::vector<fs::path> files;
-      if (!fs::is_directory(root / kind)) continue;
-      for (const auto& e : fs::directory_iterator(root / kind))
-        if (e.path().extension() == ".json") files.push_back(e.path());
-      std::sort(files.begin(), files.end());
-      for (const auto& f : files) {
-        std::string about;
-        try {
-          if (std::string(kind) == "recipes") {
-            const auto r = train::load_recipe(f.string());
-            about = r.resolved.value("description", "");
-            about += fmt::format("{}dp {} x pp {}, {} steps", about.empty() ? "" : "; ", r.parallel.dp, r.parallel.pp, r.train.steps);
-          } else {
-            const auto c = train::parse_model_config(read_json_file(f.string()), f.string());
-            about = fmt::format("{:.2f}M parameters, {} layers, dim {}, {} experts top-{}", c.parameter_count() / 1e6,
-                                c.layers, c.dim, c.experts, c.top_k);
-          }
-        } catch (const std::exception& e) {
-          about = fmt::format("INVALID: {}", e.what());
-        }
-        std::cout << fmt::format("  {:<44} {}\n", fs::relative(f, fs::current_path()).string(), about);
-      }
-    }
-  }
-  return 0;
 }
 
 struct RunArgs {
@@ -291,15 +84,17 @@ int run_recipe(RunArgs& a) {
       a.options.overwrite = !a.options.resume;
     }
     comm::InitOptions init;
-    init.backend = recipe.train.device == "cuda" ? comm::Backend::kNccl : comm::Backend::kGloo;
-    init.watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(recipe.dist.watchdog_timeout_s * 1000));
+    init.backend = recipe.train.device == train::Device::kCuda ? comm::Backend::kNccl : comm::Backend::kGloo;
+    init.watchdog_timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(recipe.dist.watchdog_timeout_s * 1000));
     init.flight_record_dir = (std::filesystem::path(recipe.output_dir()) / "flight_records").string();
     if (recipe.dist.check_collectives) setenv("FSDPP_CHECK_COLLECTIVES", "1", /*overwrite=*/0);
     train::run_training(recipe, comm::init_from_env(init), a.options);
     return 0;
   }
   // Check everything before any rank starts.
-  const auto recipe = train::load_recipe(a.recipe, a.overrides, a.nproc > 0 ? std::optional<int>(a.nproc) : std::nullopt);
+  const auto recipe =
+      train::load_recipe(a.recipe, a.overrides, a.nproc > 0 ? std::optional<int>(a.nproc) : std::nullopt);
   comm::check_injected_fault(recipe.world_size());
   train::check_memory(recipe, recipe.world_size());  // every rank on this machine
   // The run owns its output directory until every rank has ended (include/fsdpp/train/run_lock.hpp).
@@ -313,15 +108,17 @@ int run_recipe(RunArgs& a) {
   o.share_gpu = a.share_gpu;
   o.env.push_back(std::string(train::RunLock::kHeldVariable) + "=1");
   o.command = {self_exe(), "run", a.recipe};
-  if (recipe.dist.keep_freed_memory)
-    if (const auto tunables = with_kept_malloc_thresholds(malloc_environment()))
-      o.env.push_back("GLIBC_TUNABLES=" + *tunables);
-  if (const auto spins = microbatch_threads_spin_count(recipe.parallel.microbatch_threads, openmp_wait_environment()))
+  // The command line's own process settings for its ranks (docs/performance.md), logged by the
+  // ranks ("OpenMP: ..."); a program of one's own decides for itself.
+  if (const auto spins =
+          microbatch_threads_spin_count(recipe.cpu.microbatch_threads, openmp_wait_environment()))
     o.env.push_back("GOMP_SPINCOUNT=" + *spins);
   for (const auto& ov : a.overrides) o.command.push_back(ov);
-  if (a.options.resume) o.command.push_back(a.options.resume_with_changes ? "--resume-with-changes" : "--resume");
+  if (a.options.resume)
+    o.command.push_back(a.options.resume_with_changes ? "--resume-with-changes" : "--resume");
   if (a.options.overwrite) o.command.push_back("--overwrite");
-  if (a.options.trace) o.command.insert(o.command.end(), {"--trace", "--trace-steps", std::to_string(a.options.trace_steps)});
+  if (a.options.trace)
+    o.command.insert(o.command.end(), {"--trace", "--trace-steps", std::to_string(a.options.trace_steps)});
   if (a.stop_after > 0) o.command.insert(o.command.end(), {"--stop-after", std::to_string(a.stop_after)});
   return run_launch(o);
 }
@@ -346,17 +143,19 @@ int main(int argc, char** argv) {
   cmd_launch->add_option("--master-port", master_port, "port of the store (default: a free port)")
       ->check(CLI::Range(0, 65535));
   cmd_launch->add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
-  cmd_launch->add_option("--max-restarts", launch.max_restarts,
-                         "after a failure, start every rank again, up to N times (TORCHELASTIC_RESTART_COUNT)")
+  cmd_launch
+      ->add_option("--max-restarts", launch.max_restarts,
+                   "after a failure, start every rank again, up to N times (TORCHELASTIC_RESTART_COUNT)")
       ->check(CLI::Range(0, 1000));
-  cmd_launch->add_flag("--share-gpu", launch.share_gpu,
-                       "ranks share this node's GPUs (each gets its own NCCL_HOSTID; for correctness checks)");
+  cmd_launch->add_flag(
+      "--share-gpu", launch.share_gpu,
+      "ranks share this node's GPUs (each gets its own NCCL_HOSTID; for correctness checks)");
   cmd_launch->add_option("command", launch.command, "program and arguments, after --")->required();
 
   int demo_nproc = 2;
   int64_t demo_max_mib = 16;
-  auto* cmd_demo = app.add_subcommand(
-      "demo", "all-reduce check and bandwidth table across N local ranks (the main job)");
+  auto* cmd_demo =
+      app.add_subcommand("demo", "all-reduce check and bandwidth table across N local ranks (the main job)");
   cmd_demo->add_option("--nproc", demo_nproc, "ranks to start")->check(CLI::Range(1, 64));
   cmd_demo->add_option("--max-mib", demo_max_mib, "largest message, MiB")->check(CLI::Range(1, 1024));
 
@@ -366,50 +165,75 @@ int main(int argc, char** argv) {
   auto* cmd_show = cmd_schedule->add_subcommand(
       "show", "validate and simulate a schedule; print its timeline and bubble, write SVG and trace");
   auto* by_name = cmd_show->add_option("--schedule", show.schedule, "a registered schedule, e.g. 1F1B");
-  auto* by_csv = cmd_show->add_option("--csv,--table", show.csv,
-                                      "an action table: CSV (one row per rank) or JSON ({\"ranks\": [[...], ...]})");
+  auto* by_csv =
+      cmd_show->add_option("--csv,--table", show.csv,
+                           "an action table: CSV (one row per rank) or JSON ({\"ranks\": [[...], ...]})");
   by_name->excludes(by_csv);
   cmd_show->add_option("--pp", show.pp, "pipeline ranks")->check(CLI::Range(1, 1024));
-  cmd_show->add_option("--microbatches", show.microbatches, "microbatches per step")->check(CLI::Range(1, 100000));
-  cmd_show->add_option("--stages-per-rank", show.stages_per_rank, "stages per rank (default 2 for V schedules, else 1)")
+  cmd_show->add_option("--microbatches", show.microbatches, "microbatches per step")
+      ->check(CLI::Range(1, 100000));
+  cmd_show
+      ->add_option("--stages-per-rank", show.stages_per_rank,
+                   "stages per rank (default 2 for V schedules, else 1)")
       ->check(CLI::Range(1, 64));
-  cmd_show->add_option("--costs", show.costs, "costs of F,B,I,W (default 1,2,1,1)")->expected(4)->delimiter(',');
-  cmd_show->add_option("--out", show.out,
-                       "also write PREFIX.svg, PREFIX.trace.json, PREFIX.csv (lowered) and PREFIX.compute.csv");
-  cmd_show->add_option("--max-outstanding-sends", show.max_outstanding_sends,
-                       "sends in flight per rank, at most (0: unlimited)")->check(CLI::NonNegativeNumber);
+  cmd_show->add_option("--costs", show.costs, "costs of F,B,I,W (default 1,2,1,1)")
+      ->expected(4)
+      ->delimiter(',');
+  cmd_show->add_option(
+      "--out", show.out,
+      "also write PREFIX.svg, PREFIX.trace.json, PREFIX.csv (lowered) and PREFIX.compute.csv");
+  cmd_show
+      ->add_option("--max-outstanding-sends", show.max_outstanding_sends,
+                   "sends in flight per rank, at most (0: unlimited)")
+      ->check(CLI::NonNegativeNumber);
   cmd_show->add_flag("--fsdp", show.fsdp, "stages are sharded: add UNSHARD, RESHARD and REDUCE_GRAD");
-  cmd_show->add_option("--unshard-window", show.unshard_window,
-                       "with --fsdp: stages of a rank unsharded at once, the current one first (default 3)")
+  cmd_show
+      ->add_option("--max-active-stages", show.max_active_stages,
+                   "with --fsdp: stages of a rank kept gathered at once, the current one first (default 3)")
       ->check(CLI::Range(1, 64));
+  cmd_show->add_option("--unshard-lookahead", show.unshard_lookahead,
+                       "with --fsdp: how far ahead each rank gathers: full (default), auto, or one "
+                       "value per rank (1,2)");
 
   std::string fr_dir;
   auto* cmd_fr = app.add_subcommand("fr", "flight records");
   cmd_fr->require_subcommand(1);
-  auto* cmd_analyze = cmd_fr->add_subcommand("analyze", "name the rank and operation behind a hang or a mismatch");
+  auto* cmd_analyze =
+      cmd_fr->add_subcommand("analyze", "name the rank and operation behind a hang or a mismatch");
   cmd_analyze->add_option("dir", fr_dir, "directory of rank*.json flight records")->required();
 
   RunArgs run;
-  auto* cmd_run = app.add_subcommand("run", "train a recipe: fsdpp run recipes/moe-small.json [key=value ...]");
+  auto* cmd_run =
+      app.add_subcommand("run", "train a recipe: fsdpp run recipes/moe-small.json [key=value ...]");
   cmd_run->add_option("recipe", run.recipe, "recipe file (JSON)")->required()->check(CLI::ExistingFile);
-  cmd_run->add_option("overrides", run.overrides, "dotted overrides, for example optim.lr=1e-3 train.steps=100");
+  cmd_run->add_option("overrides", run.overrides,
+                      "dotted overrides, for example optim.lr=1e-3 train.steps=100");
   cmd_run->add_option("--nproc", run.nproc, "ranks to start (must equal dp x pp; default dp x pp)")
       ->check(CLI::Range(1, kMaxRanks));
-  cmd_run->add_flag("--resume", run.options.resume, "continue from the latest checkpoint in the output directory");
-  cmd_run->add_flag("--resume-with-changes", run.options.resume_with_changes,
-                    "as --resume, also where the recipe changed what the checkpoint's data order or optimizer depend "
-                    "on (seed, batch, data, optim, steps); the log lists the changes");
-  cmd_run->add_flag("--overwrite", run.options.overwrite, "start afresh even if the output directory holds checkpoints");
-  cmd_run->add_flag("--trace", run.options.trace, "write trace.json: compute and communication of a few steps, all ranks");
-  cmd_run->add_option("--max-restarts", run.max_restarts,
-                      "after a failure, start every rank again from the latest checkpoint, up to N times")
+  cmd_run->add_flag("--resume", run.options.resume,
+                    "continue from the latest checkpoint in the output directory");
+  cmd_run->add_flag(
+      "--resume-with-changes", run.options.resume_with_changes,
+      "as --resume, also where the recipe changed what the checkpoint's data order or optimizer depend "
+      "on (seed, batch, data, optim, steps); the log lists the changes");
+  cmd_run->add_flag("--overwrite", run.options.overwrite,
+                    "start afresh even if the output directory holds checkpoints");
+  cmd_run->add_flag("--trace", run.options.trace,
+                    "write trace.json: compute and communication of a few steps, all ranks");
+  cmd_run
+      ->add_option("--max-restarts", run.max_restarts,
+                   "after a failure, start every rank again from the latest checkpoint, up to N times")
       ->check(CLI::Range(0, 1000));
   cmd_run->add_flag("--share-gpu", run.share_gpu,
                     "ranks share this machine's GPUs (each gets its own NCCL_HOSTID; for correctness checks, "
                     "timings mean little)");
-  cmd_run->add_option("--stop-after", run.stop_after, "stop after this many steps (with a checkpoint), as if interrupted")
+  cmd_run
+      ->add_option("--stop-after", run.stop_after,
+                   "stop after this many steps (with a checkpoint), as if interrupted")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
-  cmd_run->add_option("--trace-steps", run.options.trace_steps, "steps --trace covers, from the second step of the run")
+  cmd_run
+      ->add_option("--trace-steps", run.options.trace_steps,
+                   "steps --trace covers, from the second step of the run")
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
 
@@ -419,17 +243,22 @@ int main(int argc, char** argv) {
   auto* cmd_validate = app.add_subcommand("validate", "check a recipe without running it");
   cmd_validate->add_option("recipe", validate_recipe, "recipe file (JSON)")->required();
   cmd_validate->add_option("overrides", validate_overrides, "dotted overrides, as for run");
-  cmd_validate->add_option("--nproc", validate_world, "the world size it will run at")->check(CLI::Range(1, kMaxRanks));
+  cmd_validate->add_option("--nproc", validate_world, "the world size it will run at")
+      ->check(CLI::Range(1, kMaxRanks));
 
   auto* cmd_ls = app.add_subcommand("ls", "list the bundled recipes and model configs");
 
   std::string gen_path, gen_prompt = "";
   train::SampleOptions sample;
   auto* cmd_generate = app.add_subcommand("generate", "sample text from a trained model");
-  cmd_generate->add_option("checkpoint", gen_path, "run directory, checkpoint directory or consolidated .safetensors")
-      ->required()->check(CLI::ExistingPath);
+  cmd_generate
+      ->add_option("checkpoint", gen_path, "run directory, checkpoint directory or consolidated .safetensors")
+      ->required()
+      ->check(CLI::ExistingPath);
   cmd_generate->add_option("--prompt", gen_prompt, "text to continue");
-  cmd_generate->add_option("--tokens,--bytes", sample.max_new_tokens, "tokens to generate (bytes, with the bytes tokenizer)")
+  cmd_generate
+      ->add_option("--tokens,--bytes", sample.max_new_tokens,
+                   "tokens to generate (bytes, with the bytes tokenizer)")
       ->check(CLI::Range(1, 100000));
   cmd_generate->add_option("--temperature", sample.temperature, "0: greedy; else in (0, 10]")
       ->check(CLI::Validator(
@@ -437,14 +266,16 @@ int main(int argc, char** argv) {
             char* end = nullptr;
             const double t = std::strtod(v.c_str(), &end);  // (subnormal values too, which std::stod refuses)
             if (v.empty() || *end != '\0') return std::string("not a number: ") + v;
-            return std::isfinite(t) && t >= 0 && t <= 10 ? std::string() : "must be 0 (greedy) or in (0, 10], got " + v;
+            return std::isfinite(t) && t >= 0 && t <= 10 ? std::string()
+                                                         : "must be 0 (greedy) or in (0, 10], got " + v;
           },
           "0 TO 10"));
   cmd_generate->add_option("--top-k", sample.top_k, "sample among the k likeliest tokens (0: all)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
   std::string gen_tokenizer;
-  cmd_generate->add_option("--tokenizer", gen_tokenizer,
-                           "the tokenizer's .model file, where it has moved since training (its contents must be the same)");
+  cmd_generate->add_option(
+      "--tokenizer", gen_tokenizer,
+      "the tokenizer's .model file, where it has moved since training (its contents must be the same)");
 
   const auto data_commands = cli::add_data_commands(app);
   int64_t gen_seed = 0;
@@ -456,18 +287,25 @@ int main(int argc, char** argv) {
   auto* cmd_ckpt = app.add_subcommand("ckpt", "checkpoints");
   cmd_ckpt->require_subcommand(1);
   auto* cmd_consolidate = cmd_ckpt->add_subcommand(
-      "consolidate", "write one safetensors file of full parameters (PyTorch / Hugging Face names and loaders)");
-  cmd_consolidate->add_option("checkpoint", ckpt_in,
-                              "run directory (its latest checkpoint) or checkpoint directory; with checkpoint.storage "
-                              "\"local\", one per node")
-      ->required()->check(CLI::ExistingDirectory);
-  cmd_consolidate->add_option("-o,--output", ckpt_out, "output file (default: <first checkpoint>/model.safetensors)");
+      "consolidate",
+      "write one safetensors file of full parameters (PyTorch / Hugging Face names and loaders)");
+  cmd_consolidate
+      ->add_option("checkpoint", ckpt_in,
+                   "run directory (its latest checkpoint) or checkpoint directory; with checkpoint.storage "
+                   "\"local\", one per node")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  cmd_consolidate->add_option("-o,--output", ckpt_out,
+                              "output file (default: <first checkpoint>/model.safetensors)");
   std::string verify_in;
   auto* cmd_verify = cmd_ckpt->add_subcommand(
       "verify", "check a checkpoint's files against their sizes and CRC-32C checksums, without a model");
-  cmd_verify->add_option("checkpoint", verify_in,
-                         "checkpoint directory, run directory (every checkpoint in it), or a run's checkpoints/latest")
-      ->required()->check(CLI::ExistingPath);
+  cmd_verify
+      ->add_option(
+          "checkpoint", verify_in,
+          "checkpoint directory, run directory (every checkpoint in it), or a run's checkpoints/latest")
+      ->required()
+      ->check(CLI::ExistingPath);
 
   try {
     app.parse(argc, argv);
@@ -483,29 +321,33 @@ int main(int argc, char** argv) {
     }
     if (cmd_run->parsed()) return run_recipe(run);
     if (cmd_validate->parsed()) {
-      const auto r = train::load_recipe(validate_recipe, validate_overrides,
-                                        validate_world > 0 ? std::optional<int>(validate_world) : std::nullopt);
+      const auto r =
+          train::load_recipe(validate_recipe, validate_overrides,
+                             validate_world > 0 ? std::optional<int>(validate_world) : std::nullopt);
       const auto memory = train::check_memory(r, r.world_size());  // refuses what cannot fit
       const auto& par = r.parallel;
       std::vector<std::string> dp_parts;
-      if (par.dp_replicate > 1) dp_parts.push_back(fmt::format("{} replicas x {} shards", par.dp_replicate, par.dp_shard()));
+      if (par.dp_replicate > 1)
+        dp_parts.push_back(fmt::format("{} replicas x {} shards", par.dp_replicate, par.dp_shard()));
       if (par.ep > 1)
         dp_parts.push_back(fmt::format("ep {}: {} of {} experts per rank, sharded over {} rank{}", par.ep,
                                        r.model.experts / par.ep, r.model.experts, par.expert_shard(),
                                        par.expert_shard() > 1 ? "s" : ""));
-      std::cout << fmt::format("{}: valid ({:.2f}M-parameter model, dp {}{} x pp {} = {} ranks, {} steps of {} sequences)\n",
-                               validate_recipe, r.model.parameter_count() / 1e6, par.dp,
-                               dp_parts.empty() ? "" : fmt::format(" ({})", fmt::join(dp_parts, "; ")), par.pp,
-                               r.world_size(), r.train.steps, r.train.global_batch);
+      std::cout << fmt::format(
+          "{}: valid ({:.2f}M-parameter model, dp {}{} x pp {} = {} ranks, {} steps of {} sequences)\n",
+          validate_recipe, r.model.parameter_count() / 1e6, par.dp,
+          dp_parts.empty() ? "" : fmt::format(" ({})", fmt::join(dp_parts, "; ")), par.pp, r.world_size(),
+          r.train.steps, r.train.global_batch);
       std::cout << memory << "\n";
       for (const auto& u : train::unmatched_overrides(r))
         std::cout << fmt::format("warning: {} matches no parameter of this model, and changes nothing\n", u);
-      if (r.train.device == "cuda") {
+      if (r.train.device == train::Device::kCuda) {
         std::string why;
         if (const int gpus = comm::cuda_device_count(&why); gpus == 0)
-          std::cout << fmt::format("note: this recipe trains on GPUs (train.device \"cuda\"), and this machine has "
-                                   "none ({}); it runs where each local rank has one\n",
-                                   why);
+          std::cout << fmt::format(
+              "note: this recipe trains on GPUs (train.device \"cuda\"), and this machine has "
+              "none ({}); it runs where each local rank has one\n",
+              why);
       }
       return 0;
     }
@@ -516,8 +358,10 @@ int main(int argc, char** argv) {
       auto model = train::load_model(gen_path, &recorded);
       const auto spec = gen_tokenizer.empty() ? recorded.value("spec", std::string("bytes")) : gen_tokenizer;
       if (spec == "none")
-        throw std::runtime_error(fmt::format("{} was trained on token shards without a tokenizer (data.tokenizer \"none\"): "
-                                             "nothing can decode its tokens", gen_path));
+        throw std::runtime_error(
+            fmt::format("{} was trained on token shards without a tokenizer (data.tokenizer \"none\"): "
+                        "nothing can decode its tokens",
+                        gen_path));
       const auto tokenizer = train::Tokenizer::load(spec);
       tokenizer->check_matches(recorded, gen_path);
       std::cout << gen_prompt << train::generate(*model, *tokenizer, gen_prompt, sample) << std::endl;
@@ -525,7 +369,8 @@ int main(int argc, char** argv) {
     }
     if (cmd_consolidate->parsed()) {
       namespace fs = std::filesystem;
-      const auto out = ckpt_out.empty() ? (fs::path(ckpt_in.front()) / "model.safetensors").string() : ckpt_out;
+      const auto out =
+          ckpt_out.empty() ? (fs::path(ckpt_in.front()) / "model.safetensors").string() : ckpt_out;
       const auto dir = train::consolidate_checkpoint(ckpt_in, out);
       std::cout << fmt::format("wrote {} from {}\n", out, dir);
       return 0;

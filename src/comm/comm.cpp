@@ -17,10 +17,14 @@ namespace fsdpp::comm {
 
 const char* to_string(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kAvg: return "avg";
-    case ReduceOp::kMax: return "max";
-    case ReduceOp::kMin: return "min";
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kMin:
+      return "min";
   }
   return "?";
 }
@@ -40,8 +44,13 @@ namespace {
 
 bool supported(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kHalf:
-    case at::kInt: case at::kLong: case at::kByte:
+    case at::kFloat:
+    case at::kDouble:
+    case at::kBFloat16:
+    case at::kHalf:
+    case at::kInt:
+    case at::kLong:
+    case at::kByte:
       return true;
     default:
       return false;
@@ -56,15 +65,15 @@ class Comm::Checker {
 
   template <typename... Args>
   [[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) const {
-    throw CommError(fmt::format("rank {}/{} {}: {}", rank_, size_, op_,
-                                fmt::format(f, std::forward<Args>(args)...)));
+    throw CommError(
+        fmt::format("rank {}/{} {}: {}", rank_, size_, op_, fmt::format(f, std::forward<Args>(args)...)));
   }
 
   void tensor(const at::Tensor& t, const char* name) const {
     if (!t.defined()) fail("{} is an undefined tensor", name);
     if (!supported(t.scalar_type()))
-      fail("{} has dtype {}, supported are float32, float64, bfloat16, float16, int32, int64, uint8",
-           name, c10::toString(t.scalar_type()));
+      fail("{} has dtype {}, supported are float32, float64, bfloat16, float16, int32, int64, uint8", name,
+           c10::toString(t.scalar_type()));
     if (!t.is_contiguous()) fail("{} must be contiguous (call .contiguous() first)", name);
     if (cuda_ ? !t.is_cuda() : !t.is_cpu())
       fail("{} is on {}; this communicator's backend ({}) takes {} tensors", name, t.device().str(),
@@ -79,8 +88,7 @@ class Comm::Checker {
 
   void reduction(ReduceOp op, const at::Tensor& t) const {
     if (op == ReduceOp::kAvg && !at::isFloatingType(t.scalar_type()))
-      fail("average of integer dtype {} is not defined; use sum and divide",
-           c10::toString(t.scalar_type()));
+      fail("average of integer dtype {} is not defined; use sum and divide", c10::toString(t.scalar_type()));
   }
 
   void peer(int p, const char* what) const {
@@ -123,7 +131,8 @@ const char* kOpNames[] = {"all_gather", "reduce_scatter", "all_reduce", "broadca
 
 std::string describe_fingerprint(const int64_t* f) {
   std::string s = kOpNames[f[0]];
-  if (f[0] != 5) s += fmt::format(" {} in={} out={}", c10::toString(static_cast<at::ScalarType>(f[1])), f[2], f[3]);
+  if (f[0] != 5)
+    s += fmt::format(" {} in={} out={}", c10::toString(static_cast<at::ScalarType>(f[1])), f[2], f[3]);
   if (f[0] == 3) s += fmt::format(" root={}", f[4]);
   return s;
 }
@@ -149,8 +158,9 @@ void Comm::check_consistency(int op, const at::Tensor* in, const at::Tensor* out
   const auto* m = mine.data_ptr<int64_t>();
   for (int r = 0; r < size(); ++r)
     if (!std::equal(m, m + 5, f + 5 * r))
-      throw CommError(fmt::format("rank {}/{} consistency check failed: this rank issues {}, rank {} issues {}",
-                                  rank(), size(), describe_fingerprint(m), r, describe_fingerprint(f + 5 * r)));
+      throw CommError(
+          fmt::format("rank {}/{} consistency check failed: this rank issues {}, rank {} issues {}", rank(),
+                      size(), describe_fingerprint(m), r, describe_fingerprint(f + 5 * r)));
 }
 
 template <typename Issue>
@@ -162,7 +172,9 @@ Work Comm::recorded(const char* op, const at::Tensor* in, const at::Tensor* out,
   return work;
 }
 
-void Comm::throw_empty() { throw CommError("use of an empty Comm (this rank is not a member of that group)"); }
+void Comm::throw_empty() {
+  throw CommError("use of an empty Comm (this rank is not a member of that group)");
+}
 
 detail::CommImpl& Comm::impl() const {
   if (!impl_) throw_empty();
@@ -230,8 +242,7 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptio
     if (in.numel() % size() != 0)
       c.fail("in has {} elements, not divisible into {} equal splits", in.numel(), size());
     if (out.numel() != in.numel())
-      c.fail("out has {} elements but in has {}; equal splits need the same", out.numel(),
-             in.numel());
+      c.fail("out has {} elements but in has {}; equal splits need the same", out.numel(), in.numel());
   } else {
     c.splits(opts.in_splits, in.numel(), "in_splits");
     c.splits(opts.out_splits, out.numel(), "out_splits");

@@ -32,14 +32,18 @@ Fault parse(const char* text, int world_size) {
     const auto eq = part.find('=');
     const std::string key = part.substr(0, eq), value = eq == std::string::npos ? "" : part.substr(eq + 1);
     const int64_t n = whole_number(value);
-    if (key == "rank") f.rank = n > INT32_MAX ? -1 : static_cast<int>(n);
-    else if (key == "attempt") f.attempt = value == "any" ? -1 : n > INT32_MAX ? -2 : static_cast<int>(n);
-    else f.at = n, at_key = key;
+    if (key == "rank")
+      f.rank = n > INT32_MAX ? -1 : static_cast<int>(n);
+    else if (key == "attempt")
+      f.attempt = value == "any" ? -1 : n > INT32_MAX ? -2 : static_cast<int>(n);
+    else
+      f.at = n, at_key = key;
     bad_value |= n < 0 && !(key == "attempt" && value == "any");
   }
   if (world_size > 0 && f.rank >= world_size)
-    throw std::invalid_argument(fmt::format("FSDPP_FAULT={}: rank {} is outside the world of {} ranks (0 to {})", text,
-                                            f.rank, world_size, world_size - 1));
+    throw std::invalid_argument(
+        fmt::format("FSDPP_FAULT={}: rank {} is outside the world of {} ranks (0 to {})", text, f.rank,
+                    world_size, world_size - 1));
   // This process's start of the group (TORCHELASTIC_RESTART_COUNT, 0 on the first).
   const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const int attempt_now = restart ? std::atoi(restart) : 0;
@@ -48,10 +52,11 @@ Fault parse(const char* text, int world_size) {
                   ((f.kind == "skip_all_gather" && at_key == "count") ||
                    ((f.kind == "kill" || f.kind == "kill_in_checkpoint") && at_key == "step"));
   if (!ok)
-    throw std::invalid_argument(fmt::format(
-        "FSDPP_FAULT={}: expected skip_all_gather:rank=R:count=N, kill:rank=R:step=N or kill_in_checkpoint:rank=R:step=N "
-        "(R and N whole numbers), optionally followed by :attempt=K or :attempt=any",
-        text));
+    throw std::invalid_argument(
+        fmt::format("FSDPP_FAULT={}: expected skip_all_gather:rank=R:count=N, kill:rank=R:step=N or "
+                    "kill_in_checkpoint:rank=R:step=N "
+                    "(R and N whole numbers), optionally followed by :attempt=K or :attempt=any",
+                    text));
   return f;
 }
 

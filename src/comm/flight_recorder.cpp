@@ -121,11 +121,9 @@ std::string FlightRecorder::to_json() const {
       started_at = e.work->started_at;
     }
     const char* state = failed ? "failed" : done ? "completed" : started ? "started" : "queued";
-    nlohmann::json j = {{"seq", e.seq},         {"op", e.op},
-                        {"dtype", e.dtype},     {"in", e.in_numel},
-                        {"out", e.out_numel},   {"peer", e.peer},
-                        {"label", e.label},     {"state", state},
-                        {"issued_us", micros(e.issued)}};
+    nlohmann::json j = {{"seq", e.seq},     {"op", e.op},         {"dtype", e.dtype},
+                        {"in", e.in_numel}, {"out", e.out_numel}, {"peer", e.peer},
+                        {"label", e.label}, {"state", state},     {"issued_us", micros(e.issued)}};
     if (e.work && started && started_at.time_since_epoch().count() != 0) j["started_us"] = micros(started_at);
     if (done && e.work) j["completed_us"] = micros(e.work->finished_at);
     if (!e.work && e.completed.time_since_epoch().count() != 0) {  // completed where it was issued
@@ -158,7 +156,9 @@ std::string dump_flight_records(const std::string& dir, int world_rank) {
   std::filesystem::create_directories(dir);
   const auto comms = nlohmann::json::parse(flight_records_json());
   const auto path = (std::filesystem::path(dir) / fmt::format("rank{}.json", world_rank)).string();
-  write_file_atomically(path, nlohmann::json{{"format", "fsdpp-flight-records-1"}, {"rank", world_rank}, {"comms", comms}}.dump(1));
+  write_file_atomically(
+      path,
+      nlohmann::json{{"format", "fsdpp-flight-records-1"}, {"rank", world_rank}, {"comms", comms}}.dump(1));
   return path;
 }
 
@@ -195,7 +195,8 @@ std::string rank_list(const std::vector<int>& r) { return fmt::format("{}", fmt:
 
 std::string analyze_flight_records(const std::string& dir, bool* found) {
   if (found) *found = false;
-  std::map<std::string, std::map<int, std::pair<int, std::map<int64_t, nlohmann::json>>>> comms;  // name -> comm rank -> (world rank, seq -> entry)
+  std::map<std::string, std::map<int, std::pair<int, std::map<int64_t, nlohmann::json>>>>
+      comms;  // name -> comm rank -> (world rank, seq -> entry)
   std::map<std::string, int> sizes;
   std::set<int> dumped;  // world ranks
   int dumps = 0;
@@ -228,10 +229,11 @@ std::string analyze_flight_records(const std::string& dir, bool* found) {
   for (int r = 0; r < world; ++r)
     if (!dumped.count(r)) silent.push_back(r);
   if (!silent.empty()) {
-    report += fmt::format("rank(s) {} of {} wrote no flight records: a rank that is stopped (SIGSTOP, a debugger), stuck "
-                          "outside a collective, or dead cannot dump, and every other rank waits on it: the likely "
-                          "culprit\n",
-                          rank_list(silent), world);
+    report += fmt::format(
+        "rank(s) {} of {} wrote no flight records: a rank that is stopped (SIGSTOP, a debugger), stuck "
+        "outside a collective, or dead cannot dump, and every other rank waits on it: the likely "
+        "culprit\n",
+        rank_list(silent), world);
     if (found) *found = true;
   }
   for (const auto& [comm, ranks] : comms) {
@@ -261,11 +263,12 @@ std::string analyze_flight_records(const std::string& dir, bool* found) {
       for (const auto& [sig, who] : by_sig) {
         if (sig == majority->first) continue;
         if (sig.empty()) {
-          report += fmt::format("{}: rank(s) {} never issued operation {}, which rank(s) {} issued: {}\n", comm,
-                                rank_list(who), seq, rank_list(majority->second), want);
+          report += fmt::format("{}: rank(s) {} never issued operation {}, which rank(s) {} issued: {}\n",
+                                comm, rank_list(who), seq, rank_list(majority->second), want);
         } else {
-          report += fmt::format("{}: at operation {}, rank(s) {} issued {} where rank(s) {} issued {}\n", comm, seq,
-                                rank_list(who), describe_entry(example[sig]), rank_list(majority->second), want);
+          report +=
+              fmt::format("{}: at operation {}, rank(s) {} issued {} where rank(s) {} issued {}\n", comm, seq,
+                          rank_list(who), describe_entry(example[sig]), rank_list(majority->second), want);
         }
       }
       if (found) *found = true;
@@ -308,12 +311,15 @@ struct Watchdog {
         if (why.empty()) continue;  // the store may be gone at shutdown
       }
       const auto path = dump_flight_records(options.dump_dir, options.rank);
-      std::cerr << fmt::format("fsdpp watchdog: rank {}: {}; flight records written to {}\n", options.rank, why, path);
+      std::cerr << fmt::format("fsdpp watchdog: rank {}: {}; flight records written to {}\n", options.rank,
+                               why, path);
       dumped = true;
       if (options.exit_code != 0) {
         std::this_thread::sleep_for(options.exit_grace);
-        std::cerr << fmt::format("fsdpp watchdog: rank {}: ending the process (exit code {}); analyse with: fsdpp fr analyze {}\n",
-                                 options.rank, options.exit_code, options.dump_dir)
+        std::cerr << fmt::format(
+                         "fsdpp watchdog: rank {}: ending the process (exit code {}); analyse with: fsdpp fr "
+                         "analyze {}\n",
+                         options.rank, options.exit_code, options.dump_dir)
                   << std::flush;
         // NCCL operations stuck on the device would keep the process from ending.
         detail::run_abort_hooks();

@@ -30,16 +30,16 @@ int env_int(const char* name, int lo, int hi, std::optional<int> fallback) {
   const char* v = std::getenv(name);
   if (!v || !*v) {
     if (fallback) return *fallback;
-    throw CommError(fmt::format(
-        "environment variable {} is not set; start the program with `fsdpp launch` or torchrun, "
-        "or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE",
-        name));
+    throw CommError(
+        fmt::format("environment variable {} is not set; start the program with `fsdpp launch` or torchrun, "
+                    "or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE",
+                    name));
   }
   char* end = nullptr;
   const long x = std::strtol(v, &end, 10);
   if (*end != '\0' || x < lo || x > hi)
-    throw CommError(fmt::format("environment variable {}='{}' is not an integer in [{}, {}]", name,
-                                v, lo, hi));
+    throw CommError(
+        fmt::format("environment variable {}='{}' is not an integer in [{}, {}]", name, v, lo, hi));
   return static_cast<int>(x);
 }
 
@@ -74,9 +74,10 @@ std::string local_address_towards(const std::string& host, uint16_t port) {
   if (fd >= 0) close(fd);
   freeaddrinfo(res);
   if (out.empty())
-    throw CommError(fmt::format("no network route to MASTER_ADDR '{}'; set FSDPP_BIND_ADDR to this "
-                                "host's address",
-                                host));
+    throw CommError(
+        fmt::format("no network route to MASTER_ADDR '{}'; set FSDPP_BIND_ADDR to this "
+                    "host's address",
+                    host));
   return out;
 }
 
@@ -84,13 +85,10 @@ std::string process_token(int size) {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   std::random_device rd;
-  return fmt::format("size={} host={} pid={} id={:x}", size, host, getpid(),
-                     (uint64_t{rd()} << 32) | rd());
+  return fmt::format("size={} host={} pid={} id={:x}", size, host, getpid(), (uint64_t{rd()} << 32) | rd());
 }
 
-int token_size(const std::string& token) {
-  return std::atoi(token.c_str() + token.find('=') + 1);
-}
+int token_size(const std::string& token) { return std::atoi(token.c_str() + token.find('=') + 1); }
 
 std::string describe_token(const std::string& token) {
   return token.substr(token.find(' ') + 1, token.rfind(" id=") - token.find(' ') - 1);
@@ -101,9 +99,8 @@ detail::BackendConfig backend_config(const InitOptions& options, const std::stri
   config.timeout = options.timeout;
   config.bind_address = env_or("FSDPP_BIND_ADDR", options.bind_address);
   if (config.bind_address.empty())
-    config.bind_address = store_host.empty() || is_loopback(store_host)
-                              ? "127.0.0.1"
-                              : local_address_towards(store_host, 0);
+    config.bind_address =
+        store_host.empty() || is_loopback(store_host) ? "127.0.0.1" : local_address_towards(store_host, 0);
   return config;
 }
 
@@ -128,9 +125,9 @@ void join(Store& store, int rank, int size, std::chrono::milliseconds timeout) {
       std::vector<int> missing;
       for (int r = 0; r < size; ++r)
         if (!store.check({key(r)})) missing.push_back(r);
-      std::cerr << fmt::format("fsdpp: rank 0 of {}: waiting for rank(s) {} to join ({:.0f} s of {:.0f} s)\n", size,
-                               fmt::join(missing, ", "), std::chrono::duration<double>(now - start).count(),
-                               timeout.count() / 1000.0)
+      std::cerr << fmt::format("fsdpp: rank 0 of {}: waiting for rank(s) {} to join ({:.0f} s of {:.0f} s)\n",
+                               size, fmt::join(missing, ", "),
+                               std::chrono::duration<double>(now - start).count(), timeout.count() / 1000.0)
                 << std::flush;
       next_note += std::chrono::seconds(10);
     }
@@ -138,12 +135,12 @@ void join(Store& store, int rank, int size, std::chrono::milliseconds timeout) {
       std::vector<int> missing;
       for (int r = 0; r < size; ++r)
         if (!store.check({key(r)})) missing.push_back(r);
-      throw CommError(fmt::format(
-          "rank {} of {}: rendezvous through {} timed out after {:.1f} s: {} of {} ranks joined, "
-          "missing rank(s) {}. Check that every rank was started with WORLD_SIZE={} and the same "
-          "MASTER_ADDR and MASTER_PORT",
-          rank, size, store.where(), timeout.count() / 1000.0, size - missing.size(), size,
-          fmt::join(missing, ", "), size));
+      throw CommError(
+          fmt::format("rank {} of {}: rendezvous through {} timed out after {:.1f} s: {} of {} ranks joined, "
+                      "missing rank(s) {}. Check that every rank was started with WORLD_SIZE={} and the same "
+                      "MASTER_ADDR and MASTER_PORT",
+                      rank, size, store.where(), timeout.count() / 1000.0, size - missing.size(), size,
+                      fmt::join(missing, ", "), size));
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(50));
@@ -152,12 +149,13 @@ void join(Store& store, int rank, int size, std::chrono::milliseconds timeout) {
     const auto v = store.get(key(r));
     const std::string other(v.begin(), v.end());
     if (r == rank && other != token)
-      throw CommError(fmt::format("rank {} of {}: two processes claim rank {}: this one ({}) and {}",
-                                  rank, size, rank, describe_token(token), describe_token(other)));
+      throw CommError(fmt::format("rank {} of {}: two processes claim rank {}: this one ({}) and {}", rank,
+                                  size, rank, describe_token(token), describe_token(other)));
     if (token_size(other) != size)
-      throw CommError(fmt::format("rank {} of {}: rank {} ({}) was started with WORLD_SIZE={}, "
-                                  "this rank with WORLD_SIZE={}",
-                                  rank, size, r, describe_token(other), token_size(other), size));
+      throw CommError(
+          fmt::format("rank {} of {}: rank {} ({}) was started with WORLD_SIZE={}, "
+                      "this rank with WORLD_SIZE={}",
+                      rank, size, r, describe_token(other), token_size(other), size));
   }
 }
 
@@ -188,8 +186,8 @@ Comm init_from_env(const InitOptions& options) {
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* res = nullptr;
     if (const int rc = getaddrinfo(env.master_addr.c_str(), nullptr, &hints, &res); rc != 0)
-      throw CommError(fmt::format("rank {} of {}: MASTER_ADDR='{}' does not resolve: {}", env.rank, env.world_size,
-                                  env.master_addr, gai_strerror(rc)));
+      throw CommError(fmt::format("rank {} of {}: MASTER_ADDR='{}' does not resolve: {}", env.rank,
+                                  env.world_size, env.master_addr, gai_strerror(rc)));
     freeaddrinfo(res);
   }
   TcpStoreOptions so;
@@ -240,9 +238,8 @@ Comm connect(std::shared_ptr<Store> store, int rank, int size, const InitOptions
     throw CommError(fmt::format("connect: rank {} is outside [0, {})", rank, size));
   const auto config = backend_config(options, "");
   detail::join(*store, rank, size, options.timeout);
-  return Comm(options.backend == Backend::kNccl
-                  ? detail::make_nccl_comm(store, rank, size, config)
-                  : detail::make_gloo_comm(store, rank, size, config),
+  return Comm(options.backend == Backend::kNccl ? detail::make_nccl_comm(store, rank, size, config)
+                                                : detail::make_gloo_comm(store, rank, size, config),
               "world");
 }
 

@@ -116,8 +116,7 @@ Failure describe_exit(const Rank& r, int status) {
             fmt::format("rank {} (pid {}) was killed by {}", r.global_rank, r.pid,
                         signal_name(WTERMSIG(status)))};
   return {r.global_rank, WEXITSTATUS(status),
-          fmt::format("rank {} (pid {}) exited with code {}", r.global_rank, r.pid,
-                      WEXITSTATUS(status))};
+          fmt::format("rank {} (pid {}) exited with code {}", r.global_rank, r.pid, WEXITSTATUS(status))};
 }
 
 // Ranks of this node that are stopped (SIGSTOP, a debugger): a collective waits on them forever,
@@ -131,12 +130,14 @@ std::string stopped_ranks(const std::vector<Rank>& ranks) {
     std::getline(f, line);
     // pid (comm) state ...: the state follows the last ')'.
     const auto close = line.rfind(')');
-    if (close != std::string::npos && close + 2 < line.size() && (line[close + 2] == 'T' || line[close + 2] == 't'))
+    if (close != std::string::npos && close + 2 < line.size() &&
+        (line[close + 2] == 'T' || line[close + 2] == 't'))
       stopped.push_back(fmt::format("rank {} (pid {})", r.global_rank, r.pid));
   }
   if (stopped.empty()) return "";
-  return fmt::format("; {} {} stopped (SIGSTOP or a debugger) and so never reached the collective: the likely cause",
-                     fmt::join(stopped, ", "), stopped.size() == 1 ? "is" : "are");
+  return fmt::format(
+      "; {} {} stopped (SIGSTOP or a debugger) and so never reached the collective: the likely cause",
+      fmt::join(stopped, ", "), stopped.size() == 1 ? "is" : "are");
 }
 
 bool lost_a_peer(const Rank& r) {
@@ -172,9 +173,15 @@ pid_t spawn(const std::string& program, const std::vector<std::string>& args,
 
 std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& addr, uint16_t port,
                                   int local_rank, const std::string& error_file, int attempt) {
-  static const char* kOwned[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                 "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                                 "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
+  static const char* kOwned[] = {"RANK",
+                                 "WORLD_SIZE",
+                                 "LOCAL_RANK",
+                                 "LOCAL_WORLD_SIZE",
+                                 "GROUP_RANK",
+                                 "MASTER_ADDR",
+                                 "MASTER_PORT",
+                                 "TORCHELASTIC_USE_AGENT_STORE",
+                                 "TORCHELASTIC_RESTART_COUNT",
                                  "FSDPP_ERROR_FILE"};
   std::vector<std::string> env;
   bool has_omp = false;
@@ -194,7 +201,8 @@ std::vector<std::string> rank_env(const LaunchOptions& o, const std::string& add
   env.push_back(fmt::format("LOCAL_RANK={}", local_rank));
   env.push_back(fmt::format("LOCAL_WORLD_SIZE={}", o.nproc));
   // The ranks' output reaches a terminal through the launcher's pipes; tell them whether it does.
-  if (!std::getenv("FSDPP_STDOUT_TTY")) env.push_back(fmt::format("FSDPP_STDOUT_TTY={}", isatty(STDOUT_FILENO) ? 1 : 0));
+  if (!std::getenv("FSDPP_STDOUT_TTY"))
+    env.push_back(fmt::format("FSDPP_STDOUT_TTY={}", isatty(STDOUT_FILENO) ? 1 : 0));
   env.push_back(fmt::format("GROUP_RANK={}", o.node_rank));
   env.push_back("MASTER_ADDR=" + addr);
   env.push_back(fmt::format("MASTER_PORT={}", port));
@@ -262,8 +270,9 @@ LaunchResult run_attempt(const LaunchOptions& o, Attempt& at) {
       throw std::runtime_error("fsdpp launch: pipe failed");
     ranks[i].global_rank = o.node_rank * o.nproc + i;
     ranks[i].error_file = fmt::format("{}/rank{}.{}", at.error_dir, ranks[i].global_rank, at.number);
-    ranks[i].pid = spawn(at.program, o.command, rank_env(o, at.addr, at.port, i, ranks[i].error_file, at.number),
-                         out[1], err[1], self);
+    ranks[i].pid =
+        spawn(at.program, o.command, rank_env(o, at.addr, at.port, i, ranks[i].error_file, at.number), out[1],
+              err[1], self);
     close(out[1]);
     close(err[1]);
     ranks[i].fds[0] = out[0];
@@ -344,8 +353,7 @@ LaunchResult run_attempt(const LaunchOptions& o, Attempt& at) {
       if (stopping) {
         stop_all(SIGKILL);  // a second Ctrl-C: no more grace
       } else {
-        write_all(STDERR_FILENO,
-                  fmt::format("fsdpp launch: got {}, stopping all ranks\n", signal_name(sig)));
+        write_all(STDERR_FILENO, fmt::format("fsdpp launch: got {}, stopping all ranks\n", signal_name(sig)));
         if (result.failed_rank < 0) {
           result.exit_code = 128 + sig;
           result.reason = fmt::format("interrupted by {}", signal_name(sig));
@@ -384,8 +392,7 @@ LaunchResult run_attempt(const LaunchOptions& o, Attempt& at) {
     }
     if (primary && !stopping) {
       take(*primary);
-      write_all(STDERR_FILENO,
-                fmt::format("fsdpp launch: {}; stopping the other ranks\n", result.reason));
+      write_all(STDERR_FILENO, fmt::format("fsdpp launch: {}; stopping the other ranks\n", result.reason));
       begin_stop();
     }
     if (running == 0 && all_done_at == std::chrono::steady_clock::time_point::max())
@@ -415,12 +422,13 @@ LaunchResult launch(const LaunchOptions& o) {
   if (o.nproc < 1) throw std::invalid_argument("fsdpp launch: --nproc must be at least 1");
   if (o.nnodes < 1) throw std::invalid_argument("fsdpp launch: --nnodes must be at least 1");
   if (o.node_rank < 0 || o.node_rank >= o.nnodes)
-    throw std::invalid_argument(fmt::format("fsdpp launch: --node-rank {} is outside [0, {})",
-                                            o.node_rank, o.nnodes));
+    throw std::invalid_argument(
+        fmt::format("fsdpp launch: --node-rank {} is outside [0, {})", o.node_rank, o.nnodes));
   if (o.max_restarts < 0) throw std::invalid_argument("fsdpp launch: --max-restarts must be at least 0");
   if (o.command.empty()) throw std::invalid_argument("fsdpp launch: no program given after --");
   if (o.share_gpu && o.nnodes > 1)
-    throw std::invalid_argument("fsdpp launch: --share-gpu is for ranks of one node sharing its GPUs; it takes --nnodes 1");
+    throw std::invalid_argument(
+        "fsdpp launch: --share-gpu is for ranks of one node sharing its GPUs; it takes --nnodes 1");
   for (const auto& kv : o.env)
     if (kv.find('=') == std::string::npos || kv.front() == '=')
       throw std::invalid_argument(fmt::format("fsdpp launch: environment entry '{}' is not NAME=value", kv));
@@ -454,7 +462,8 @@ LaunchResult launch(const LaunchOptions& o) {
   if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
     throw std::runtime_error("fsdpp launch: pipe failed");
   g_signal.store(0);
-  struct sigaction sa {}, old_int{}, old_term{};
+  struct sigaction sa {
+  }, old_int{}, old_term{};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, &old_int);
@@ -483,10 +492,12 @@ LaunchResult launch(const LaunchOptions& o) {
       try {
         at.store->add(key, 1);
         const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-        while (o.node_rank == 0 && at.store->add(key, 0) < o.nnodes && !at.store->check({failure_key(at.number)}) &&
-               std::chrono::steady_clock::now() < give_up && !g_signal.load())
+        while (o.node_rank == 0 && at.store->add(key, 0) < o.nnodes &&
+               !at.store->check({failure_key(at.number)}) && std::chrono::steady_clock::now() < give_up &&
+               !g_signal.load())
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        if (const auto f = published_failure(at.store.get(), at.number)) {  // this node's ranks were done, another's failed
+        if (const auto f = published_failure(at.store.get(),
+                                             at.number)) {  // this node's ranks were done, another's failed
           result.exit_code = f->exit_code;
           result.reason = f->reason;
         }
@@ -497,13 +508,15 @@ LaunchResult launch(const LaunchOptions& o) {
     if (result.exit_code == 0 || at.interrupted) break;
     if (at.number >= o.max_restarts) {
       if (o.max_restarts > 0)
-        write_all(STDERR_FILENO, fmt::format("fsdpp launch: giving up after {} restart{}; the last failure: {}\n",
-                                             o.max_restarts, o.max_restarts == 1 ? "" : "s", result.reason));
+        write_all(STDERR_FILENO,
+                  fmt::format("fsdpp launch: giving up after {} restart{}; the last failure: {}\n",
+                              o.max_restarts, o.max_restarts == 1 ? "" : "s", result.reason));
       break;
     }
-    write_all(STDERR_FILENO, fmt::format("fsdpp launch: restart {} of {}: starting every rank again (the run resumes "
-                                         "from its latest checkpoint) after: {}\n",
-                                         at.number + 1, o.max_restarts, result.reason));
+    write_all(STDERR_FILENO,
+              fmt::format("fsdpp launch: restart {} of {}: starting every rank again (the run resumes "
+                          "from its latest checkpoint) after: {}\n",
+                          at.number + 1, o.max_restarts, result.reason));
   }
 
   std::filesystem::remove_all(at.error_dir);

@@ -48,13 +48,13 @@ size_t DeviceMesh::index(const std::string& dim) const {
 
 int DeviceMesh::rank_at(const std::vector<int>& coords) const {
   if (coords.size() != dims_.size())
-    throw CommError(fmt::format("DeviceMesh::rank_at: {} coordinates for {} dimensions",
-                                coords.size(), dims_.size()));
+    throw CommError(
+        fmt::format("DeviceMesh::rank_at: {} coordinates for {} dimensions", coords.size(), dims_.size()));
   int r = 0;
   for (size_t d = 0; d < dims_.size(); ++d) {
     if (coords[d] < 0 || coords[d] >= dims_[d].second)
-      throw CommError(fmt::format("DeviceMesh::rank_at: coordinate {} of '{}' is outside [0, {})",
-                                  coords[d], dims_[d].first, dims_[d].second));
+      throw CommError(fmt::format("DeviceMesh::rank_at: coordinate {} of '{}' is outside [0, {})", coords[d],
+                                  dims_[d].first, dims_[d].second));
     r = r * dims_[d].second + coords[d];
   }
   return r;

@@ -26,9 +26,7 @@ class C10dStore : public Store {
   C10dStore(c10::intrusive_ptr<c10d::Store> store, std::string where)
       : store_(std::move(store)), where_(std::move(where)) {}
 
-  void set(const std::string& key, const std::vector<uint8_t>& value) override {
-    store_->set(key, value);
-  }
+  void set(const std::string& key, const std::vector<uint8_t>& value) override { store_->set(key, value); }
   std::vector<uint8_t> get(const std::string& key) override { return store_->get(key); }
   int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
   bool check(const std::vector<std::string>& keys) override { return store_->check(keys); }
@@ -58,9 +56,7 @@ class PrefixStore : public Store {
     base_->set(prefix_ + key, value);
   }
   std::vector<uint8_t> get(const std::string& key) override { return base_->get(prefix_ + key); }
-  int64_t add(const std::string& key, int64_t delta) override {
-    return base_->add(prefix_ + key, delta);
-  }
+  int64_t add(const std::string& key, int64_t delta) override { return base_->add(prefix_ + key, delta); }
   bool check(const std::vector<std::string>& keys) override { return base_->check(prefixed(keys)); }
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
     base_->wait(prefixed(keys), timeout);
@@ -105,13 +101,15 @@ std::optional<int> listen_on(const std::string& host, uint16_t port) {
     return std::nullopt;
   }
   const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw CommError(fmt::format("cannot host the rendezvous store: socket: {}", std::strerror(errno)));
+  if (fd < 0)
+    throw CommError(fmt::format("cannot host the rendezvous store: socket: {}", std::strerror(errno)));
   const int one = 1;
   setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(fd, SOMAXCONN) != 0) {
     const int e = errno;
     close(fd);
-    throw CommError(fmt::format("cannot host the rendezvous store on {}:{}: {}", host, port, std::strerror(e)));
+    throw CommError(
+        fmt::format("cannot host the rendezvous store on {}:{}: {}", host, port, std::strerror(e)));
   }
   return fd;
 }
@@ -146,13 +144,14 @@ void wait_for_listener(const std::string& host, uint16_t port, std::chrono::mill
     const auto now = std::chrono::steady_clock::now();
     const double waited = std::chrono::duration<double>(now - start).count();
     if (now - start >= timeout)
-      throw CommError(fmt::format("cannot reach the rendezvous store at {}:{} within {:.1f} s: nothing listens there "
-                                  "(is rank 0, or the launcher of node 0, started with the same MASTER_ADDR and "
-                                  "MASTER_PORT?)",
-                                  host, port, waited));
+      throw CommError(
+          fmt::format("cannot reach the rendezvous store at {}:{} within {:.1f} s: nothing listens there "
+                      "(is rank 0, or the launcher of node 0, started with the same MASTER_ADDR and "
+                      "MASTER_PORT?)",
+                      host, port, waited));
     if (now >= next_note) {
-      std::cerr << fmt::format("fsdpp: waiting for the rendezvous store at {}:{} ({:.0f} s of {:.0f} s)\n", host, port,
-                               waited, timeout.count() / 1000.0)
+      std::cerr << fmt::format("fsdpp: waiting for the rendezvous store at {}:{} ({:.0f} s of {:.0f} s)\n",
+                               host, port, waited, timeout.count() / 1000.0)
                 << std::flush;
       next_note += std::chrono::seconds(10);
     }
@@ -190,11 +189,9 @@ std::shared_ptr<Store> make_tcp_store(const TcpStoreOptions& options) {
     store = c10::make_intrusive<c10d::TCPStore>(options.host, o);
   } catch (const std::exception& e) {
     if (options.is_server)
-      throw CommError(fmt::format("cannot host the rendezvous store on port {}: {}", options.port,
-                                  e.what()));
-    throw CommError(fmt::format("cannot reach the rendezvous store at {}:{} within {} s: {}",
-                                options.host, options.port, options.timeout.count() / 1000.0,
-                                e.what()));
+      throw CommError(fmt::format("cannot host the rendezvous store on port {}: {}", options.port, e.what()));
+    throw CommError(fmt::format("cannot reach the rendezvous store at {}:{} within {} s: {}", options.host,
+                                options.port, options.timeout.count() / 1000.0, e.what()));
   }
   const auto port = store->getPort();
   return std::make_shared<C10dStore>(std::move(store), fmt::format("{}:{}", options.host, port));

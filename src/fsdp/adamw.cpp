@@ -16,10 +16,13 @@ AdamW::AdamW(std::vector<at::Tensor> params, const AdamWOptions& options, std::v
     : options_(options) {
   auto bad = [](const std::string& what) { return std::invalid_argument("AdamW: " + what); };
   if (!(options.lr >= 0)) throw bad(fmt::format("lr must be >= 0, got {}", options.lr));
-  if (!(options.beta1 >= 0 && options.beta1 < 1)) throw bad(fmt::format("beta1 must be in [0, 1), got {}", options.beta1));
-  if (!(options.beta2 >= 0 && options.beta2 < 1)) throw bad(fmt::format("beta2 must be in [0, 1), got {}", options.beta2));
+  if (!(options.beta1 >= 0 && options.beta1 < 1))
+    throw bad(fmt::format("beta1 must be in [0, 1), got {}", options.beta1));
+  if (!(options.beta2 >= 0 && options.beta2 < 1))
+    throw bad(fmt::format("beta2 must be in [0, 1), got {}", options.beta2));
   if (!(options.eps >= 0)) throw bad(fmt::format("eps must be >= 0, got {}", options.eps));
-  if (!(options.weight_decay >= 0)) throw bad(fmt::format("weight_decay must be >= 0, got {}", options.weight_decay));
+  if (!(options.weight_decay >= 0))
+    throw bad(fmt::format("weight_decay must be >= 0, got {}", options.weight_decay));
   std::set<const void*> seen;
   at::Device device = at::kCPU;
   at::NoGradGuard no_grad;
@@ -28,15 +31,17 @@ AdamW::AdamW(std::vector<at::Tensor> params, const AdamWOptions& options, std::v
       if (!p.defined()) throw bad("a parameter is undefined");
       if (params_.empty()) device = p.device();
       if (p.device() != device)
-        throw bad(fmt::format("parameters are on {} and {}; they must share a device", device.str(), p.device().str()));
+        throw bad(fmt::format("parameters are on {} and {}; they must share a device", device.str(),
+                              p.device().str()));
       if (!seen.insert(p.unsafeGetTensorImpl()).second) throw bad("a parameter is given twice");
       params_.push_back({p, {at::zeros_like(p), at::zeros_like(p)}, list == &params});
     }
   // ATen's fused kernel on the CPU; on a GPU the update below, whose learning rate and step count
   // stay on the device for graph capture.
-  fused_ = options.fused && device.is_cpu() && std::all_of(params_.begin(), params_.end(), [](const Param& q) {
-    return q.param.is_contiguous() && at::isFloatingType(q.param.scalar_type());
-  });
+  fused_ =
+      options.fused && device.is_cpu() && std::all_of(params_.begin(), params_.end(), [](const Param& q) {
+        return q.param.is_contiguous() && at::isFloatingType(q.param.scalar_type());
+      });
   const auto f64 = at::TensorOptions(device).dtype(at::kDouble);
   lr_ = at::full({}, options.lr, f64);
   step_ = at::zeros({}, f64);
@@ -73,7 +78,8 @@ void AdamW::step() {
     }
     for (int i : {0, 1})
       if (!p[i].empty())
-        at::_fused_adamw_(p[i], g[i], m[i], v[i], {}, t[i], lr_, o.beta1, o.beta2, i == 1 ? o.weight_decay : 0.0, o.eps,
+        at::_fused_adamw_(p[i], g[i], m[i], v[i], {}, t[i], lr_, o.beta1, o.beta2,
+                          i == 1 ? o.weight_decay : 0.0, o.eps,
                           /*amsgrad=*/false, /*maximize=*/false);
     return;
   }

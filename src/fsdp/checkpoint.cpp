@@ -47,7 +47,8 @@ bool is_int64(const json& v) {
 int64_t integer(const json& object, const char* key, const std::string& file) {
   const json& v = object.at(key);
   if (!is_int64(v))
-    throw std::runtime_error(fmt::format("checkpoint: '{}' in {} is not a 64-bit integer: {}", key, file, v.dump()));
+    throw std::runtime_error(
+        fmt::format("checkpoint: '{}' in {} is not a 64-bit integer: {}", key, file, v.dump()));
   return v.get<int64_t>();
 }
 
@@ -82,7 +83,8 @@ std::vector<Saved> read_all(const std::vector<std::string>& dirs, Ranks which = 
     return read_all_checked(dirs, which);
   } catch (const json::exception& e) {
     // A field of the wrong type or missing: the index is damaged.
-    throw std::runtime_error(fmt::format("checkpoint: an index in {} is malformed: {}", fmt::join(dirs, ", "), e.what()));
+    throw std::runtime_error(
+        fmt::format("checkpoint: an index in {} is malformed: {}", fmt::join(dirs, ", "), e.what()));
   }
 }
 
@@ -139,7 +141,8 @@ std::vector<std::string> rank_dirs(const std::vector<std::string>& dirs) {
   if (first->value("format", "") != kFormat)
     throw std::runtime_error(fmt::format("checkpoint: {} is not a {} index", first_file, kFormat));
   const int64_t world = integer(*first, "world_size", first_file);
-  if (world < 1 || world > 1 << 16) throw std::runtime_error(fmt::format("checkpoint: {} has world_size {}", first_file, world));
+  if (world < 1 || world > 1 << 16)
+    throw std::runtime_error(fmt::format("checkpoint: {} has world_size {}", first_file, world));
   std::vector<std::string> where(world);
   for (int64_t r = 0; r < world; ++r)
     for (const auto& dir : dirs)
@@ -148,7 +151,8 @@ std::vector<std::string> rank_dirs(const std::vector<std::string>& dirs) {
 }
 
 // Calls `each` with every rank's files in turn (only those present, with Ranks::kPresent).
-void for_each_rank(const std::vector<std::string>& dirs, Ranks which, const std::function<void(Saved&&)>& each) {
+void for_each_rank(const std::vector<std::string>& dirs, Ranks which,
+                   const std::function<void(Saved&&)>& each) {
   const auto where = rank_dirs(dirs);
   for (int64_t r = 0; r < static_cast<int64_t>(where.size()); ++r) {
     if (where[r].empty() && which == Ranks::kPresent) continue;
@@ -165,7 +169,7 @@ std::vector<Saved> read_all_checked(const std::vector<std::string>& dirs, Ranks 
 }  // namespace
 
 void write_shard_files(const std::vector<Shard>& shards, int rank, int world, const std::string& dir,
-                 AdamW* optimizer) {
+                       AdamW* optimizer) {
   fs::create_directories(dir);
   json entries = json::array();
   std::vector<std::pair<std::string, at::Tensor>> tensors;
@@ -191,19 +195,23 @@ void write_shard_files(const std::vector<Shard>& shards, int rank, int world, co
   write_safetensors(base.string() + ".safetensors", tensors, {{"format", kFormat}});  // synced, then renamed
   // Its size and checksum go into the index: loading then finds damage to any byte.
   const auto digest = digest_file(base.string() + ".safetensors");
-  index["data"] = {{"file", base.filename().string() + ".safetensors"}, {"bytes", digest.bytes}, {"crc32c", crc_hex(digest.crc32c)}};
+  index["data"] = {{"file", base.filename().string() + ".safetensors"},
+                   {"bytes", digest.bytes},
+                   {"crc32c", crc_hex(digest.crc32c)}};
   write_file_atomically(base.string() + ".json", index.dump(1));
 }
 
 void save_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer) {
   auto& comm = root.fsdp_unit().comm();
   auto replicate = root.fsdp_unit().options().replicate;  // HSDP: the first replica group writes
-  if (!replicate || replicate->rank() == 0) write_shard_files(shards(root), comm.rank(), comm.size(), dir, optimizer);
+  if (!replicate || replicate->rank() == 0)
+    write_shard_files(shards(root), comm.rank(), comm.size(), dir, optimizer);
   comm.barrier().wait();  // the checkpoint is complete when every rank's files are in place
   if (replicate) replicate->barrier().wait();
 }
 
-void read_shard_files(const std::vector<Shard>& shards, const std::string& dir, AdamW* optimizer, bool present_only) {
+void read_shard_files(const std::vector<Shard>& shards, const std::string& dir, AdamW* optimizer,
+                      bool present_only) {
   const auto saved = read_all({dir}, present_only ? Ranks::kPresent : Ranks::kAll);
   at::NoGradGuard no_grad;
   std::optional<int64_t> steps_loaded;
@@ -237,10 +245,11 @@ void read_shard_files(const std::vector<Shard>& shards, const std::string& dir, 
       }
     if (!found) throw std::runtime_error(fmt::format("checkpoint: '{}' is not in {}", s.name, dir));
     if (covered != s.info.local_rows)
-      throw std::runtime_error(fmt::format("checkpoint: rows {}..{} of '{}' are not all in {}{}", lo, hi, s.name, dir,
-                                           present_only ? " (on local storage a node holds its own ranks' rows: resume "
-                                                          "at the layout the checkpoint was saved at)"
-                                                        : ""));
+      throw std::runtime_error(
+          fmt::format("checkpoint: rows {}..{} of '{}' are not all in {}{}", lo, hi, s.name, dir,
+                      present_only ? " (on local storage a node holds its own ranks' rows: resume "
+                                     "at the layout the checkpoint was saved at)"
+                                   : ""));
     if (state) {
       // A checkpoint saved without optimizer state starts the optimizer afresh.
       if (!step) {
@@ -248,8 +257,9 @@ void read_shard_files(const std::vector<Shard>& shards, const std::string& dir, 
         state->exp_avg_sq.zero_();
       }
       if (steps_loaded && *steps_loaded != step.value_or(0))
-        throw std::runtime_error(fmt::format("checkpoint: '{}' has optimizer step {} in {} but another parameter has {}",
-                                             s.name, step.value_or(0), dir, *steps_loaded));
+        throw std::runtime_error(
+            fmt::format("checkpoint: '{}' has optimizer step {} in {} but another parameter has {}", s.name,
+                        step.value_or(0), dir, *steps_loaded));
       steps_loaded = step.value_or(0);
     }
   }
@@ -285,17 +295,20 @@ std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::
       const auto trailing = rows.dim() > 0 ? rows.sizes().slice(1).vec() : std::vector<int64_t>{};
       if (shape.empty() || std::vector<int64_t>(shape.begin() + 1, shape.end()) != trailing || offset < 0 ||
           offset > shape[0] - rows.size(0))
-        throw std::runtime_error(fmt::format("checkpoint: '{}' in {}: shape {} with rows {}..{} does not fit the {} rows "
-                                             "held, of shape {}",
-                                             name, dir, fmt::join(shape, "x"), offset, offset + rows.size(0),
-                                             rows.size(0), fmt::join(rows.sizes(), "x")));
+        throw std::runtime_error(
+            fmt::format("checkpoint: '{}' in {}: shape {} with rows {}..{} does not fit the {} rows "
+                        "held, of shape {}",
+                        name, dir, fmt::join(shape, "x"), offset, offset + rows.size(0), rows.size(0),
+                        fmt::join(rows.sizes(), "x")));
       if (auto [it, fresh] = shapes.emplace(name, shape); !fresh && it->second != shape)
-        throw std::runtime_error(fmt::format("checkpoint: '{}' differs in shape between ranks in {}", name, dir));
+        throw std::runtime_error(
+            fmt::format("checkpoint: '{}' differs in shape between ranks in {}", name, dir));
       covered[name] += rows.size(0);
     }
   for (const auto& [name, shape] : shapes)
     if (covered[name] != shape[0])
-      throw std::runtime_error(fmt::format("checkpoint: {} of {} rows of '{}' are in {}", covered[name], shape[0], name, dir));
+      throw std::runtime_error(
+          fmt::format("checkpoint: {} of {} rows of '{}' are in {}", covered[name], shape[0], name, dir));
 
   std::vector<std::pair<std::string, at::Tensor>> out;
   std::map<std::string, size_t> where;
@@ -310,7 +323,8 @@ std::vector<std::pair<std::string, at::Tensor>> read_full_parameters(const std::
       }
       auto& full = out[it->second].second;
       if (full.scalar_type() != rows.scalar_type())
-        throw std::runtime_error(fmt::format("checkpoint: '{}' differs in dtype between ranks in {}", name, dir));
+        throw std::runtime_error(
+            fmt::format("checkpoint: '{}' differs in dtype between ranks in {}", name, dir));
       full.narrow(0, e.at("row_offset").get<int64_t>(), rows.size(0)).copy_(rows);
     }
   return out;

@@ -153,8 +153,7 @@ std::vector<std::pair<std::string, at::Tensor>> full_state_dict(UnitHolder& root
   return out;
 }
 
-void load_full_state_dict(UnitHolder& root,
-                          const std::vector<std::pair<std::string, at::Tensor>>& state) {
+void load_full_state_dict(UnitHolder& root, const std::vector<std::pair<std::string, at::Tensor>>& state) {
   std::unordered_map<std::string, at::Tensor> by_name(state.begin(), state.end());
   std::vector<std::string> missing;
   size_t used = 0;
@@ -173,8 +172,8 @@ void load_full_state_dict(UnitHolder& root,
     if (missing.empty()) u->group().load_full_params(full);
   }
   if (!missing.empty())
-    throw std::invalid_argument(fmt::format("load_full_state_dict: missing parameter(s) {}",
-                                            fmt::join(missing, ", ")));
+    throw std::invalid_argument(
+        fmt::format("load_full_state_dict: missing parameter(s) {}", fmt::join(missing, ", ")));
 }
 
 }  // namespace fsdpp::fsdp

@@ -109,10 +109,10 @@ void Unit::shard(comm::Comm comm, std::vector<ParamSpec> params, FullyShardOptio
     for (const auto& p : params) {
       const void* k = p.param.unsafeGetTensorImpl();
       if (auto it = g_registry.find(k); it != g_registry.end())
-        throw std::invalid_argument(fmt::format(
-            "fully_shard({}): parameter '{}' is already managed by unit '{}'; a module can be "
-            "sharded only once, and tied parameters must live in one unit",
-            label_, p.names.front(), it->second));
+        throw std::invalid_argument(
+            fmt::format("fully_shard({}): parameter '{}' is already managed by unit '{}'; a module can be "
+                        "sharded only once, and tied parameters must live in one unit",
+                        label_, p.names.front(), it->second));
       keys.push_back(k);
     }
   }
@@ -122,15 +122,15 @@ void Unit::shard(comm::Comm comm, std::vector<ParamSpec> params, FullyShardOptio
   if (options_.reshard_after_forward)
     if (const int* n = std::get_if<int>(&*options_.reshard_after_forward)) {
       if (*n < 1 || comm_.size() % *n != 0)
-        throw std::invalid_argument(fmt::format(
-            "fully_shard({}): reshard_after_forward={} must be a positive divisor of the world "
-            "size {}",
-            label_, *n, comm_.size()));
+        throw std::invalid_argument(
+            fmt::format("fully_shard({}): reshard_after_forward={} must be a positive divisor of the world "
+                        "size {}",
+                        label_, *n, comm_.size()));
       if (*n > 1 && *n < comm_.size()) group_size = *n;
     }
-  group_ = std::make_unique<ParamGroup>(std::move(comm), std::move(params), options_.mp, label_,
-                                        group_size, options_.static_buffers, options_.replicate,
-                                        options_.expert_parallel);
+  group_ =
+      std::make_unique<ParamGroup>(std::move(comm), std::move(params), options_.mp, label_, group_size,
+                                   options_.static_buffers, options_.replicate, options_.expert_parallel);
   {
     std::lock_guard<std::mutex> lock(g_registry_mu);
     for (const void* k : keys) g_registry[k] = label_;
@@ -203,7 +203,8 @@ void Unit::pre_forward() {
   }
   if (!forward_prefetch_.empty()) {
     for (Unit* u : forward_prefetch_) u->group().unshard_async();
-  } else if (Unit* next = neighbour(tree.last_forward_order, last_order_pos_, +1); next && next != tree.root) {
+  } else if (Unit* next = neighbour(tree.last_forward_order, last_order_pos_, +1);
+             next && next != tree.root) {
     next->group_->unshard_async();
   }
   pre_backward_done_ = false;
@@ -212,8 +213,8 @@ void Unit::pre_forward() {
 
 at::Tensor Unit::prepare_input(const at::Tensor& input) const {
   const auto& mp = options_.mp;
-  if (group_ && mp.cast_forward_inputs && mp.param_dtype && input.defined() &&
-      input.is_floating_point() && input.scalar_type() != *mp.param_dtype)
+  if (group_ && mp.cast_forward_inputs && mp.param_dtype && input.defined() && input.is_floating_point() &&
+      input.scalar_type() != *mp.param_dtype)
     return input.to(*mp.param_dtype);
   return input;
 }
@@ -249,8 +250,7 @@ std::vector<at::Tensor> Unit::mark_with_node(at::TensorList inputs) {
 at::Tensor Unit::finish_output(const at::Tensor& output) {
   if (!group_ || !output.defined()) return output;
   at::Tensor out = output;
-  if (options_.mp.output_dtype && out.is_floating_point())
-    out = out.to(*options_.mp.output_dtype);
+  if (options_.mp.output_dtype && out.is_floating_point()) out = out.to(*options_.mp.output_dtype);
   if (out.requires_grad() && at::GradMode::is_enabled()) {
     if (const auto& node = out.grad_fn()) {
       // Another unit's output from the same node (a unit that returns its input unchanged) leaves
@@ -306,8 +306,7 @@ void Unit::post_backward() {
 void Unit::finish_backward(const std::shared_ptr<detail::Tree>& tree) {
   // Units whose post-backward hook or node never ran (Note [post-backward hook]: a first layer fed
   // token ids) run their post-backward now, in reverse forward order, the same on every rank.
-  for (auto it = tree->forward_order.rbegin(); it != tree->forward_order.rend(); ++it)
-    (*it)->post_backward();
+  for (auto it = tree->forward_order.rbegin(); it != tree->forward_order.rend(); ++it) (*it)->post_backward();
   // Parameters may stay unsharded across no-sync microbatches; after a synchronising backward the
   // optimizer is about to change them, so the unsharded copies must go.
   const bool reshard = tree->reshard_after_backward || tree->requires_gradient_sync;
@@ -315,10 +314,10 @@ void Unit::finish_backward(const std::shared_ptr<detail::Tree>& tree) {
   for (Unit* u : tree->units) {
     u->group_->finish_reduce();
     if (u->group_->has_stray_grads())
-      throw std::logic_error(fmt::format(
-          "fsdp: a gradient of unit '{}' arrived after its reduce-scatter was issued; every "
-          "parameter of a unit must be used on the path from the unit's inputs to its outputs",
-          u->label_));
+      throw std::logic_error(
+          fmt::format("fsdp: a gradient of unit '{}' arrived after its reduce-scatter was issued; every "
+                      "parameter of a unit must be used on the path from the unit's inputs to its outputs",
+                      u->label_));
     if (reshard) u->group_->reshard();
     u->pre_backward_done_ = false;
     u->post_backward_done_ = false;

@@ -8,17 +8,18 @@
 #include <cmath>
 #include <tuple>
 
-#include "fsdpp/comm/flight_recorder.hpp"
-#include "fsdpp/models/kernels.hpp"
-#include "fsdpp/models/matmul.hpp"
+#include "fsdpp/models/cpu/kernels.hpp"
+#include "fsdpp/models/cpu/matmul.hpp"
 
 namespace fsdpp::models {
 
 namespace {
 
-// MoEConfig::onednn_matmul allows fsdpp's own product routes; the model takes one for a product
-// where it beats ATen's for the product's dtype on this machine (models/matmul.hpp).
-bool own_route(bool allowed, const at::Tensor& x) { return allowed && x.is_cpu() && own_products_preferred(x.scalar_type()); }
+// MoEConfig::own_products allows fsdpp's own product routes; the model takes one for a product
+// where it beats ATen's for the product's dtype on this machine (models/cpu/matmul.hpp).
+bool own_route(bool allowed, const at::Tensor& x) {
+  return allowed && x.is_cpu() && own_products_preferred(x.scalar_type());
+}
 
 // Identity on x whose backward also gives `aux` the gradient `scale`: the auxiliary losses join
 // the training loss wherever the layer runs (see the top of moe.hpp).
@@ -40,43 +41,29 @@ struct AttachAuxLoss : torch::autograd::Function<AttachAuxLoss> {
 };
 
 // Flight-recorder and trace labels of expert parallelism's exchanges.
-const std::string kCountsLabel = "moe all_to_all counts";
 const std::string kExchangeLabels[2][2] = {{"moe all_to_all dispatch", "moe all_to_all dispatch (backward)"},
                                            {"moe all_to_all combine", "moe all_to_all combine (backward)"}};
 enum Exchange : int64_t { kDispatch = 0, kCombine = 1 };
 
-// Rows [N, dim] to the ranks of `comm`: in_rows[j] of them to rank j, out_rows[j] arriving from
-// rank j, in rank order. Its backward is the inverse exchange of the gradient.
+// Rows [N, dim] over `exchange`: in_rows[j] of them to rank j, out_rows[j] arriving from rank j, in
+// rank order. Its backward is the inverse exchange of the gradient.
 struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, comm::Comm* comm,
-                            Exchange which, std::vector<int64_t> in_rows, std::vector<int64_t> out_rows) {
-    ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            TokenExchange* exchange, Exchange which, std::vector<int64_t> in_rows,
+                            std::vector<int64_t> out_rows) {
+    ctx->saved_data["exchange"] = reinterpret_cast<int64_t>(exchange);
     ctx->saved_data["which"] = static_cast<int64_t>(which);
     ctx->saved_data["in"] = in_rows;
     ctx->saved_data["out"] = out_rows;
-    return exchange(*comm, x, in_rows, out_rows, kExchangeLabels[which][0]);
+    return exchange->exchange_rows(x, in_rows, out_rows, kExchangeLabels[which][0]);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto* comm = reinterpret_cast<comm::Comm*>(ctx->saved_data["comm"].toInt());
+    auto* exchange = reinterpret_cast<TokenExchange*>(ctx->saved_data["exchange"].toInt());
     const auto which = ctx->saved_data["which"].toInt();
     const auto in_rows = ctx->saved_data["in"].toIntVector(), out_rows = ctx->saved_data["out"].toIntVector();
-    return {exchange(*comm, grads[0], out_rows, in_rows, kExchangeLabels[which][1]), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
-  }
-  static at::Tensor exchange(comm::Comm& comm, const at::Tensor& x, const std::vector<int64_t>& in_rows,
-                             const std::vector<int64_t>& out_rows, const std::string& label) {
-    const int64_t width = x.size(1);
-    int64_t total = 0;
-    for (auto r : out_rows) total += r;
-    auto out = at::empty({total, width}, x.options());
-    auto elements = [width](std::vector<int64_t> rows) {
-      for (auto& r : rows) r *= width;
-      return rows;
-    };
-    comm::OpLabel op_label(&label);
-    comm.all_to_all(out, x.contiguous(), {elements(in_rows), elements(out_rows)}).wait();
-    return out;
+    return {exchange->exchange_rows(grads[0], out_rows, in_rows, kExchangeLabels[which][1]), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -87,7 +74,7 @@ std::vector<int64_t> sums_of(const int64_t* v, int64_t count, int64_t n) {
   return out;
 }
 
-// SwiGLU's gate silu(a) * b, by the kernel or by the composition (models/kernels.hpp).
+// SwiGLU's gate silu(a) * b, by the kernel or by the composition (models/cpu/kernels.hpp).
 at::Tensor silu_gate(const at::Tensor& a, const at::Tensor& b, bool fused) {
   return fused ? swiglu(a, b) : swiglu_reference(a, b);
 }
@@ -104,7 +91,8 @@ void RouterStats::add(const at::Tensor& aux_z_dropped, int64_t assigned) {
   // at::full, not at::tensor: a fill on the device rather than a copy from host memory, which a
   // CUDA graph capture would refuse.
   const auto f64 = aux_z_dropped.options().dtype(at::kDouble);
-  const auto one = at::cat({aux_z_dropped.to(at::kDouble), at::full({1}, double(assigned), f64), at::full({1}, 1.0, f64)});
+  const auto one =
+      at::cat({aux_z_dropped.to(at::kDouble), at::full({1}, double(assigned), f64), at::full({1}, 1.0, f64)});
   if (sums.defined())
     sums.add_(one);
   else
@@ -130,7 +118,8 @@ double RouterStats::dropped_fraction() const {
 int64_t MoEConfig::parameter_count() const {
   const int64_t attn = 4 * dim * dim;
   const int64_t dense = 3 * dim * ffn_hidden;
-  const int64_t moe = dim * experts + experts * 3 * dim * expert_hidden + (shared_expert ? 3 * dim * expert_hidden : 0);
+  const int64_t moe =
+      dim * experts + experts * 3 * dim * expert_hidden + (shared_expert ? 3 * dim * expert_hidden : 0);
   int64_t n = 2 * vocab_size * dim + dim;
   for (int64_t i = 0; i < layers; ++i) n += attn + 2 * dim + (is_moe_layer(i) ? moe : dense);
   return n;
@@ -147,14 +136,18 @@ std::pair<at::Tensor, at::Tensor> RMSNormImpl::forward_residual(const at::Tensor
 }
 
 AttentionImpl::AttentionImpl(const MoEConfig& c)
-    : heads(c.heads), rope_theta(c.rope_theta), own_products(c.onednn_matmul), fused(c.fused_kernels && c.fused_attention) {
+    : heads(c.heads),
+      rope_theta(c.rope_theta),
+      own_products(c.own_products),
+      fused(c.fused_kernels && c.fused_attention) {
   qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
   out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.dim).bias(false)));
   init_normal(qkv->weight, c.init_std);
   init_normal(out->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
 }
 
-const std::pair<at::Tensor, at::Tensor>& AttentionImpl::rope_tables(int64_t T, int64_t hd, const at::Tensor& like) {
+const std::pair<at::Tensor, at::Tensor>& AttentionImpl::rope_tables(int64_t T, int64_t hd,
+                                                                    const at::Tensor& like) {
   const auto& cos = rope_.first;
   if (cos.defined() && cos.size(0) == T && cos.size(1) == hd && cos.scalar_type() == like.scalar_type() &&
       cos.device() == like.device())
@@ -185,7 +178,9 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
 
 SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_, bool own_products_)
     : fused(fused_), own_products(own_products_) {
-  auto lin = [](int64_t i, int64_t o) { return torch::nn::Linear(torch::nn::LinearOptions(i, o).bias(false)); };
+  auto lin = [](int64_t i, int64_t o) {
+    return torch::nn::Linear(torch::nn::LinearOptions(i, o).bias(false));
+  };
   w1 = register_module("w1", lin(dim, hidden));
   w3 = register_module("w3", lin(dim, hidden));
   w2 = register_module("w2", lin(hidden, dim));
@@ -208,7 +203,8 @@ at::Tensor ExpertsImpl::forward_one(int64_t e, const at::Tensor& x) {
 }
 
 at::Tensor ExpertsImpl::forward_batched(const at::Tensor& x) {
-  return at::bmm(silu_gate(at::bmm(x, w1.transpose(1, 2)), at::bmm(x, w3.transpose(1, 2)), fused), w2.transpose(1, 2));
+  return at::bmm(silu_gate(at::bmm(x, w1.transpose(1, 2)), at::bmm(x, w3.transpose(1, 2)), fused),
+                 w2.transpose(1, 2));
 }
 
 at::Tensor ExpertsImpl::forward(const at::Tensor& x, const at::Tensor& offsets) {
@@ -233,13 +229,14 @@ RouterImpl::RouterImpl(int64_t dim, int64_t experts) {
 
 MoEImpl::MoEImpl(const MoEConfig& c, std::shared_ptr<RouterStats> s) : config(c), stats(std::move(s)) {
   router = register_module("router", Router(c.dim, c.experts));
-  experts = register_module("experts", Experts(c.experts, c.dim, c.expert_hidden, c.fused_kernels, c.onednn_matmul));
+  experts =
+      register_module("experts", Experts(c.experts, c.dim, c.expert_hidden, c.fused_kernels, c.own_products));
   init_normal(router->gate->weight, c.init_std);
   init_normal(experts->w1, c.init_std);
   init_normal(experts->w3, c.init_std);
   init_normal(experts->w2, c.init_std / std::sqrt(2.0 * double(c.layers)));
   if (c.shared_expert) {
-    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden, c.fused_kernels, c.onednn_matmul));
+    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden, c.fused_kernels, c.own_products));
     init_normal(shared->w1->weight, c.init_std);
     init_normal(shared->w3->weight, c.init_std);
     init_normal(shared->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -273,7 +270,8 @@ Routing MoEImpl::route(const at::Tensor& flat) const {
   // scores normalised to sum to 1 per token.
   // A scatter rather than bincount, which reads the largest index on the host (no capture).
   const auto flat_idx = r.experts.reshape(-1);
-  const auto counts = at::zeros({E}, r.scores.options()).scatter_add_(0, flat_idx, at::ones(flat_idx.sizes(), r.scores.options()));
+  const auto counts = at::zeros({E}, r.scores.options())
+                          .scatter_add_(0, flat_idx, at::ones(flat_idx.sizes(), r.scores.options()));
   const auto f = counts / double(T * config.top_k);
   const auto probs = config.score == "sigmoid" ? r.scores / r.scores.sum(-1, true) : r.scores;
   r.aux_loss = double(E) * (f * probs.mean(0)).sum();
@@ -302,7 +300,8 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     const auto pos = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1);
     const auto keep = pos < C;
     const auto slots = at::where(keep, e_flat * C + pos, at::full_like(pos, E * C));
-    auto buffer = at::zeros({E * C + 1, flat.size(1)}, flat.options()).index_copy(0, slots, flat.repeat({k, 1}));
+    auto buffer =
+        at::zeros({E * C + 1, flat.size(1)}, flat.options()).index_copy(0, slots, flat.repeat({k, 1}));
     auto y = run_experts(buffer.narrow(0, 0, E * C).view({E, C, -1}), at::Tensor()).reshape({E * C, -1});
     y = at::cat({y, at::zeros({1, y.size(1)}, y.options())});
     const auto w_kept = w_flat * keep.to(w_flat.scalar_type());
@@ -318,7 +317,8 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
   }
   if (shared) out = out + shared(flat);
 
-  stats->add(at::stack({r.aux_loss.detach().to(at::kDouble), r.z_loss.detach().to(at::kDouble), dropped}), T * k);
+  stats->add(at::stack({r.aux_loss.detach().to(at::kDouble), r.z_loss.detach().to(at::kDouble), dropped}),
+             T * k);
   out = out.view(shape);
   const auto aux = config.aux_loss_coef * r.aux_loss + config.z_loss_coef * r.z_loss;
   if (at::GradMode::is_enabled() && aux.requires_grad())
@@ -333,45 +333,45 @@ at::Tensor MoEImpl::call_experts(const at::Tensor& x, const at::Tensor& offsets)
 
 at::Tensor MoEImpl::run_experts(const at::Tensor& rows, const at::Tensor& counts) {
   const bool slots = !counts.defined();
-  if (!ep_ || ep_.size() == 1)
+  if (!ep_ || ep_->size() == 1)
     return call_experts(rows, slots ? at::Tensor() : counts.cumsum(0).to(at::kInt));
-  const int64_t ranks = ep_.size(), local = experts->count(), dim = rows.size(-1);
+  const int64_t ranks = ep_->size(), local = experts->count(), dim = rows.size(-1);
   if (slots) {
     // [E, C, dim] -> rank j gets experts [j*local, (j+1)*local) of every sender: [ranks, local, C, dim].
     const int64_t C = rows.size(1);
     const std::vector<int64_t> even(size_t(ranks), local * C);
-    const auto got = AllToAllRows::apply(rows.reshape({-1, dim}), &ep_, kDispatch, even, even);
+    const auto got = AllToAllRows::apply(rows.reshape({-1, dim}), ep_.get(), kDispatch, even, even);
     const auto mine = got.view({ranks, local, C, dim}).transpose(0, 1).reshape({local, ranks * C, dim});
-    const auto y = call_experts(mine, at::Tensor()).view({local, ranks, C, dim}).transpose(0, 1).reshape({-1, dim});
-    return AllToAllRows::apply(y, &ep_, kCombine, even, even).view({-1, C, dim});
+    const auto y =
+        call_experts(mine, at::Tensor()).view({local, ranks, C, dim}).transpose(0, 1).reshape({-1, dim});
+    return AllToAllRows::apply(y, ep_.get(), kCombine, even, even).view({-1, C, dim});
   }
   // Dropless: how many rows each sender has for each of this rank's experts, then the rows.
   auto received = at::empty_like(counts);
-  {
-    comm::OpLabel op_label(&kCountsLabel);
-    ep_.all_to_all(received, counts).wait();
-  }
+  ep_->exchange_counts(received, counts);
   const auto host = at::cat({counts, received}).to(at::kCPU);
   const int64_t E = counts.numel();
-  const auto send = sums_of(host.data_ptr<int64_t>(), E, local), recv = sums_of(host.data_ptr<int64_t>() + E, E, local);
-  const auto got = AllToAllRows::apply(rows, &ep_, kDispatch, send, recv);  // sender-major, then expert
+  const auto send = sums_of(host.data_ptr<int64_t>(), E, local),
+             recv = sums_of(host.data_ptr<int64_t>() + E, E, local);
+  const auto got = AllToAllRows::apply(rows, ep_.get(), kDispatch, send, recv);  // sender-major, then expert
   // Regroup by expert (stable: senders in rank order within an expert), compute, put back.
   const int64_t n = got.size(0);
-  const auto expert_of = at::repeat_interleave(at::arange(E, counts.options()).remainder(local), received, 0, n);
+  const auto expert_of =
+      at::repeat_interleave(at::arange(E, counts.options()).remainder(local), received, 0, n);
   const auto order = std::get<1>(at::sort(expert_of, /*stable=*/true, 0, false));
   const auto offsets = received.view({ranks, local}).sum(0).cumsum(0).to(at::kInt);
   const auto y = call_experts(got.index_select(0, order), offsets);
   const auto back = at::empty_like(order).index_copy_(0, order, at::arange(n, order.options()));
-  return AllToAllRows::apply(y.index_select(0, back), &ep_, kCombine, recv, send);
+  return AllToAllRows::apply(y.index_select(0, back), ep_.get(), kCombine, recv, send);
 }
 
-void MoEImpl::set_expert_parallel(const comm::Comm& ep) {
+void MoEImpl::set_expert_parallel(std::shared_ptr<TokenExchange> ep) {
   TORCH_CHECK(experts_call_.is_empty(), "MoE: set_expert_parallel before wrapping the experts");
-  TORCH_CHECK(ep && config.experts % ep.size() == 0, "MoE: expert parallelism over ", ep ? ep.size() : 0,
+  TORCH_CHECK(ep && config.experts % ep->size() == 0, "MoE: expert parallelism over ", ep ? ep->size() : 0,
               " ranks needs a rank count dividing the ", config.experts, " experts");
   TORCH_CHECK(experts->count() == config.experts, "MoE: expert parallelism is already set");
-  ep_ = ep;
-  const int64_t local = config.experts / ep.size(), first = ep.rank() * local;
+  ep_ = std::move(ep);
+  const int64_t local = config.experts / ep_->size(), first = ep_->rank() * local;
   at::NoGradGuard g;
   for (auto* w : {&experts->w1, &experts->w3, &experts->w2}) w->set_data(w->narrow(0, first, local).clone());
 }
@@ -388,7 +388,7 @@ BlockImpl::BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterSt
   if (c.is_moe_layer(index)) {
     moe = register_module("moe", MoE(c, std::move(stats)));
   } else {
-    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden, c.fused_kernels, c.onednn_matmul));
+    mlp = register_module("mlp", SwiGLU(c.dim, c.ffn_hidden, c.fused_kernels, c.own_products));
     init_normal(mlp->w1->weight, c.init_std);
     init_normal(mlp->w3->weight, c.init_std);
     init_normal(mlp->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -415,7 +415,8 @@ MoETransformerImpl::MoETransformerImpl(const MoEConfig& c)
     layers->register_module(std::to_string(i), blocks_.back().ptr());
   }
   norm = register_module("norm", RMSNorm(c.dim, c.norm_eps, c.fused_kernels));
-  head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab_size).bias(false)));
+  head =
+      register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab_size).bias(false)));
   init_normal(head->weight, c.init_std);
 }
 
@@ -423,8 +424,8 @@ MoETransformerImpl::MoETransformerImpl(const MoETransformerImpl& full, int64_t f
     : config_(full.config_), stats_(std::make_shared<RouterStats>()), first_(first), last_(last) {
   TORCH_CHECK(full.first_ == 0 && full.last_ == full.config_.layers && !full.wrapped_,
               "MoETransformer: a stage is cut from a full model whose blocks are not wrapped");
-  TORCH_CHECK(0 <= first && first < last && last <= config_.layers, "MoETransformer: stage layers [",
-              first, ", ", last, ") are not within [0, ", config_.layers, ")");
+  TORCH_CHECK(0 <= first && first < last && last <= config_.layers, "MoETransformer: stage layers [", first,
+              ", ", last, ") are not within [0, ", config_.layers, ")");
   if (first == 0) embed = register_module("embed", full.embed);
   layers = register_module("layers", std::make_shared<torch::nn::Module>("Layers"));
   for (int64_t i = first; i < last; ++i) {
@@ -449,10 +450,10 @@ at::Tensor MoETransformerImpl::forward(const at::Tensor& input) {
   for (auto& b : calls_) h = b.forward(h);
   if (!has_head()) return h;
   const auto normed = norm(h);
-  return linear(normed, head->weight, own_route(config_.onednn_matmul, normed)).to(at::kFloat);
+  return linear(normed, head->weight, own_route(config_.own_products, normed)).to(at::kFloat);
 }
 
-void MoETransformerImpl::set_expert_parallel(const comm::Comm& ep) {
+void MoETransformerImpl::set_expert_parallel(const std::shared_ptr<TokenExchange>& ep) {
   TORCH_CHECK(!wrapped_, "MoETransformer: set_expert_parallel before wrapping the blocks");
   for (auto& b : blocks_)
     if (b->moe) b->moe->set_expert_parallel(ep);

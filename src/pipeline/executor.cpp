@@ -52,15 +52,15 @@ PipelineExecutor::PipelineExecutor(Plan plan, comm::Comm pp, std::vector<Pipelin
                                     plan_.spec.pp, pp_.size()));
   for (auto& s : stages) {
     if (s.index < 0 || s.index >= plan_.spec.num_stages() || plan_.owner[s.index] != pp_.rank())
-      throw ScheduleError(fmt::format("executor: rank {} was given stage {}, which the plan puts on rank {}",
-                                      pp_.rank(), s.index,
-                                      s.index >= 0 && s.index < plan_.spec.num_stages() ? plan_.owner[s.index] : -1));
+      throw ScheduleError(fmt::format(
+          "executor: rank {} was given stage {}, which the plan puts on rank {}", pp_.rank(), s.index,
+          s.index >= 0 && s.index < plan_.spec.num_stages() ? plan_.owner[s.index] : -1));
     stages_[s.index] = std::move(s);
   }
   for (int s = 0; s < plan_.spec.num_stages(); ++s)
     if (plan_.owner[s] == pp_.rank() && !stages_.count(s))
-      throw ScheduleError(fmt::format("executor: rank {} holds stage {} in the plan but was not given it",
-                                      pp_.rank(), s));
+      throw ScheduleError(
+          fmt::format("executor: rank {} holds stage {} in the plan but was not given it", pp_.rank(), s));
   // One communicator per directed edge, in the same order on every rank (each split is
   // collective over pp).
   std::set<std::pair<int, int>> edges;
@@ -87,19 +87,24 @@ double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::
   return step_on_device(inputs, targets).item<double>();
 }
 
-at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& inputs,
+                                            const std::vector<at::Tensor>& targets) {
   const int m = plan_.spec.microbatches;
   if (static_cast<int>(inputs.size()) != m || static_cast<int>(targets.size()) != m)
-    throw ScheduleError(fmt::format("executor: a step takes the plan's {} microbatches, got {} inputs and {} targets", m,
-                                    inputs.size(), targets.size()));
-  return run(plan_.lowered[pp_.rank()], inputs, targets, options_.loss_scale > 0 ? options_.loss_scale : 1.0 / m);
+    throw ScheduleError(
+        fmt::format("executor: a step takes the plan's {} microbatches, got {} inputs and {} targets", m,
+                    inputs.size(), targets.size()));
+  return run(plan_.lowered[pp_.rank()], inputs, targets,
+             options_.loss_scale > 0 ? options_.loss_scale : 1.0 / m);
 }
 
-at::Tensor PipelineExecutor::forward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+at::Tensor PipelineExecutor::forward(const std::vector<at::Tensor>& inputs,
+                                     const std::vector<at::Tensor>& targets) {
   const int count = static_cast<int>(inputs.size());
   if (count < 1 || count > plan_.spec.microbatches || targets.size() != inputs.size())
-    throw ScheduleError(fmt::format("executor: forward takes 1 to {} microbatches, got {} inputs and {} targets",
-                                    plan_.spec.microbatches, inputs.size(), targets.size()));
+    throw ScheduleError(
+        fmt::format("executor: forward takes 1 to {} microbatches, got {} inputs and {} targets",
+                    plan_.spec.microbatches, inputs.size(), targets.size()));
   // The plan's forwards of the first `count` microbatches, with their messages, in the plan's order:
   // a subset closed under dependencies, taken alike on every rank, so it runs as the plan does.
   using T = ActionType;
@@ -240,7 +245,8 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
         send(plan_.owner[s - 1], slot(s, mb).grad_input.contiguous());
         break;
       case T::kUnshard:
-        if (auto& sharding = stages_.at(s).sharding) sharding->unshard_async();  // waited where forward needs it
+        if (auto& sharding = stages_.at(s).sharding)
+          sharding->unshard_async();  // waited where forward needs it
         break;
       case T::kReshard:
         if (auto& sharding = stages_.at(s).sharding) sharding->reshard();

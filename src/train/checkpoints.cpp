@@ -65,8 +65,9 @@ std::pair<int, uint64_t> verify_checkpoint(const std::string& dir, bool present_
   json meta = json::object();
   // A directory fsdp::save_sharded wrote has no trainer.json: its ranks' files are still checked.
   // One the trainer committed (checkpoints/step-<N>) always has one.
-  const bool committed_by_trainer = fs::path(dir).lexically_normal().filename().string().rfind("step-", 0) == 0 &&
-                                    fs::path(dir).lexically_normal().parent_path().filename() == "checkpoints";
+  const bool committed_by_trainer =
+      fs::path(dir).lexically_normal().filename().string().rfind("step-", 0) == 0 &&
+      fs::path(dir).lexically_normal().parent_path().filename() == "checkpoints";
   if (fs::exists(meta_file) || committed_by_trainer || !fs::exists(fs::path(dir) / "rank0.json")) {
     try {
       meta = read_json_file(meta_file);
@@ -76,8 +77,8 @@ std::pair<int, uint64_t> verify_checkpoint(const std::string& dir, bool present_
   }
   try {
     if (meta.contains("crc32c") && meta.at("crc32c").get<std::string>() != record_checksum(meta))
-      throw std::runtime_error(fmt::format("checkpoint: {} is damaged: its contents do not match the CRC-32C it records",
-                                           meta_file));
+      throw std::runtime_error(fmt::format(
+          "checkpoint: {} is damaged: its contents do not match the CRC-32C it records", meta_file));
     const json files = meta.value("files", json::object());
     for (const auto& [name, d] : files.items()) {
       const auto file = (fs::path(dir) / name).string();
@@ -100,22 +101,31 @@ std::pair<int, uint64_t> verify_checkpoint(const std::string& dir, bool present_
 std::string find_checkpoint(const std::string& path) {
   if (fs::exists(fs::path(path) / "trainer.json")) return path;
   if (auto latest = latest_checkpoint(path)) return *latest;
-  throw std::runtime_error(fmt::format("{} is neither a checkpoint (no trainer.json) nor a run directory with one", path));
+  throw std::runtime_error(
+      fmt::format("{} is neither a checkpoint (no trainer.json) nor a run directory with one", path));
 }
-
 
 json resume_settings(const Recipe& r) {
   const auto& d = r.data;
   const auto& o = r.optim;
-  return {{"train.seed", r.train.seed},     {"train.global_batch", r.train.global_batch},
-          {"train.steps", r.train.steps},   {"data.source", d.source},
-          {"data.paths", d.paths},          {"data.path", d.path},
-          {"data.tokenizer", d.tokenizer},  {"data.seq_len", d.seq_len},
-          {"data.val_fraction", d.val_fraction}, {"data.synthetic_bytes", d.synthetic_bytes},
-          {"optim.lr", o.lr},               {"optim.min_lr_ratio", o.min_lr_ratio},
-          {"optim.weight_decay", o.weight_decay}, {"optim.beta1", o.beta1},
-          {"optim.beta2", o.beta2},         {"optim.eps", o.eps},
-          {"optim.warmup_steps", o.warmup_steps}, {"optim.grad_clip", o.grad_clip}};
+  return {{"train.seed", r.train.seed},
+          {"train.global_batch", r.train.global_batch},
+          {"train.steps", r.train.steps},
+          {"data.source", name_of(d.source)},
+          {"data.paths", d.paths},
+          {"data.path", d.path},
+          {"data.tokenizer", d.tokenizer},
+          {"data.seq_len", d.seq_len},
+          {"data.val_fraction", d.val_fraction},
+          {"data.synthetic_bytes", d.synthetic_bytes},
+          {"optim.lr", o.lr},
+          {"optim.min_lr_ratio", o.min_lr_ratio},
+          {"optim.weight_decay", o.weight_decay},
+          {"optim.beta1", o.beta1},
+          {"optim.beta2", o.beta2},
+          {"optim.eps", o.eps},
+          {"optim.warmup_steps", o.warmup_steps},
+          {"optim.grad_clip", o.grad_clip}};
 }
 
 std::vector<std::string> resume_changes(const json& recorded, const json& now) {
@@ -123,7 +133,8 @@ std::vector<std::string> resume_changes(const json& recorded, const json& now) {
   for (const auto& [key, value] : now.items()) {
     const auto it = recorded.find(key);
     if (it == recorded.end() || *it != value)
-      changes.push_back(fmt::format("{}: {} -> {}", key, it == recorded.end() ? "(not recorded)" : it->dump(), value.dump()));
+      changes.push_back(fmt::format("{}: {} -> {}", key, it == recorded.end() ? "(not recorded)" : it->dump(),
+                                    value.dump()));
   }
   return changes;
 }
@@ -157,16 +168,20 @@ std::string consolidate_checkpoint(const std::vector<std::string>& paths, const 
   for (const auto& path : paths) {
     dirs.push_back(find_checkpoint(path));
     const json m = read_json_file((fs::path(dirs.back()) / "trainer.json").string());
-    if (dirs.size() == 1) meta = m;
+    if (dirs.size() == 1)
+      meta = m;
     else if (m.at("step") != meta.at("step"))
-      throw std::runtime_error(fmt::format("{} holds step {} but {} step {}: give the directories of one checkpoint",
-                                           dirs.back(), m.at("step").dump(), dirs.front(), meta.at("step").dump()));
+      throw std::runtime_error(
+          fmt::format("{} holds step {} but {} step {}: give the directories of one checkpoint", dirs.back(),
+                      m.at("step").dump(), dirs.front(), meta.at("step").dump()));
   }
   const auto full = fsdp::read_full_parameters(dirs);
-  write_safetensors(output_file, full,  // through a temporary file: nothing under the name unless whole
-                    {{"format", "pt"}, {"fsdpp.model_config", meta.at("model").dump()},
-                     {"fsdpp.tokenizer", meta.value("tokenizer", Tokenizer::load("bytes")->identity()).dump()},
-                     {"fsdpp.step", std::to_string(meta.at("step").get<int64_t>())}});
+  write_safetensors(
+      output_file, full,  // through a temporary file: nothing under the name unless whole
+      {{"format", "pt"},
+       {"fsdpp.model_config", meta.at("model").dump()},
+       {"fsdpp.tokenizer", meta.value("tokenizer", Tokenizer::load("bytes")->identity()).dump()},
+       {"fsdpp.step", std::to_string(meta.at("step").get<int64_t>())}});
   return fmt::format("{}", fmt::join(dirs, " + "));
 }
 

@@ -39,19 +39,29 @@ std::string read_text_file(const std::string& p) {
   return {std::istreambuf_iterator<char>(f), {}};
 }
 
-bool looks_binary(std::string_view bytes) { return bytes.substr(0, 8192).find('\0') != std::string_view::npos; }
+bool looks_binary(std::string_view bytes) {
+  return bytes.substr(0, 8192).find('\0') != std::string_view::npos;
+}
 
 std::string file_kind(const std::string& path) {
   std::error_code ec;
   switch (fs::status(path, ec).type()) {
-    case fs::file_type::regular: return "a regular file";
-    case fs::file_type::directory: return "a directory";
-    case fs::file_type::fifo: return "a FIFO";
-    case fs::file_type::character: return "a character device";
-    case fs::file_type::block: return "a block device";
-    case fs::file_type::socket: return "a socket";
-    case fs::file_type::not_found: return "missing";
-    default: return "not a regular file";
+    case fs::file_type::regular:
+      return "a regular file";
+    case fs::file_type::directory:
+      return "a directory";
+    case fs::file_type::fifo:
+      return "a FIFO";
+    case fs::file_type::character:
+      return "a character device";
+    case fs::file_type::block:
+      return "a block device";
+    case fs::file_type::socket:
+      return "a socket";
+    case fs::file_type::not_found:
+      return "missing";
+    default:
+      return "not a regular file";
   }
 }
 
@@ -61,9 +71,10 @@ std::vector<std::string> list_text_files(const std::string& root) {
   if (fs::is_regular_file(root, ec)) return {root};
   if (!fs::is_directory(root, ec)) {
     const auto kind = file_kind(root);
-    throw std::runtime_error(kind == "missing" ? fmt::format("data: {} does not exist", root)
-                                               : fmt::format("data: {} is {}, not a text file or a directory of them",
-                                                             root, kind));
+    throw std::runtime_error(
+        kind == "missing"
+            ? fmt::format("data: {} does not exist", root)
+            : fmt::format("data: {} is {}, not a text file or a directory of them", root, kind));
   }
   std::vector<std::string> all;
   for (const auto& e : fs::recursive_directory_iterator(root)) all.push_back(e.path().string());
@@ -74,9 +85,10 @@ std::vector<std::string> list_text_files(const std::string& root) {
     const auto real = fs::canonical(p, ec);
     if (ec || fs::is_directory(real, ec)) continue;  // a dangling link; a directory, listed itself
     if (!fs::is_regular_file(real, ec))
-      throw std::runtime_error(fmt::format("data: {} is {}, not a text file: reading it would block or never end; "
-                                           "move it out of {}",
-                                           p, file_kind(p), root));
+      throw std::runtime_error(
+          fmt::format("data: {} is {}, not a text file: reading it would block or never end; "
+                      "move it out of {}",
+                      p, file_kind(p), root));
     if (seen.insert(real).second) out.push_back(std::move(p));
   }
   return out;
@@ -121,9 +133,10 @@ void split_fortunes(const std::string& text, std::vector<std::string>& docs) {
 // Text with structure a small model can learn: sentences from a fixed vocabulary of words with
 // skewed frequencies, and a few recurring phrases.
 std::vector<std::string> synthetic_documents(int64_t bytes, uint64_t seed) {
-  static const char* words[] = {"the", "a", "model", "shard", "gradient", "of", "and", "rank", "sends",
-                                "to", "every", "expert", "token", "routes", "pipeline", "stage", "is",
-                                "waits", "for", "its", "peer", "loss", "falls", "step", "by"};
+  static const char* words[] = {"the",      "a",     "model", "shard", "gradient", "of",    "and",
+                                "rank",     "sends", "to",    "every", "expert",   "token", "routes",
+                                "pipeline", "stage", "is",    "waits", "for",      "its",   "peer",
+                                "loss",     "falls", "step",  "by"};
   constexpr size_t n = std::size(words);
   uint64_t s = seed ^ 0x5eed;
   std::vector<std::string> docs;
@@ -151,13 +164,15 @@ std::vector<std::string> synthetic_documents(int64_t bytes, uint64_t seed) {
 Corpus load_corpus(const DataOptions& o, uint64_t seed) {
   std::vector<std::string> docs;
   size_t files = 0;
-  if (o.source == "synthetic") {
+  if (o.source == DataSource::kSynthetic) {
     docs = synthetic_documents(o.synthetic_bytes, seed);
-  } else if (o.source == "fortunes") {
+  } else if (o.source == DataSource::kFortunes) {
     const fs::path dir = fortunes_dir();
     if (!fs::is_directory(dir))
-      throw std::runtime_error(fmt::format("data: the fortunes corpus is not at {} (install Debian's fortunes "
-                                           "package: bash scripts/setup.sh)", dir.string()));
+      throw std::runtime_error(
+          fmt::format("data: the fortunes corpus is not at {} (install Debian's fortunes "
+                      "package: bash scripts/setup.sh)",
+                      dir.string()));
     for (const auto& p : list_text_files(dir)) {
       // The .dat indexes are binary; .u8 files are symlinks to UTF-8 copies of the same text.
       if (!fs::is_regular_file(fs::symlink_status(p)) || fs::path(p).has_extension()) continue;
@@ -174,13 +189,14 @@ Corpus load_corpus(const DataOptions& o, uint64_t seed) {
       }
   }
   if (docs.size() < 2)
-    throw std::runtime_error(fmt::format("data: source \"{}\" gave {} documents; need at least 2 (one for validation)",
-                                         o.source, docs.size()));
+    throw std::runtime_error(
+        fmt::format("data: source \"{}\" gave {} documents; need at least 2 (one for validation)",
+                    name_of(o.source), docs.size()));
   std::vector<int64_t> order(docs.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
   seeded_shuffle(order, seed ^ 0xD0C5ull);
   const auto n_val = std::clamp<int64_t>(static_cast<int64_t>(double(docs.size()) * o.val_fraction), 1,
-                                          static_cast<int64_t>(docs.size()) - 1);
+                                         static_cast<int64_t>(docs.size()) - 1);
   Corpus c;
   c.documents = static_cast<int64_t>(docs.size());
   c.val_documents = n_val;
@@ -190,9 +206,9 @@ Corpus load_corpus(const DataOptions& o, uint64_t seed) {
     out.insert(out.end(), d.begin(), d.end());
     if (d.back() != '\n') out.push_back('\n');
   }
-  c.description = fmt::format("{}: {} documents{}, {:.2f} MB train, {:.2f} MB validation", o.source, docs.size(),
-                              files ? fmt::format(" from {} files", files) : "", c.train.size() / 1e6,
-                              c.val.size() / 1e6);
+  c.description = fmt::format("{}: {} documents{}, {:.2f} MB train, {:.2f} MB validation", name_of(o.source),
+                              docs.size(), files ? fmt::format(" from {} files", files) : "",
+                              c.train.size() / 1e6, c.val.size() / 1e6);
   return c;
 }
 
@@ -200,7 +216,8 @@ void MemoryTokens::read(int64_t, int64_t offset, int64_t count, int64_t* out) co
   std::copy_n(tokens_.data() + offset, count, out);
 }
 
-TokenStream::TokenStream(std::shared_ptr<const TokenSource> source, int64_t seq_len, uint64_t seed, bool shuffle)
+TokenStream::TokenStream(std::shared_ptr<const TokenSource> source, int64_t seq_len, uint64_t seed,
+                         bool shuffle)
     : source_(std::move(source)), seq_len_(seq_len), seed_(seed), shuffle_(shuffle) {
   int64_t most = 0;
   for (int64_t s = 0; s < source_->segments(); ++s) {
@@ -211,7 +228,8 @@ TokenStream::TokenStream(std::shared_ptr<const TokenSource> source, int64_t seq_
   }
   first_window_.push_back(windows_);
   if (windows_ < 1)
-    throw std::runtime_error(fmt::format("data: {} tokens cannot make one sample of seq_len {} + 1", most, seq_len_));
+    throw std::runtime_error(
+        fmt::format("data: {} tokens cannot make one sample of seq_len {} + 1", most, seq_len_));
 }
 
 int64_t TokenStream::window_of(int64_t g) const {
@@ -225,7 +243,8 @@ at::Tensor TokenStream::samples(int64_t first, int64_t count) const {
   auto* p = out.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i, p += seq_len_ + 1) {
     const int64_t w = window_of(first + i);
-    const auto seg = std::upper_bound(first_window_.begin(), first_window_.end(), w) - first_window_.begin() - 1;
+    const auto seg =
+        std::upper_bound(first_window_.begin(), first_window_.end(), w) - first_window_.begin() - 1;
     source_->read(seg, (w - first_window_[static_cast<size_t>(seg)]) * seq_len_, seq_len_ + 1, p);
   }
   return out;

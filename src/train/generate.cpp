@@ -16,16 +16,18 @@ namespace fsdpp::train {
 std::string generate(models::MoETransformerImpl& model, const Tokenizer& tokenizer, const std::string& prompt,
                      const SampleOptions& o) {
   if (!std::isfinite(o.temperature) || o.temperature < 0)
-    throw std::invalid_argument(fmt::format("generate: temperature must be 0 (greedy) or positive and finite, got {}",
-                                            o.temperature));
+    throw std::invalid_argument(fmt::format(
+        "generate: temperature must be 0 (greedy) or positive and finite, got {}", o.temperature));
   if (tokenizer.vocab_size() != model.config().vocab_size)
     throw std::invalid_argument(fmt::format("generate: tokenizer {} has a vocabulary of {} but the model {}",
-                                            tokenizer.spec(), tokenizer.vocab_size(), model.config().vocab_size));
+                                            tokenizer.spec(), tokenizer.vocab_size(),
+                                            model.config().vocab_size));
   at::NoGradGuard g;
   auto gen = at::detail::createCPUGenerator(o.seed);
   std::vector<int64_t> tokens;
   for (const auto t : tokenizer.encode(prompt)) tokens.push_back(t);
-  if (tokens.empty()) tokens.push_back(tokenizer.eot() >= 0 ? tokenizer.eot() : tokenizer.encode("\n").front());
+  if (tokens.empty())
+    tokens.push_back(tokenizer.eot() >= 0 ? tokenizer.eot() : tokenizer.encode("\n").front());
   std::vector<int32_t> out;
   const int64_t window = model.config().max_seq_len;
   for (int64_t i = 0; i < o.max_new_tokens; ++i) {

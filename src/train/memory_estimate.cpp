@@ -23,8 +23,9 @@ double bytes_of(at::ScalarType t) { return t == at::kFloat ? 4.0 : 2.0; }
 
 std::string MemoryEstimate::describe() const {
   std::vector<std::pair<std::string, double>> parts = {
-      {"sharded parameters", parameters}, {"their gradients", gradients}, {"AdamW state", optimizer},
-      {"gathered parameters and gradients", gathered}, {"activations", activations}, {"logits", logits},
+      {"sharded parameters", parameters}, {"their gradients", gradients},
+      {"AdamW state", optimizer},         {"gathered parameters and gradients", gathered},
+      {"activations", activations},       {"logits", logits},
       {"LibTorch and buffers", overhead}};
   std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
   std::vector<std::string> text;
@@ -48,7 +49,7 @@ MemoryEstimate estimate_memory(const Recipe& r) {
   m.optimizer = 8 * shard;
   const double pbytes = bytes_of(r.precision.param_dtype), gbytes = 4;
   // Blocks that reshard after forward are gathered one (and the next, prefetched) at a time.
-  const bool one_block = par.pp == 1 && par.reshard_after_forward && par.microbatch_threads == 1;
+  const bool one_block = par.pp == 1 && par.reshard_after_forward && r.cpu.microbatch_threads == 1;
   m.gathered = (one_block ? std::min(stage, 2 * block + embed) : stage) * (pbytes + gbytes);
   // Per token and layer: q, k, v, the attention's output and projection, the norms' inputs and the
   // residual stream (about 12 d), the feed-forward's hidden activations (3 h: gate, up, their
@@ -62,7 +63,7 @@ MemoryEstimate estimate_memory(const Recipe& r) {
   const double tokens = double(r.micro_batch()) * double(r.data.seq_len);
   // Microbatches whose activations are held at once: the pipeline's warm-up depth, or the threads.
   const double in_flight = par.pp > 1 ? double(std::min(par.microbatches, par.pp * par.stages_per_rank))
-                                      : double(par.microbatch_threads);
+                                      : double(r.cpu.microbatch_threads);
   const double abytes = bytes_of(r.precision.param_dtype);
   m.activations = in_flight * tokens * (L / stages) * per_token_layer * abytes;
   m.logits = tokens * double(c.vocab_size) * 4 * 3;  // logits, their softmax and its gradient, float32
@@ -71,7 +72,7 @@ MemoryEstimate estimate_memory(const Recipe& r) {
 }
 
 std::optional<double> memory_per_rank(const Recipe& r, int local_ranks, std::string* what) {
-  if (r.train.device == "cuda") {
+  if (r.train.device == Device::kCuda) {
     std::string why;
     if (comm::cuda_device_count(&why) == 0) {
       if (what) *what = fmt::format("no GPU here to compare with ({})", why);
@@ -89,7 +90,9 @@ std::optional<double> memory_per_rank(const Recipe& r, int local_ranks, std::str
       const double bytes = kib * 1024 / std::max(1, local_ranks);
       if (what)
         *what = fmt::format("this machine has {:.1f} GiB{}", kib * 1024 / kGiB,
-                            local_ranks > 1 ? fmt::format(", {:.1f} GiB for each of {} ranks", bytes / kGiB, local_ranks) : "");
+                            local_ranks > 1
+                                ? fmt::format(", {:.1f} GiB for each of {} ranks", bytes / kGiB, local_ranks)
+                                : "");
       return bytes;
     }
     f.ignore(1 << 10, '\n');
@@ -103,12 +106,15 @@ std::string check_memory(const Recipe& r, int local_ranks) {
   std::string machine;
   const auto have = memory_per_rank(r, local_ranks, &machine);
   if (have && est.total() > *have)
-    throw std::invalid_argument(fmt::format(
-        "{}: this recipe cannot fit: it needs an estimated {}, and {}. Make it fit: a smaller model, a smaller "
-        "train.global_batch or more train.grad_accum, more ranks (parallel.dp shards the parameters and optimizer "
-        "state, parallel.pp the layers), or train.activation_checkpointing",
-        r.source, est.describe(), machine));
-  return fmt::format("memory: an estimated {}; {}", est.describe(), have ? machine : "not compared: " + machine);
+    throw std::invalid_argument(
+        fmt::format("{}: this recipe cannot fit: it needs an estimated {}, and {}. Make it fit: a smaller "
+                    "model, a smaller "
+                    "train.global_batch or more train.grad_accum, more ranks (parallel.dp shards the "
+                    "parameters and optimizer "
+                    "state, parallel.pp the layers), or train.activation_checkpointing",
+                    r.source, est.describe(), machine));
+  return fmt::format("memory: an estimated {}; {}", est.describe(),
+                     have ? machine : "not compared: " + machine);
 }
 
 }  // namespace fsdpp::train

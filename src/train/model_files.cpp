@@ -33,7 +33,8 @@ models::MoETransformer load_model(const std::string& path, json* tokenizer) {
     }
     const auto it = file.metadata.find("fsdpp.model_config");
     if (it == file.metadata.end())
-      throw std::runtime_error(fmt::format("{}: no fsdpp.model_config in its metadata (not written by fsdpp ckpt consolidate)", path));
+      throw std::runtime_error(fmt::format(
+          "{}: no fsdpp.model_config in its metadata (not written by fsdpp ckpt consolidate)", path));
     config = parse_model_config(json::parse(it->second), path + " metadata");
     state = std::move(file.tensors);
   } else {
@@ -48,14 +49,16 @@ models::MoETransformer load_model(const std::string& path, json* tokenizer) {
   return model;
 }
 
-void load_full_weights(models::MoETransformerImpl& model, const std::vector<std::pair<std::string, at::Tensor>>& state,
+void load_full_weights(models::MoETransformerImpl& model,
+                       const std::vector<std::pair<std::string, at::Tensor>>& state,
                        const std::string& source) {
   at::NoGradGuard g;
   auto params = model.named_parameters();
   std::set<std::string> seen;
   for (const auto& [name, t] : state) {
     auto* p = params.find(name);
-    if (!p) throw std::runtime_error(fmt::format("{}: tensor '{}' is not a parameter of the model", source, name));
+    if (!p)
+      throw std::runtime_error(fmt::format("{}: tensor '{}' is not a parameter of the model", source, name));
     if (p->sizes() != t.sizes())
       throw std::runtime_error(fmt::format("{}: '{}' has shape [{}] but the model expects [{}]", source, name,
                                            fmt::join(t.sizes(), ", "), fmt::join(p->sizes(), ", ")));
@@ -66,7 +69,8 @@ void load_full_weights(models::MoETransformerImpl& model, const std::vector<std:
     seen.insert(name);
   }
   for (const auto& p : params)
-    if (!seen.count(p.key())) throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", source, p.key()));
+    if (!seen.count(p.key()))
+      throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", source, p.key()));
 }
 
 }  // namespace fsdpp::train

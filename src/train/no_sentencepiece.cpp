@@ -19,7 +19,8 @@ std::shared_ptr<const Tokenizer> load_piece_tokenizer(const std::string& path) {
 }
 }  // namespace detail
 
-TokenizerReport train_tokenizer(const TokenizerTrainOptions&, const std::function<void(const std::string&)>&) {
+TokenizerReport train_tokenizer(const TokenizerTrainOptions&,
+                                const std::function<void(const std::string&)>&) {
   throw std::runtime_error(std::string("tokenizer train: ") + kMissing);
 }
 

@@ -28,7 +28,8 @@ std::shared_ptr<const Tokenizer> load_piece_tokenizer(const std::string& path);
 
 struct SentencePiecePlugin {
   std::shared_ptr<const Tokenizer> (*load)(const std::string& path);
-  TokenizerReport (*train)(const TokenizerTrainOptions& options, const std::function<void(const std::string&)>& progress);
+  TokenizerReport (*train)(const TokenizerTrainOptions& options,
+                           const std::function<void(const std::string&)>& progress);
 };
 
 }  // namespace fsdpp::train::detail

@@ -16,21 +16,23 @@ namespace fsdpp::train {
 std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   const auto t = static_cast<int64_t>(s + 0.5);
-  return t >= 3600 ? fmt::format("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60) : fmt::format("{}:{:02}", t / 60, t % 60);
+  return t >= 3600 ? fmt::format("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60)
+                   : fmt::format("{}:{:02}", t / 60, t % 60);
 }
 
 Progress::Progress(int64_t total, bool tty, std::ostream& out) : total_(total), tty_(tty), out_(out) {}
 
 void Progress::update(int64_t step, double loss, double tps, double eta, const std::string& extra) {
-  const std::string stats = fmt::format("loss {:.4f} | {:.1f}k tok/s | ETA {}{}", loss, tps / 1e3, format_duration(eta),
-                                        extra.empty() ? "" : " | " + extra);
+  const std::string stats = fmt::format("loss {:.4f} | {:.1f}k tok/s | ETA {}{}", loss, tps / 1e3,
+                                        format_duration(eta), extra.empty() ? "" : " | " + extra);
   if (!tty_) {
     out_ << fmt::format("step {}/{} | {}", step, total_, stats) << std::endl;
     return;
   }
   constexpr int kWidth = 24;
   const int filled = static_cast<int>(kWidth * std::min<double>(1.0, double(step) / double(total_)));
-  bar_ = fmt::format("step {}/{} [{}{}] {}", step, total_, std::string(filled, '#'), std::string(kWidth - filled, '.'), stats);
+  bar_ = fmt::format("step {}/{} [{}{}] {}", step, total_, std::string(filled, '#'),
+                     std::string(kWidth - filled, '.'), stats);
   // The cursor goes back to the start of the line after the bar, so that the next write replaces it.
   out_ << "\033[K" << bar_ << "\r" << std::flush;
 }
@@ -60,7 +62,8 @@ double nice_step(double lo, double hi, int n) {
 
 }  // namespace
 
-void write_loss_svg(const std::string& path, const Series& train, const Series& val, const std::string& title) {
+void write_loss_svg(const std::string& path, const Series& train, const Series& val,
+                    const std::string& title) {
   constexpr double W = 720, H = 420, L = 64, R = 20, T = 40, B = 48;
   int64_t x_max = 1;
   double y_lo = 1e300, y_hi = -1e300;
@@ -86,33 +89,40 @@ void write_loss_svg(const std::string& path, const Series& train, const Series& 
       "<text x=\"{2}\" y=\"24\" font-size=\"15\">{3}</text>\n",
       W, H, L, title);
   for (double y = y_lo; y <= y_hi + ys / 2; y += ys)
-    svg += fmt::format("<line x1=\"{0}\" x2=\"{1}\" y1=\"{2:.1f}\" y2=\"{2:.1f}\" stroke=\"#ddd\"/>"
-                       "<text x=\"{3}\" y=\"{4:.1f}\" text-anchor=\"end\">{5:.4g}</text>\n",
-                       L, W - R, py(y), L - 6, py(y) + 4, y);
+    svg += fmt::format(
+        "<line x1=\"{0}\" x2=\"{1}\" y1=\"{2:.1f}\" y2=\"{2:.1f}\" stroke=\"#ddd\"/>"
+        "<text x=\"{3}\" y=\"{4:.1f}\" text-anchor=\"end\">{5:.4g}</text>\n",
+        L, W - R, py(y), L - 6, py(y) + 4, y);
   for (double x = 0; x <= double(x_max) + xs / 2; x += xs)
-    svg += fmt::format("<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1}\" y2=\"{2}\" stroke=\"#eee\"/>"
-                       "<text x=\"{0:.1f}\" y=\"{3}\" text-anchor=\"middle\">{4}</text>\n",
-                       px(x), T, H - B, H - B + 16, static_cast<int64_t>(x));
-  svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#444\"/>\n", L, T,
-                     W - L - R, H - T - B);
+    svg += fmt::format(
+        "<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1}\" y2=\"{2}\" stroke=\"#eee\"/>"
+        "<text x=\"{0:.1f}\" y=\"{3}\" text-anchor=\"middle\">{4}</text>\n",
+        px(x), T, H - B, H - B + 16, static_cast<int64_t>(x));
+  svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#444\"/>\n",
+                     L, T, W - L - R, H - T - B);
   svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>\n", (L + W - R) / 2, H - 10);
-  svg += fmt::format("<text transform=\"translate(16 {}) rotate(-90)\" text-anchor=\"middle\">loss (nats per byte)</text>\n",
-                     (T + H - B) / 2);
+  svg += fmt::format(
+      "<text transform=\"translate(16 {}) rotate(-90)\" text-anchor=\"middle\">loss (nats per byte)</text>\n",
+      (T + H - B) / 2);
   auto polyline = [&](const Series& s, const char* color) {
     std::string pts;
     for (const auto& [x, y] : s)
       if (std::isfinite(y)) pts += fmt::format("{:.1f},{:.1f} ", px(double(x)), py(y));
-    return fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" points=\"{}\"/>\n", color, pts);
+    return fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" points=\"{}\"/>\n", color,
+                       pts);
   };
   svg += polyline(train, "#1f77b4");
   svg += polyline(val, "#d62728");
   for (const auto& [x, y] : val)
-    if (std::isfinite(y)) svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\" fill=\"#d62728\"/>\n", px(double(x)), py(y));
-  svg += fmt::format("<line x1=\"{0}\" x2=\"{1}\" y1=\"54\" y2=\"54\" stroke=\"#1f77b4\" stroke-width=\"2\"/>"
-                     "<text x=\"{2}\" y=\"58\">train</text>\n"
-                     "<line x1=\"{0}\" x2=\"{1}\" y1=\"72\" y2=\"72\" stroke=\"#d62728\" stroke-width=\"2\"/>"
-                     "<text x=\"{2}\" y=\"76\">validation</text>\n</svg>\n",
-                     W - R - 110, W - R - 90, W - R - 84);
+    if (std::isfinite(y))
+      svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\" fill=\"#d62728\"/>\n", px(double(x)),
+                         py(y));
+  svg += fmt::format(
+      "<line x1=\"{0}\" x2=\"{1}\" y1=\"54\" y2=\"54\" stroke=\"#1f77b4\" stroke-width=\"2\"/>"
+      "<text x=\"{2}\" y=\"58\">train</text>\n"
+      "<line x1=\"{0}\" x2=\"{1}\" y1=\"72\" y2=\"72\" stroke=\"#d62728\" stroke-width=\"2\"/>"
+      "<text x=\"{2}\" y=\"76\">validation</text>\n</svg>\n",
+      W - R - 110, W - R - 90, W - R - 84);
   write_file_atomically(path, svg);
 }
 
@@ -128,18 +138,26 @@ void Tracer::set_active(bool on) {
   if (on) {
     const auto system = Clock::now();
     const auto monotonic = std::chrono::steady_clock::now();
-    monotonic_offset_us_ = micros(system) - std::chrono::duration_cast<std::chrono::microseconds>(monotonic.time_since_epoch()).count();
+    monotonic_offset_us_ =
+        micros(system) -
+        std::chrono::duration_cast<std::chrono::microseconds>(monotonic.time_since_epoch()).count();
   }
   active_ = on;
 }
 
-void Tracer::span(const std::string& name, const std::string& track, Clock::time_point begin, Clock::time_point end) {
+void Tracer::span(const std::string& name, const std::string& track, Clock::time_point begin,
+                  Clock::time_point end) {
   if (!active_) return;
   auto it = std::find(tracks_.begin(), tracks_.end(), track);
   if (it == tracks_.end()) it = tracks_.insert(tracks_.end(), track);
   const auto tid = it - tracks_.begin();
-  events_.push_back(nlohmann::json{{"name", name}, {"cat", track}, {"ph", "X"}, {"pid", rank_}, {"tid", tid},
-                                   {"ts", micros(begin)}, {"dur", std::max<int64_t>(1, micros(end) - micros(begin))}}
+  events_.push_back(nlohmann::json{{"name", name},
+                                   {"cat", track},
+                                   {"ph", "X"},
+                                   {"pid", rank_},
+                                   {"tid", tid},
+                                   {"ts", micros(begin)},
+                                   {"dur", std::max<int64_t>(1, micros(end) - micros(begin))}}
                         .dump());
 }
 
@@ -153,7 +171,8 @@ void Tracer::add_communication(Clock::time_point from, Clock::time_point to) {
       if (issued < micros(from) || issued > micros(to) || !e.contains("completed_us")) continue;
       const std::string label = e.at("label");
       const std::string name = e.at("op").get<std::string>() + (label.empty() ? "" : " " + label);
-      span(name, "comm " + c.at("comm").get<std::string>(), Clock::time_point(std::chrono::microseconds(issued)),
+      span(name, "comm " + c.at("comm").get<std::string>(),
+           Clock::time_point(std::chrono::microseconds(issued)),
            Clock::time_point(std::chrono::microseconds(e.at("completed_us").get<int64_t>())));
     }
   active_ = was;
@@ -161,9 +180,14 @@ void Tracer::add_communication(Clock::time_point from, Clock::time_point to) {
 
 void Tracer::write(const std::string& path) const {
   nlohmann::json meta = nlohmann::json::array();
-  meta.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank_}, {"args", {{"name", fmt::format("rank {}", rank_)}, {"monotonic_offset_us", monotonic_offset_us_}}}});
+  meta.push_back(
+      {{"name", "process_name"},
+       {"ph", "M"},
+       {"pid", rank_},
+       {"args", {{"name", fmt::format("rank {}", rank_)}, {"monotonic_offset_us", monotonic_offset_us_}}}});
   for (size_t i = 0; i < tracks_.size(); ++i)
-    meta.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank_}, {"tid", i}, {"args", {{"name", tracks_[i]}}}});
+    meta.push_back(
+        {{"name", "thread_name"}, {"ph", "M"}, {"pid", rank_}, {"tid", i}, {"args", {{"name", tracks_[i]}}}});
   std::string text = "[";
   bool first = true;
   for (const auto& m : meta) text += (first ? "" : ",\n") + m.dump(), first = false;
@@ -178,7 +202,8 @@ void Tracer::merge(const std::vector<std::string>& inputs, const std::string& ou
     std::ifstream f(in);
     for (auto& e : nlohmann::json::parse(f)) all.push_back(std::move(e));
   }
-  write_file_atomically(output, nlohmann::json{{"traceEvents", all}, {"displayTimeUnit", "ms"}}.dump() + "\n");
+  write_file_atomically(output,
+                        nlohmann::json{{"traceEvents", all}, {"displayTimeUnit", "ms"}}.dump() + "\n");
 }
 
 }  // namespace fsdpp::train

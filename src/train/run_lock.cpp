@@ -34,8 +34,9 @@ std::string read_all(int fd) {
 std::string describe_holder(const std::string& text) {
   try {
     const auto j = nlohmann::json::parse(text);
-    return fmt::format("pid {} on host {}, started {} ({})", j.at("pid").get<int64_t>(), j.at("host").get<std::string>(),
-                       j.at("started").get<std::string>(), j.value("command", std::string("?")));
+    return fmt::format("pid {} on host {}, started {} ({})", j.at("pid").get<int64_t>(),
+                       j.at("host").get<std::string>(), j.at("started").get<std::string>(),
+                       j.value("command", std::string("?")));
   } catch (const std::exception&) {
     return "a run whose lock file is unreadable";
   }
@@ -52,25 +53,30 @@ std::string utc_now() {
 
 }  // namespace
 
-RunLock RunLock::acquire(const std::string& dir, const std::string& command, std::optional<std::string>* took_over) {
+RunLock RunLock::acquire(const std::string& dir, const std::string& command,
+                         std::optional<std::string>* took_over) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  if (ec) throw std::runtime_error(fmt::format("cannot create the output directory {}: {}", dir, ec.message()));
+  if (ec)
+    throw std::runtime_error(fmt::format("cannot create the output directory {}: {}", dir, ec.message()));
   const auto path = (std::filesystem::path(dir) / kFileName).string();
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
     const int e = errno;
-    throw std::runtime_error(fmt::format("cannot claim the output directory {}: {}: {}", dir, path, os_error(e)));
+    throw std::runtime_error(
+        fmt::format("cannot claim the output directory {}: {}: {}", dir, path, os_error(e)));
   }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;
     const std::string holder = read_all(fd);
     ::close(fd);
     if (e == EWOULDBLOCK)
-      throw std::runtime_error(fmt::format("{} is in use by another run: {}; wait for it to end, or set another "
-                                           "logging.output_dir",
-                                           dir, describe_holder(holder)));
-    throw std::runtime_error(fmt::format("cannot claim the output directory {}: locking {}: {}", dir, path, os_error(e)));
+      throw std::runtime_error(
+          fmt::format("{} is in use by another run: {}; wait for it to end, or set another "
+                      "logging.output_dir",
+                      dir, describe_holder(holder)));
+    throw std::runtime_error(
+        fmt::format("cannot claim the output directory {}: locking {}: {}", dir, path, os_error(e)));
   }
   RunLock lock(fd);
   if (const std::string left = read_all(fd); !left.empty() && took_over)
@@ -79,10 +85,13 @@ RunLock RunLock::acquire(const std::string& dir, const std::string& command, std
   char host[256] = {0};
   ::gethostname(host, sizeof host - 1);
   const std::string me =
-      nlohmann::json{{"pid", ::getpid()}, {"host", host}, {"started", utc_now()}, {"command", command}}.dump() + "\n";
+      nlohmann::json{{"pid", ::getpid()}, {"host", host}, {"started", utc_now()}, {"command", command}}
+          .dump() +
+      "\n";
   if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
     const int e = errno;
-    throw std::runtime_error(fmt::format("cannot claim the output directory {}: writing {}: {}", dir, path, os_error(e)));
+    throw std::runtime_error(
+        fmt::format("cannot claim the output directory {}: writing {}: {}", dir, path, os_error(e)));
   }
   return lock;
 }

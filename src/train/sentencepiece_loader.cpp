@@ -16,10 +16,12 @@ namespace {
 // The plugin sits beside libfsdpp.so, in the build tree and where both are installed.
 std::string plugin_path() {
   Dl_info info{};
-  if (!dladdr(reinterpret_cast<void*>(&plugin_path), &info) || !info.dli_fname) return FSDPP_SENTENCEPIECE_PLUGIN;
+  if (!dladdr(reinterpret_cast<void*>(&plugin_path), &info) || !info.dli_fname)
+    return FSDPP_SENTENCEPIECE_PLUGIN;
   const std::string self = info.dli_fname;
   const auto slash = self.rfind('/');
-  return slash == std::string::npos ? FSDPP_SENTENCEPIECE_PLUGIN : self.substr(0, slash + 1) + FSDPP_SENTENCEPIECE_PLUGIN;
+  return slash == std::string::npos ? FSDPP_SENTENCEPIECE_PLUGIN
+                                    : self.substr(0, slash + 1) + FSDPP_SENTENCEPIECE_PLUGIN;
 }
 
 const detail::SentencePiecePlugin& plugin() {
@@ -33,7 +35,8 @@ const detail::SentencePiecePlugin& plugin() {
       error = fmt::format("opening the SentencePiece plugin failed: {}", dlerror());
       return;
     }
-    auto entry = reinterpret_cast<decltype(&fsdpp_sentencepiece_plugin)>(dlsym(handle, "fsdpp_sentencepiece_plugin"));
+    auto entry =
+        reinterpret_cast<decltype(&fsdpp_sentencepiece_plugin)>(dlsym(handle, "fsdpp_sentencepiece_plugin"));
     if (!entry) {
       error = fmt::format("{} has no entry point fsdpp_sentencepiece_plugin", path);
       return;
@@ -52,7 +55,8 @@ std::shared_ptr<const Tokenizer> load_piece_tokenizer(const std::string& path) {
 
 }  // namespace detail
 
-TokenizerReport train_tokenizer(const TokenizerTrainOptions& options, const std::function<void(const std::string&)>& progress) {
+TokenizerReport train_tokenizer(const TokenizerTrainOptions& options,
+                                const std::function<void(const std::string&)>& progress) {
   return plugin().train(options, progress);
 }
 

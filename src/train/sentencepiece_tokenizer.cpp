@@ -29,10 +29,14 @@ size_t utf8_length(std::string_view s, size_t i) {
   size_t n;
   uint32_t min;
   if (b < 0x80) return 1;
-  if ((b & 0xE0) == 0xC0) n = 2, min = 0x80;
-  else if ((b & 0xF0) == 0xE0) n = 3, min = 0x800;
-  else if ((b & 0xF8) == 0xF0) n = 4, min = 0x10000;
-  else return 0;
+  if ((b & 0xE0) == 0xC0)
+    n = 2, min = 0x80;
+  else if ((b & 0xF0) == 0xE0)
+    n = 3, min = 0x800;
+  else if ((b & 0xF8) == 0xF0)
+    n = 4, min = 0x10000;
+  else
+    return 0;
   if (i + n > s.size()) return 0;
   uint32_t cp = b & (0x7F >> n);
   for (size_t k = 1; k < n; ++k) {
@@ -71,10 +75,12 @@ class PieceTokenizer final : public Tokenizer {
     spec_ = fs::absolute(path).lexically_normal().string();  // recorded, and found again from elsewhere
     std::error_code ec;
     if (!fs::is_regular_file(path, ec))
-      throw std::runtime_error(fmt::format("tokenizer {}: no such file (a SentencePiece .model, or \"bytes\")", spec_));
+      throw std::runtime_error(
+          fmt::format("tokenizer {}: no such file (a SentencePiece .model, or \"bytes\")", spec_));
     hash_ = "crc32c:" + crc_hex(digest_file(path).crc32c);
     if (const auto st = sp_.Load(path); !st.ok())
-      throw std::runtime_error(fmt::format("tokenizer {}: not a SentencePiece model: {}", path, st.ToString()));
+      throw std::runtime_error(
+          fmt::format("tokenizer {}: not a SentencePiece model: {}", path, st.ToString()));
     const int n = sp_.GetPieceSize();
     text_.resize(static_cast<size_t>(n));
     byte_id_.fill(-1);
@@ -87,15 +93,19 @@ class PieceTokenizer final : public Tokenizer {
       } else if (!sp_.IsControl(id) && !sp_.IsUnknown(id)) {
         auto& t = text_[static_cast<size_t>(id)];
         for (size_t i = 0; i < piece.size();) {
-          if (std::string_view(piece).substr(i, 3) == kSpaceMark) t += ' ', i += 3;
-          else t += piece[i++];
+          if (std::string_view(piece).substr(i, 3) == kSpaceMark)
+            t += ' ', i += 3;
+          else
+            t += piece[i++];
         }
       }
     }
     for (int b = 0; b < 256; ++b)
       if (byte_id_[static_cast<size_t>(b)] < 0)
-        throw std::runtime_error(fmt::format("tokenizer {}: has no byte piece <0x{:02X}> (train it with byte fallback, "
-                                             "as `fsdpp tokenizer train` does)", path, b));
+        throw std::runtime_error(
+            fmt::format("tokenizer {}: has no byte piece <0x{:02X}> (train it with byte fallback, "
+                        "as `fsdpp tokenizer train` does)",
+                        path, b));
   }
 
   int64_t vocab_size() const override { return sp_.GetPieceSize(); }
@@ -120,7 +130,8 @@ class PieceTokenizer final : public Tokenizer {
     std::string out;
     for (const auto id : ids) {
       if (id < 0 || static_cast<size_t>(id) >= text_.size())
-        throw std::out_of_range(fmt::format("tokenizer {}: id {} is outside its vocabulary of {}", spec_, id, text_.size()));
+        throw std::out_of_range(
+            fmt::format("tokenizer {}: id {} is outside its vocabulary of {}", spec_, id, text_.size()));
       out += text_[static_cast<size_t>(id)];
     }
     return out;
@@ -158,12 +169,15 @@ class RunIterator : public sentencepiece::SentenceIterator {
  public:
   RunIterator(const std::vector<const std::string*>& docs, int64_t max_bytes) {
     for (const auto* d : docs) {
-      split_for_pieces(*d, [&](std::string_view run) {
-        if (bytes_ + static_cast<int64_t>(run.size()) <= max_bytes) {
-          runs_.push_back(run);
-          bytes_ += static_cast<int64_t>(run.size());
-        }
-      }, [](unsigned char) {});
+      split_for_pieces(
+          *d,
+          [&](std::string_view run) {
+            if (bytes_ + static_cast<int64_t>(run.size()) <= max_bytes) {
+              runs_.push_back(run);
+              bytes_ += static_cast<int64_t>(run.size());
+            }
+          },
+          [](unsigned char) {});
     }
     if (!runs_.empty()) value_ = std::string(runs_[0]);
   }
@@ -186,23 +200,28 @@ class RunIterator : public sentencepiece::SentenceIterator {
 
 namespace {
 
-TokenizerReport train_pieces(const TokenizerTrainOptions& o, const std::function<void(const std::string&)>& progress) {
+TokenizerReport train_pieces(const TokenizerTrainOptions& o,
+                             const std::function<void(const std::string&)>& progress) {
   const auto say = [&](const std::string& s) {
     if (progress) progress(s);
   };
   const auto t0 = std::chrono::steady_clock::now();
   if (o.type != "bpe" && o.type != "unigram")
-    throw std::runtime_error(fmt::format("tokenizer train: --type must be bpe or unigram, got \"{}\"", o.type));
+    throw std::runtime_error(
+        fmt::format("tokenizer train: --type must be bpe or unigram, got \"{}\"", o.type));
   if (o.vocab_size < 260)
-    throw std::runtime_error(fmt::format("tokenizer train: --vocab {} is too small: the 256 byte pieces and the "
-                                         "unknown and end-of-text pieces need 258, and pieces need the rest", o.vocab_size));
+    throw std::runtime_error(
+        fmt::format("tokenizer train: --vocab {} is too small: the 256 byte pieces and the "
+                    "unknown and end-of-text pieces need 258, and pieces need the rest",
+                    o.vocab_size));
   if (o.output.empty()) throw std::runtime_error("tokenizer train: no output file (-o tok.model)");
   say(fmt::format("reading {}", fmt::join(o.inputs, " ")));
   const Documents docs = read_documents(o.inputs);
   if (docs.texts.size() < 2)
-    throw std::runtime_error(fmt::format("tokenizer train: {} gave {} text documents{}; need at least 2 (one held out)",
-                                         fmt::join(o.inputs, " "), docs.texts.size(),
-                                         docs.skipped ? fmt::format(" ({} binary files skipped)", docs.skipped) : ""));
+    throw std::runtime_error(
+        fmt::format("tokenizer train: {} gave {} text documents{}; need at least 2 (one held out)",
+                    fmt::join(o.inputs, " "), docs.texts.size(),
+                    docs.skipped ? fmt::format(" ({} binary files skipped)", docs.skipped) : ""));
   // Documents are held out by a seeded draw, at least one.
   std::vector<const std::string*> train, held;
   uint64_t s = o.seed ^ 0x70C3ull;
@@ -214,10 +233,11 @@ TokenizerReport train_pieces(const TokenizerTrainOptions& o, const std::function
   TokenizerReport r;
   r.documents = static_cast<int64_t>(docs.texts.size());
   r.training_bytes = it.bytes();
-  say(fmt::format("training a {} tokenizer of {} pieces on {:.1f} MB ({} documents{}, {} held out)", o.type, o.vocab_size,
-                  it.bytes() / 1e6, train.size(), docs.skipped ? fmt::format(", {} binary files skipped", docs.skipped) : "",
-                  held.size()));
-  const int threads = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  say(fmt::format("training a {} tokenizer of {} pieces on {:.1f} MB ({} documents{}, {} held out)", o.type,
+                  o.vocab_size, it.bytes() / 1e6, train.size(),
+                  docs.skipped ? fmt::format(", {} binary files skipped", docs.skipped) : "", held.size()));
+  const int threads =
+      o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const std::unordered_map<std::string, std::string> args = {
       {"model_type", o.type},
       {"vocab_size", std::to_string(o.vocab_size)},
@@ -248,7 +268,8 @@ TokenizerReport train_pieces(const TokenizerTrainOptions& o, const std::function
   for (const auto* d : held) {
     const auto ids = tok->encode(*d);
     if (tok->decode(ids) != *d)
-      throw std::runtime_error(fmt::format("tokenizer train: {} does not round-trip a held-out document", o.output));
+      throw std::runtime_error(
+          fmt::format("tokenizer train: {} does not round-trip a held-out document", o.output));
     r.held_out_bytes += static_cast<int64_t>(d->size());
     r.held_out_tokens += static_cast<int64_t>(ids.size());
   }

@@ -30,12 +30,14 @@ int32_t read_i32(const unsigned char* p) {
 }
 
 bool is_shard_name(const std::string& name, const std::string& split) {
-  return name.size() > 4 && name.compare(name.size() - 4, 4, ".bin") == 0 && name.find(split) != std::string::npos;
+  return name.size() > 4 && name.compare(name.size() - 4, 4, ".bin") == 0 &&
+         name.find(split) != std::string::npos;
 }
 
 }  // namespace
 
-ShardSet::ShardSet(const std::string& dir, const std::string& split, int64_t vocab_size) : vocab_size_(vocab_size) {
+ShardSet::ShardSet(const std::string& dir, const std::string& split, int64_t vocab_size)
+    : vocab_size_(vocab_size) {
   try {
     open(dir, split);
   } catch (...) {
@@ -45,20 +47,24 @@ ShardSet::ShardSet(const std::string& dir, const std::string& split, int64_t voc
 }
 
 void ShardSet::open(const std::string& dir, const std::string& split) {
-  if (!fs::is_directory(dir)) throw std::runtime_error(fmt::format("data: {} is not a directory of token shards", dir));
+  if (!fs::is_directory(dir))
+    throw std::runtime_error(fmt::format("data: {} is not a directory of token shards", dir));
   const fs::path index_path = fs::path(dir) / kShardIndexFile;
   std::vector<std::pair<std::string, int64_t>> listed;  // file, tokens the index records (-1: none)
   bool raw = false;
   if (fs::exists(index_path)) {
     if (!fs::is_regular_file(index_path))
-      throw std::runtime_error(fmt::format("data: {} is {}, not a shard index", index_path.string(), file_kind(index_path)));
+      throw std::runtime_error(
+          fmt::format("data: {} is {}, not a shard index", index_path.string(), file_kind(index_path)));
     index_ = read_json_file(index_path.string());
     try {
       for (const auto& s : index_.at("shards")) {
         const auto file = s.at("file").get<std::string>();
         if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
-          throw std::runtime_error(fmt::format("shard file name \"{}\" is not a plain file name in the directory", file));
-        if (s.at("split") == split) listed.emplace_back((fs::path(dir) / file).string(), s.at("tokens").get<int64_t>());
+          throw std::runtime_error(
+              fmt::format("shard file name \"{}\" is not a plain file name in the directory", file));
+        if (s.at("split") == split)
+          listed.emplace_back((fs::path(dir) / file).string(), s.at("tokens").get<int64_t>());
       }
     } catch (const std::exception& e) {
       throw std::runtime_error(fmt::format("data: {} is malformed: {}", index_path.string(), e.what()));
@@ -72,16 +78,17 @@ void ShardSet::open(const std::string& dir, const std::string& split) {
     std::sort(listed.begin(), listed.end());
   }
   if (listed.empty())
-    throw std::runtime_error(fmt::format("data: {} holds no {} shards ({}, llm.c's *{}*.bin files or nanoGPT's {}.bin)", dir,
-                                         split, kShardIndexFile, split, split));
+    throw std::runtime_error(
+        fmt::format("data: {} holds no {} shards ({}, llm.c's *{}*.bin files or nanoGPT's {}.bin)", dir,
+                    split, kShardIndexFile, split, split));
   for (const auto& [path, recorded] : listed) {
     // The mapping outlives the descriptor, which is closed at once: a corpus of thousands of
     // shards holds no descriptors.
     // Regular files only: opening a FIFO blocks until a writer comes, and a device never ends.
     // O_NONBLOCK keeps a FIFO put there after this check from blocking the open.
     if (!fs::is_regular_file(path))
-      throw std::runtime_error(fmt::format("data: {} is {}, not a shard file (shards are regular files)", path,
-                                           file_kind(path)));
+      throw std::runtime_error(
+          fmt::format("data: {} is {}, not a shard file (shards are regular files)", path, file_kind(path)));
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) throw std::runtime_error(fmt::format("data: cannot open {}: {}", path, os_error(errno)));
     struct stat st {};
@@ -93,37 +100,51 @@ void ShardSet::open(const std::string& dir, const std::string& split) {
     void* m = size > 0 ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0) : nullptr;
     const int map_errno = errno;
     ::close(fd);
-    if (m == MAP_FAILED) throw std::runtime_error(fmt::format("data: cannot map {}: {}", path, std::strerror(map_errno)));
-    files_.push_back({.path = path, .map = static_cast<const unsigned char*>(m), .map_bytes = m ? static_cast<size_t>(size) : 0});
+    if (m == MAP_FAILED)
+      throw std::runtime_error(fmt::format("data: cannot map {}: {}", path, std::strerror(map_errno)));
+    files_.push_back({.path = path,
+                      .map = static_cast<const unsigned char*>(m),
+                      .map_bytes = m ? static_cast<size_t>(size) : 0});
     auto& file = files_.back();  // unmapped by close() from here on
     if (m) ::madvise(m, file.map_bytes, MADV_RANDOM);
     if (raw) {
-      if (size % 2) throw std::runtime_error(fmt::format("data: {}: {} bytes is not a whole number of uint16 tokens (cut short at offset {})", path, size, size));
+      if (size % 2)
+        throw std::runtime_error(
+            fmt::format("data: {}: {} bytes is not a whole number of uint16 tokens (cut short at offset {})",
+                        path, size, size));
       file.tokens = size / 2;
       layout_ = "uint16, nanoGPT layout";
       continue;
     }
     if (size < kShardHeaderBytes)
-      throw std::runtime_error(fmt::format("data: {}: {} bytes, shorter than llm.c's {}-byte header (cut short at offset {})",
-                                           path, size, kShardHeaderBytes, size));
-    const int32_t magic = read_i32(file.map), version = read_i32(file.map + 4), count = read_i32(file.map + 8);
-    const ShardLayout* layout = magic == kShardU16.magic ? &kShardU16 : magic == kShardU32.magic ? &kShardU32 : nullptr;
+      throw std::runtime_error(
+          fmt::format("data: {}: {} bytes, shorter than llm.c's {}-byte header (cut short at offset {})",
+                      path, size, kShardHeaderBytes, size));
+    const int32_t magic = read_i32(file.map), version = read_i32(file.map + 4),
+                  count = read_i32(file.map + 8);
+    const ShardLayout* layout = magic == kShardU16.magic   ? &kShardU16
+                                : magic == kShardU32.magic ? &kShardU32
+                                                           : nullptr;
     if (!layout)
-      throw std::runtime_error(fmt::format("data: {}: magic {} at offset 0 is not llm.c's ({} for uint16 tokens, {} for uint32)",
-                                           path, magic, kShardU16.magic, kShardU32.magic));
+      throw std::runtime_error(
+          fmt::format("data: {}: magic {} at offset 0 is not llm.c's ({} for uint16 tokens, {} for uint32)",
+                      path, magic, kShardU16.magic, kShardU32.magic));
     if (version != layout->version)
-      throw std::runtime_error(fmt::format("data: {}: version {} at offset 4; magic {} goes with version {}", path, version,
-                                           magic, layout->version));
+      throw std::runtime_error(fmt::format("data: {}: version {} at offset 4; magic {} goes with version {}",
+                                           path, version, magic, layout->version));
     file.header = kShardHeaderBytes;
     file.bytes_per_token = layout->bytes_per_token;
     file.tokens = count;
     const int64_t expected = kShardHeaderBytes + int64_t{count} * layout->bytes_per_token;
     if (count < 0 || size != expected)
-      throw std::runtime_error(fmt::format("data: {}: the header (offset 8) says {} tokens, {} bytes in all, but the file has {} "
-                                           "bytes ({} at offset {})", path, count, expected, size,
-                                           size < expected ? "cut short" : "extra bytes", std::min(size, expected)));
+      throw std::runtime_error(
+          fmt::format("data: {}: the header (offset 8) says {} tokens, {} bytes in all, but the file has {} "
+                      "bytes ({} at offset {})",
+                      path, count, expected, size, size < expected ? "cut short" : "extra bytes",
+                      std::min(size, expected)));
     if (recorded >= 0 && recorded != count)
-      throw std::runtime_error(fmt::format("data: {}: holds {} tokens but {} records {}", path, count, index_path.string(), recorded));
+      throw std::runtime_error(fmt::format("data: {}: holds {} tokens but {} records {}", path, count,
+                                           index_path.string(), recorded));
     layout_ = layout->bytes_per_token == 2 ? "uint16, llm.c layout" : "uint32, llm.c layout";
   }
 }
@@ -143,7 +164,8 @@ int64_t ShardSet::tokens() const {
 }
 
 std::string ShardSet::description() const {
-  return fmt::format("{} shard{}, {:.3f} M tokens ({})", files_.size(), files_.size() == 1 ? "" : "s", tokens() / 1e6, layout_);
+  return fmt::format("{} shard{}, {:.3f} M tokens ({})", files_.size(), files_.size() == 1 ? "" : "s",
+                     tokens() / 1e6, layout_);
 }
 
 void ShardSet::read(int64_t segment, int64_t offset, int64_t count, int64_t* out) const {
@@ -162,8 +184,9 @@ void ShardSet::read(int64_t segment, int64_t offset, int64_t count, int64_t* out
       t = v;
     }
     if (t >= vocab_size_)
-      throw std::runtime_error(fmt::format("data: {}: token {} at byte offset {} is outside the model's vocabulary of {}",
-                                           f.path, t, begin + i * f.bytes_per_token, vocab_size_));
+      throw std::runtime_error(
+          fmt::format("data: {}: token {} at byte offset {} is outside the model's vocabulary of {}", f.path,
+                      t, begin + i * f.bytes_per_token, vocab_size_));
     out[i] = t;
   }
   // The pages go back to the kernel (they stay in its page cache): the process's resident memory
@@ -214,7 +237,8 @@ class SplitWriter {
         name_ = fmt::format("{}_{}_{:06d}.bin", o_.name, split_, number_++);
         w_ = std::make_unique<ShardWriter>((fs::path(o_.output) / name_).string(), layout_);
       }
-      const size_t n = std::min(tokens.size() - done, static_cast<size_t>(o_.tokens_per_shard - w_->tokens()));
+      const size_t n =
+          std::min(tokens.size() - done, static_cast<size_t>(o_.tokens_per_shard - w_->tokens()));
       w_->append(tokens.data() + done, n);
       done += n;
       if (w_->tokens() == o_.tokens_per_shard) close();
@@ -246,7 +270,8 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
                                   const std::function<void(const TokenizeProgress&)>& progress) {
   const auto t0 = std::chrono::steady_clock::now();
   if (o.tokens_per_shard < 1 || o.tokens_per_shard > std::numeric_limits<int32_t>::max())
-    throw std::runtime_error(fmt::format("tokenize: --shard-tokens must be in [1, 2^31), got {}", o.tokens_per_shard));
+    throw std::runtime_error(
+        fmt::format("tokenize: --shard-tokens must be in [1, 2^31), got {}", o.tokens_per_shard));
   // The inputs, in order; sizes first, for the progress bar.
   std::vector<std::string> files;
   int64_t total = 0;
@@ -261,7 +286,8 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
       files.push_back(p);
       total += static_cast<int64_t>(fs::file_size(p));
     }
-  if (files.empty()) throw std::runtime_error(fmt::format("tokenize: {} holds no files", fmt::join(o.inputs, " ")));
+  if (files.empty())
+    throw std::runtime_error(fmt::format("tokenize: {} holds no files", fmt::join(o.inputs, " ")));
 
   // The output directory: new, empty, or an earlier run's, whose shards and index are replaced only
   // once this run has succeeded. Until then the new shards wait in a staging directory inside it,
@@ -270,12 +296,16 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
   constexpr std::string_view kStaging = ".staging-";
   for (const auto& e : fs::directory_iterator(o.output)) {
     const auto name = e.path().filename().string();
-    const bool ours = name == kShardIndexFile || name.rfind(kStaging, 0) == 0 ||
-                      (name.rfind(o.name + "_", 0) == 0 && (name.ends_with(".bin") || name.ends_with(".bin.tmp")));
+    const bool ours =
+        name == kShardIndexFile || name.rfind(kStaging, 0) == 0 ||
+        (name.rfind(o.name + "_", 0) == 0 && (name.ends_with(".bin") || name.ends_with(".bin.tmp")));
     if (!ours)
-      throw std::runtime_error(fmt::format("tokenize: {} holds {}, which is not a shard or index of an earlier run: give an "
-                                           "empty or new directory", o.output, e.path().string()));
-    if (name.rfind(kStaging, 0) == 0 || name.ends_with(".tmp")) fs::remove_all(e.path());  // left by a killed run
+      throw std::runtime_error(
+          fmt::format("tokenize: {} holds {}, which is not a shard or index of an earlier run: give an "
+                      "empty or new directory",
+                      o.output, e.path().string()));
+    if (name.rfind(kStaging, 0) == 0 || name.ends_with(".tmp"))
+      fs::remove_all(e.path());  // left by a killed run
   }
   TokenizeOptions staged = o;
   staged.output = (fs::path(o.output) / fmt::format("{}{}", kStaging, ::getpid())).string();
@@ -319,10 +349,12 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
       const auto& text = batch[d];
       // At least one validation document: the last one goes there when none has.
       const bool last = next == files.size() && d + 1 == batch.size();
-      const bool to_val = uniform01(draw) < o.val_fraction ||
-                          (r.val.documents == 0 && last && r.train.documents > 0);
-      if (tok.eot() >= 0) tokens.insert(tokens.begin(), tok.eot());
-      else if (text.back() != '\n') tokens.push_back('\n');
+      const bool to_val =
+          uniform01(draw) < o.val_fraction || (r.val.documents == 0 && last && r.train.documents > 0);
+      if (tok.eot() >= 0)
+        tokens.insert(tokens.begin(), tok.eot());
+      else if (text.back() != '\n')
+        tokens.push_back('\n');
       auto& split = to_val ? r.val : r.train;
       (to_val ? val : train).append(tokens);
       split.documents += 1;
@@ -338,8 +370,9 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
   val.close();
   train.close();
   if (r.val.documents == 0 || r.train.documents == 0)
-    throw std::runtime_error(fmt::format("tokenize: {} gave {} text documents; need at least 2 (one for validation)",
-                                         fmt::join(o.inputs, " "), r.val.documents + r.train.documents));
+    throw std::runtime_error(
+        fmt::format("tokenize: {} gave {} text documents; need at least 2 (one for validation)",
+                    fmt::join(o.inputs, " "), r.val.documents + r.train.documents));
   r.val.shards = val.shards();
   r.train.shards = train.shards();
   const auto split_json = [](const TokenizeReport::Split& s) {

@@ -27,7 +27,8 @@ class ByteTokenizer final : public Tokenizer {
     std::string out;
     out.reserve(ids.size());
     for (const auto id : ids) {
-      if (id < 0 || id > 255) throw std::out_of_range(fmt::format("tokenizer bytes: id {} is not a byte", id));
+      if (id < 0 || id > 255)
+        throw std::out_of_range(fmt::format("tokenizer bytes: id {} is not a byte", id));
       out.push_back(static_cast<char>(id));
     }
     return out;
@@ -52,7 +53,8 @@ void Tokenizer::check_matches(const nlohmann::json& recorded, const std::string&
                                          recorded.value("spec", std::string("?")), hash, spec_, hash_));
 }
 
-std::vector<std::vector<int32_t>> encode_all(const Tokenizer& tok, std::span<const std::string> texts, int threads) {
+std::vector<std::vector<int32_t>> encode_all(const Tokenizer& tok, std::span<const std::string> texts,
+                                             int threads) {
   struct Piece {
     size_t text;
     std::string_view view;
@@ -70,7 +72,8 @@ std::vector<std::vector<int32_t>> encode_all(const Tokenizer& tok, std::span<con
     }
   }
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  threads = static_cast<int>(std::min<size_t>(static_cast<size_t>(threads), std::max<size_t>(1, pieces.size())));
+  threads =
+      static_cast<int>(std::min<size_t>(static_cast<size_t>(threads), std::max<size_t>(1, pieces.size())));
   std::atomic<size_t> next{0};
   std::exception_ptr error;
   std::mutex error_mutex;

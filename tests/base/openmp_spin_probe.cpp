@@ -1,4 +1,4 @@
-// A fresh process for tests/train/test_openmp_wait.cpp (libgomp reads GOMP_SPINCOUNT when it is
+// A fresh process for tests/base/test_openmp_wait.cpp (libgomp reads GOMP_SPINCOUNT when it is
 // loaded): a parallel region on ATen's two intra-op threads, then 50 ms with the main thread asleep,
 // five times. Prints the process's CPU time during those sleeps in microseconds, what the idle
 // worker thread spent spinning: five times the middle sleep's, so that one sleep the machine

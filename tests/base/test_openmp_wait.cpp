@@ -1,13 +1,14 @@
-// Idle OpenMP threads with parallel.microbatch_threads (fsdpp/base/openmp_wait.hpp): the
+// Idle OpenMP threads with cpu.microbatch_threads (fsdpp/base/openmp_wait.hpp): the
 // GOMP_SPINCOUNT value `fsdpp run` gives its ranks, and what LibTorch's OpenMP does with it in a
 // process started with it.
 #include <doctest/doctest.h>
 
+#include <sched.h>
+
 #include <string>
 
-#include "fsdpp/base/cpu_binding.hpp"
 #include "fsdpp/base/openmp_wait.hpp"
-#include "train/probe.hpp"
+#include "base/probe.hpp"
 
 using namespace fsdpp;
 
@@ -19,9 +20,16 @@ double idle_cpu_us(const std::string& env) {
   return std::stod(test::probe_output("env -u OMP_WAIT_POLICY " + env + " " + FSDPP_OPENMP_SPIN_PROBE_BIN));
 }
 
+int usable_cpus() {
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+}
+
 }  // namespace
 
-TEST_CASE("openmp wait: fsdpp run shortens the spin only for microbatch threads, and never overrides the environment") {
+TEST_CASE(
+    "openmp wait: fsdpp run shortens the spin only for microbatch threads, and never overrides the "
+    "environment") {
   const auto with = [](int threads, const char* spin = nullptr, const char* policy = nullptr) {
     return microbatch_threads_spin_count(threads, OpenMPWaitEnvironment{spin, policy});
   };
@@ -37,14 +45,16 @@ TEST_CASE("openmp wait: fsdpp run shortens the spin only for microbatch threads,
   CHECK(describe(nullptr) == "libgomp's own wait (300,000 spin rounds)");
   CHECK(describe("10000") == "idle threads spin 10000 rounds, then sleep (GOMP_SPINCOUNT)");
   CHECK(describe(nullptr, "PASSIVE") == "OMP_WAIT_POLICY=PASSIVE");
-  CHECK(describe("5k", "active") == "idle threads spin 5k rounds, then sleep (GOMP_SPINCOUNT; OMP_WAIT_POLICY=active)");
+  CHECK(describe("5k", "active") ==
+        "idle threads spin 5k rounds, then sleep (GOMP_SPINCOUNT; OMP_WAIT_POLICY=active)");
 }
 
-TEST_CASE("openmp wait: after a parallel region, LibTorch's idle intra-op thread spins far less CPU time with the "
-          "spin count fsdpp run sets than with libgomp's own") {
+TEST_CASE(
+    "openmp wait: after a parallel region, LibTorch's idle intra-op thread spins far less CPU time with the "
+    "spin count fsdpp run sets than with libgomp's own") {
   // libgomp spins only 100 rounds where it has more threads than CPUs, whatever the setting.
-  if (allowed_cpus().size() < 2) {
-    MESSAGE("not run: needs 2 CPUs, this process may use " << allowed_cpus().size());
+  if (usable_cpus() < 2) {
+    MESSAGE("not run: needs 2 CPUs, this process may use " << usable_cpus());
     return;
   }
   const double own = idle_cpu_us("-u GOMP_SPINCOUNT");

@@ -41,8 +41,8 @@ std::string read_error(const std::string& path) {
 
 TEST_CASE("safetensors: round trip in every dtype, with empty and scalar tensors and metadata") {
   std::vector<std::pair<std::string, at::Tensor>> ts;
-  for (auto t : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, at::kLong, at::kInt, at::kShort, at::kChar,
-                 at::kByte, at::kBool})
+  for (auto t : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, at::kLong, at::kInt, at::kShort,
+                 at::kChar, at::kByte, at::kBool})
     ts.emplace_back(std::string("t.") + c10::toString(t), (at::randn({3, 5}) * 50).to(t));
   ts.emplace_back("empty", at::empty({0, 4}));
   ts.emplace_back("scalar", at::full({}, 2.5));
@@ -67,8 +67,9 @@ TEST_CASE("safetensors: reads a file laid out by hand from the format descriptio
   std::string data;
   for (float v : {1.5f, -2.0f}) data.append(reinterpret_cast<const char*>(&v), 4);
   for (int16_t v : {1, 2, 3}) data.append(reinterpret_cast<const char*>(&v), 2);
-  const std::string header = R"({"b":{"dtype":"I16","shape":[3],"data_offsets":[8,14]},)"
-                             R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"k":"v"}})";
+  const std::string header =
+      R"({"b":{"dtype":"I16","shape":[3],"data_offsets":[8,14]},)"
+      R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"k":"v"}})";
   const auto path = temp_file("hand");
   write_raw(path, header, data);
   const auto f = read_safetensors(path);
@@ -84,7 +85,8 @@ TEST_CASE("safetensors: reads a file laid out by hand from the format descriptio
   for (int i = 0; i < 8; ++i) n |= uint64_t(static_cast<unsigned char>(all[i])) << (8 * i);
   CHECK(n % 8 == 0);
   CHECK(all.size() == 8 + n + 8);
-  CHECK(all.substr(8, n).find(R"("a":{"data_offsets":[0,8],"dtype":"F32","shape":[2]})") != std::string::npos);
+  CHECK(all.substr(8, n).find(R"("a":{"data_offsets":[0,8],"dtype":"F32","shape":[2]})") !=
+        std::string::npos);
   CHECK(std::memcmp(all.data() + 8 + n, data.data(), 8) == 0);
   fs::remove(path);
 }
@@ -128,7 +130,8 @@ TEST_CASE("safetensors: damaged files give errors that say what is wrong") {
 
 TEST_CASE("CRC-32C: the standard check value, any split, and the instruction path equal to the table") {
   const std::string check = "123456789";
-  CHECK(crc32c(check.data(), check.size()) == 0xE3069283u);  // the check value of CRC-32C (RFC 3720's polynomial)
+  CHECK(crc32c(check.data(), check.size()) ==
+        0xE3069283u);  // the check value of CRC-32C (RFC 3720's polynomial)
   CHECK(fsdpp::detail::crc32c_portable(check.data(), check.size()) == 0xE3069283u);
   CHECK(crc32c(nullptr, 0) == 0u);
   // Lengths and alignments the word loop and its tail both see; summed in two pieces too.

@@ -1,4 +1,4 @@
-// A fresh process for tests/train/test_mkl_dispatch.cpp: which of MKL's vector-math functions
+// A fresh process for tests/base/test_mkl_dispatch.cpp: which of MKL's vector-math functions
 // libtorch_cpu.so calls while fsdpp::resolve_mkl_vml_kernels() runs (Note [MKL vector math's first
 // calls]). libtorch_cpu.so calls them through its PLT, so the definitions here, in the executable,
 // come first; each counts its call and passes it on to MKL's. Prints "name=count" for each, on one
@@ -30,20 +30,23 @@ void forward(Counted& c, intptr_t n, const T* a, T* r, int64_t mode) {
 }  // namespace
 
 // ATen/cpu/vml.h's IMPLEMENT_VML_MKL list, in float (vms) and double (vmd).
-#define FSDPP_VML_FUNCTIONS(X)                                                                                      \
-  X(Acos) X(Asin) X(Atan) X(Cos) X(Erf) X(Erfc) X(ErfInv) X(Exp) X(Ln) X(Log10) X(Log2) X(Sin) X(Sqrt) X(Tan) X(Tanh) \
-  X(Trunc)
+// clang-format off
+#define FSDPP_VML_FUNCTIONS(X) \
+  X(Acos) X(Asin) X(Atan) X(Cos) X(Erf) X(Erfc) X(ErfInv) X(Exp) X(Ln) X(Log10) X(Log2) X(Sin) \
+  X(Sqrt) X(Tan) X(Tanh) X(Trunc)
+// clang-format on
 
 #define FSDPP_COUNTERS(op) Counted count_vms##op{"vms" #op, 0}, count_vmd##op{"vmd" #op, 0};
 FSDPP_VML_FUNCTIONS(FSDPP_COUNTERS)
 
-#define FSDPP_DEFINE(op)                                                                                              \
-  extern "C" __attribute__((visibility("default"))) void vms##op(intptr_t n, const float* a, float* r, int64_t mode) { \
-    forward(count_vms##op, n, a, r, mode);                                                                              \
-  }                                                                                                                     \
-  extern "C" __attribute__((visibility("default"))) void vmd##op(intptr_t n, const double* a, double* r,              \
-                                                                 int64_t mode) {                                      \
-    forward(count_vmd##op, n, a, r, mode);                                                                              \
+#define FSDPP_DEFINE(op)                                                                                 \
+  extern "C" __attribute__((visibility("default"))) void vms##op(intptr_t n, const float* a, float* r,   \
+                                                                 int64_t mode) {                         \
+    forward(count_vms##op, n, a, r, mode);                                                               \
+  }                                                                                                      \
+  extern "C" __attribute__((visibility("default"))) void vmd##op(intptr_t n, const double* a, double* r, \
+                                                                 int64_t mode) {                         \
+    forward(count_vmd##op, n, a, r, mode);                                                               \
   }
 FSDPP_VML_FUNCTIONS(FSDPP_DEFINE)
 

@@ -21,14 +21,14 @@ namespace fsdpp::test {
 inline std::string fresh_store_path() {
   static std::atomic<int> counter{0};
   auto dir = std::filesystem::temp_directory_path();
-  return (dir / ("fsdpp-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++)))
-      .string();
+  return (dir / ("fsdpp-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++))).string();
 }
 
 // Runs `body` on n ranks, each a thread whose communicator `connect(rank, store_path)` makes;
 // a rank that throws fails the test, naming the rank.
-inline void run_rank_threads(int n, const std::function<comm::Comm(int rank, const std::string& store_path)>& connect,
-                             const std::function<void(comm::Comm&)>& body) {
+inline void run_rank_threads(
+    int n, const std::function<comm::Comm(int rank, const std::string& store_path)>& connect,
+    const std::function<void(comm::Comm&)>& body) {
   const auto path = fresh_store_path();
   std::vector<std::exception_ptr> errors(n);
   std::vector<std::thread> threads;

@@ -8,9 +8,7 @@ using comm::ReduceOp;
 namespace {
 
 // A pattern value small enough to be exact in every dtype, uint8 included.
-at::Tensor pattern(int64_t n, int64_t period) {
-  return at::arange(n, at::kDouble).remainder(period);
-}
+at::Tensor pattern(int64_t n, int64_t period) { return at::arange(n, at::kDouble).remainder(period); }
 
 void check_equal(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
   INFO(what);
@@ -35,10 +33,18 @@ TEST_CASE("all_reduce: sum, avg, max, min in every dtype, sizes 0..1000, world 1
             comm.all_reduce(t, {op}).wait();
             at::Tensor want;
             switch (op) {
-              case ReduceOp::kSum: want = p * n + n * (n + 1) / 2.0; break;
-              case ReduceOp::kAvg: want = p + (n + 1) / 2.0; break;
-              case ReduceOp::kMax: want = p + n; break;
-              case ReduceOp::kMin: want = p + 1; break;
+              case ReduceOp::kSum:
+                want = p * n + n * (n + 1) / 2.0;
+                break;
+              case ReduceOp::kAvg:
+                want = p + (n + 1) / 2.0;
+                break;
+              case ReduceOp::kMax:
+                want = p + n;
+                break;
+              case ReduceOp::kMin:
+                want = p + 1;
+                break;
             }
             check_equal(t, want.to(dtype),
                         "world " + std::to_string(n) + " rank " + std::to_string(r) + " " +
@@ -144,14 +150,22 @@ TEST_CASE("reduce_scatter: sum, avg, max and min, chunk sizes 0..1000, world 1..
             const double ranks_sum = n * (n + 1) / 2.0;
             at::Tensor want;
             switch (op) {
-              case ReduceOp::kSum: want = pattern(c, 3) * n + (r + 1) * ranks_sum; break;
-              case ReduceOp::kAvg: want = pattern(c, 3) + (r + 1) * ranks_sum / n; break;
-              case ReduceOp::kMax: want = pattern(c, 3) + (r + 1) * n; break;  // rank n - 1's
-              case ReduceOp::kMin: want = pattern(c, 3) + (r + 1); break;      // rank 0's
+              case ReduceOp::kSum:
+                want = pattern(c, 3) * n + (r + 1) * ranks_sum;
+                break;
+              case ReduceOp::kAvg:
+                want = pattern(c, 3) + (r + 1) * ranks_sum / n;
+                break;
+              case ReduceOp::kMax:
+                want = pattern(c, 3) + (r + 1) * n;
+                break;  // rank n - 1's
+              case ReduceOp::kMin:
+                want = pattern(c, 3) + (r + 1);
+                break;  // rank 0's
             }
             check_equal(out, want.to(dtype),
-                        std::string("reduce_scatter ") + c10::toString(dtype) + " c=" +
-                            std::to_string(c) + " " + comm::to_string(op));
+                        std::string("reduce_scatter ") + c10::toString(dtype) + " c=" + std::to_string(c) +
+                            " " + comm::to_string(op));
           }
     });
 }
@@ -175,9 +189,7 @@ TEST_CASE("all_to_all: equal and unequal splits, zero-length pieces") {
     test::run_ranks(n, [n](comm::Comm& comm) {
       const int r = comm.rank();
       // What rank `from` sends to rank `to`: len elements of from * 40 + to * 8 + i % 8.
-      auto piece = [](int from, int to, int64_t len) {
-        return pattern(len, 8) + from * 40 + to * 8;
-      };
+      auto piece = [](int from, int to, int64_t len) { return pattern(len, 8) + from * 40 + to * 8; };
       for (auto dtype : test::all_dtypes()) {
         for (int64_t k : {0, 2, 300}) {
           std::vector<at::Tensor> send, expect;

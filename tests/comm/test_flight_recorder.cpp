@@ -33,10 +33,14 @@ TEST_CASE("operations are recorded with sequence, sizes, label and state") {
   });
 }
 
-TEST_CASE("a one-rank collective completes as it is issued, with no state to allocate, and is recorded with its times") {
+TEST_CASE(
+    "a one-rank collective completes as it is issued, with no state to allocate, and is recorded with its "
+    "times") {
   test::run_ranks(1, [](comm::Comm& comm) {
     using namespace std::chrono;
-    auto micros_now = [] { return duration_cast<microseconds>(system_clock::now().time_since_epoch()).count(); };
+    auto micros_now = [] {
+      return duration_cast<microseconds>(system_clock::now().time_since_epoch()).count();
+    };
     const auto in = at::arange(6, at::kFloat);
     auto out = at::zeros({6});
     const int64_t before = micros_now();
@@ -69,7 +73,8 @@ TEST_CASE("a full recorder keeps its newest operations, oldest first") {
   const auto t = at::ones({2, 3}, at::kHalf);
   // Labels of both lengths, so that reused entries go from short to long ones and back.
   auto label_of = [](int i) {
-    return i % 2 ? "odd " + std::to_string(i) : "even, longer than a short string's buffer " + std::to_string(i);
+    return i % 2 ? "odd " + std::to_string(i)
+                 : "even, longer than a short string's buffer " + std::to_string(i);
   };
   for (int i = 0; i < 7; ++i) {
     comm::OpLabel label(label_of(i));
@@ -120,9 +125,17 @@ void write_dump(const std::string& dir, int rank, const std::vector<std::pair<st
   nlohmann::json entries = nlohmann::json::array();
   int64_t seq = 0;
   for (const auto& [label, n] : ops)
-    entries.push_back({{"seq", seq++}, {"op", "all_gather"}, {"dtype", "Float"}, {"in", n}, {"out", 4 * n},
-                       {"peer", -1}, {"label", label}, {"state", "completed"}, {"issued_us", 0}});
-  nlohmann::json d = {{"rank", rank}, {"comms", {{{"comm", "world"}, {"rank", rank}, {"size", 4}, {"entries", entries}}}}};
+    entries.push_back({{"seq", seq++},
+                       {"op", "all_gather"},
+                       {"dtype", "Float"},
+                       {"in", n},
+                       {"out", 4 * n},
+                       {"peer", -1},
+                       {"label", label},
+                       {"state", "completed"},
+                       {"issued_us", 0}});
+  nlohmann::json d = {{"rank", rank},
+                      {"comms", {{{"comm", "world"}, {"rank", rank}, {"size", 4}, {"entries", entries}}}}};
   std::ofstream(dir + "/rank" + std::to_string(rank) + ".json") << d.dump();
 }
 
@@ -132,18 +145,19 @@ TEST_CASE("analysis names the rank that skipped an operation, or both sides of a
   const auto dir = test::fresh_store_path() + "-fr";
   std::filesystem::create_directories(dir);
   for (int r = 0; r < 4; ++r)
-    write_dump(dir, r, r == 1 ? std::vector<std::pair<std::string, int64_t>>{{"layers.0", 8}}
-                              : std::vector<std::pair<std::string, int64_t>>{{"layers.0", 8}, {"layers.1", 8}});
+    write_dump(dir, r,
+               r == 1 ? std::vector<std::pair<std::string, int64_t>>{{"layers.0", 8}}
+                      : std::vector<std::pair<std::string, int64_t>>{{"layers.0", 8}, {"layers.1", 8}});
   bool found = false;
   auto report = comm::analyze_flight_records(dir, &found);
   INFO(report);
   CHECK(found);
-  CHECK(report.find("rank(s) 1 never issued operation 1, which rank(s) 0, 2, 3 issued: all_gather Float in=8 out=32 ('layers.1')") !=
-        std::string::npos);
+  CHECK(report.find("rank(s) 1 never issued operation 1, which rank(s) 0, 2, 3 issued: all_gather Float in=8 "
+                    "out=32 ('layers.1')") != std::string::npos);
   for (int r = 0; r < 4; ++r) write_dump(dir, r, {{"layers.0", r == 2 ? 9 : 8}});
   report = comm::analyze_flight_records(dir, &found);
-  CHECK(report.find("at operation 0, rank(s) 2 issued all_gather Float in=9 out=36 ('layers.0') where rank(s) 0, 1, 3 issued all_gather Float in=8") !=
-        std::string::npos);
+  CHECK(report.find("at operation 0, rank(s) 2 issued all_gather Float in=9 out=36 ('layers.0') where "
+                    "rank(s) 0, 1, 3 issued all_gather Float in=8") != std::string::npos);
   for (int r = 0; r < 4; ++r) write_dump(dir, r, {{"layers.0", 8}});
   report = comm::analyze_flight_records(dir, &found);
   CHECK_FALSE(found);
@@ -167,9 +181,15 @@ TEST_CASE("consistency check: ranks issuing different collectives fail at once, 
     }
     INFO(msg);
     if (comm.rank() == 2)
-      CHECK(msg.find("this rank issues all_gather Float in=5 out=15, rank 0 issues all_gather Float in=4 out=12") != std::string::npos);
+      CHECK(
+          msg.find(
+              "this rank issues all_gather Float in=5 out=15, rank 0 issues all_gather Float in=4 out=12") !=
+          std::string::npos);
     else
-      CHECK(msg.find("this rank issues all_gather Float in=4 out=12, rank 2 issues all_gather Float in=5 out=15") != std::string::npos);
+      CHECK(
+          msg.find(
+              "this rank issues all_gather Float in=4 out=12, rank 2 issues all_gather Float in=5 out=15") !=
+          std::string::npos);
     // Nothing was sent: the communicator still works.
     comm.barrier().wait();
   });
@@ -202,7 +222,8 @@ TEST_CASE("an operation done for the host but not on the device is in flight unt
   // A failure found on the device afterwards (NCCL's asynchronous error) reaches wait().
   state->fail(std::make_exception_ptr(comm::CommError("NCCL error 'remote process exited'")));
   const auto msg = test::error_of([&] { work.wait(); });
-  CHECK(msg.find("rank 0/1 all_reduce Float n=4 failed: NCCL error 'remote process exited'") != std::string::npos);
+  CHECK(msg.find("rank 0/1 all_reduce Float n=4 failed: NCCL error 'remote process exited'") !=
+        std::string::npos);
   CHECK(nlohmann::json::parse(recorder.to_json())["entries"][0]["state"] == "failed");
 }
 

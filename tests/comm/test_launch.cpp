@@ -100,8 +100,11 @@ std::vector<Listener> listeners_of(const std::vector<int>& pids) {
       l.address = hex;
       // IPv4: one little-endian word, first octet in the last two hex digits. IPv6: four words;
       // ::1 is 0...0 01000000, a mapped 127.x.y.z ends in 0000FFFF then the IPv4 word.
-      if (hex.size() == 8) l.loopback = hex.substr(6, 2) == "7F";
-      else l.loopback = hex == "00000000000000000000000001000000" || (hex.substr(16, 8) == "FFFF0000" && hex.substr(30, 2) == "7F");
+      if (hex.size() == 8)
+        l.loopback = hex.substr(6, 2) == "7F";
+      else
+        l.loopback = hex == "00000000000000000000000001000000" ||
+                     (hex.substr(16, 8) == "FFFF0000" && hex.substr(30, 2) == "7F");
       out.push_back(l);
     }
   }
@@ -114,7 +117,8 @@ std::optional<std::string> outside_address() {
   if (getifaddrs(&list) != 0) return std::nullopt;
   std::optional<std::string> found;
   for (auto* a = list; a && !found; a = a->ifa_next)
-    if (a->ifa_addr && a->ifa_addr->sa_family == AF_INET && (a->ifa_flags & IFF_UP) && !(a->ifa_flags & IFF_LOOPBACK)) {
+    if (a->ifa_addr && a->ifa_addr->sa_family == AF_INET && (a->ifa_flags & IFF_UP) &&
+        !(a->ifa_flags & IFF_LOOPBACK)) {
       char text[INET_ADDRSTRLEN];
       inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text, sizeof(text));
       found = text;
@@ -171,7 +175,8 @@ TEST_CASE("a rank killed with SIGKILL is reported as such, and the others are st
   CHECK(processes_with(token).empty());
 }
 
-TEST_CASE("a single-node job listens on loopback only, and Ctrl-C (SIGINT to the launcher) stops every rank") {
+TEST_CASE(
+    "a single-node job listens on loopback only, and Ctrl-C (SIGINT to the launcher) stops every rank") {
   const auto token = unique_token();
   const auto log = std::filesystem::temp_directory_path() / (token + ".log");
   const pid_t pid = fork();
@@ -180,8 +185,8 @@ TEST_CASE("a single-node job listens on loopback only, and Ctrl-C (SIGINT to the
     const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 1);
     dup2(fd, 2);
-    execl(FSDPP_BIN, FSDPP_BIN, "launch", "--nproc", "2", "--", kRank.c_str(), "sleep",
-          token.c_str(), nullptr);
+    execl(FSDPP_BIN, FSDPP_BIN, "launch", "--nproc", "2", "--", kRank.c_str(), "sleep", token.c_str(),
+          nullptr);
     _exit(127);
   }
   auto read_log = [&] {
@@ -191,8 +196,7 @@ TEST_CASE("a single-node job listens on loopback only, and Ctrl-C (SIGINT to the
   // Wait until both ranks are up and sleeping.
   for (int i = 0; i < 300; ++i) {
     const auto text = read_log();
-    if (text.find("[rank0]: ready") != std::string::npos &&
-        text.find("[rank1]: ready") != std::string::npos)
+    if (text.find("[rank0]: ready") != std::string::npos && text.find("[rank1]: ready") != std::string::npos)
       break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -228,20 +232,23 @@ TEST_CASE("a single-node job listens on loopback only, and Ctrl-C (SIGINT to the
 
 TEST_CASE("a rank started alone fails at init naming the missing rank, not a hang") {
   // Rank 0 of 2 with nobody else: it hosts the store, waits, and gives up after the timeout.
-  const auto r = run("env RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731 "
-                     "FSDPP_TEST_TIMEOUT_MS=2000 " + kRank + " collectives");
+  const auto r =
+      run("env RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731 "
+          "FSDPP_TEST_TIMEOUT_MS=2000 " +
+          kRank + " collectives");
   INFO(r.output);
   CHECK(r.status == 2);
   CHECK(r.seconds < 10);
-  CHECK(r.output.find("rank 0 of 2: rendezvous through 127.0.0.1:29731 timed out") !=
-        std::string::npos);
+  CHECK(r.output.find("rank 0 of 2: rendezvous through 127.0.0.1:29731 timed out") != std::string::npos);
   CHECK(r.output.find("missing rank(s) 1") != std::string::npos);
 }
 
 TEST_CASE("a wrong store address fails at init, naming the rank and the address") {
   // Rank 1 looks for a store that nobody hosts.
-  const auto r = run("env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29733 "
-                     "FSDPP_TEST_TIMEOUT_MS=2000 " + kRank + " collectives");
+  const auto r =
+      run("env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29733 "
+          "FSDPP_TEST_TIMEOUT_MS=2000 " +
+          kRank + " collectives");
   INFO(r.output);
   CHECK(r.status == 2);
   CHECK(r.seconds < 10);
@@ -281,11 +288,13 @@ TEST_CASE("launch gives every rank the environment entries it is handed, in plac
   }
   std::filesystem::remove_all(dir);
   o.env = {"NO_EQUALS_SIGN"};
-  CHECK_THROWS_WITH_AS(fsdpp::comm::launch(o), "fsdpp launch: environment entry 'NO_EQUALS_SIGN' is not NAME=value",
+  CHECK_THROWS_WITH_AS(fsdpp::comm::launch(o),
+                       "fsdpp launch: environment entry 'NO_EQUALS_SIGN' is not NAME=value",
                        std::invalid_argument);
 }
 
-TEST_CASE("fsdpp schedule show: timeline, bubble and files for a valid schedule; the reason for an invalid one") {
+TEST_CASE(
+    "fsdpp schedule show: timeline, bubble and files for a valid schedule; the reason for an invalid one") {
   const auto dir = std::filesystem::temp_directory_path() / unique_token();
   std::filesystem::create_directories(dir);
   auto r = run(std::string(FSDPP_BIN) + " schedule show --schedule 1F1B --pp 4 --microbatches 8 --out " +
@@ -293,7 +302,8 @@ TEST_CASE("fsdpp schedule show: timeline, bubble and files for a valid schedule;
   INFO(r.output);
   CHECK(r.status == 0);
   CHECK(r.output.find("mean bubble fraction 0.273") != std::string::npos);  // (p-1)/(m+p-1) = 3/11
-  for (const char* ext : {".svg", ".trace.json", ".csv"}) CHECK(std::filesystem::file_size(dir / (std::string("s") + ext)) > 0);
+  for (const char* ext : {".svg", ".trace.json", ".csv"})
+    CHECK(std::filesystem::file_size(dir / (std::string("s") + ext)) > 0);
   std::ofstream(dir / "bad.csv") << "0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n";
   r = run(std::string(FSDPP_BIN) + " schedule show --csv " + (dir / "bad.csv").string() +
           " --pp 2 --microbatches 2 --out " + (dir / "b").string());
@@ -312,14 +322,16 @@ TEST_CASE("a rank that skips an all_gather: every rank dumps its flight records 
   INFO(r.output);
   CHECK(r.status != 0);
   CHECK(secs < 6 + 10);  // the operation timeout, plus the launcher's grace
-  for (int rank = 0; rank < 4; ++rank) CHECK(std::filesystem::exists(dir / ("rank" + std::to_string(rank) + ".json")));
+  for (int rank = 0; rank < 4; ++rank)
+    CHECK(std::filesystem::exists(dir / ("rank" + std::to_string(rank) + ".json")));
   CHECK(r.output.find("fsdpp watchdog: rank 0:") != std::string::npos);
   const auto a = run(std::string(FSDPP_BIN) + " fr analyze " + dir.string());
   INFO(a.output);
   CHECK(a.status == 0);
   // Rank 1's all_gather of layers.2 met the others' layers.1: the first disagreement.
-  CHECK(a.output.find("at operation 1, rank(s) 1 issued all_gather Float in=4 out=16 ('fsdp all_gather layers.2') "
-                      "where rank(s) 0, 2, 3 issued all_gather Float in=4 out=16 ('fsdp all_gather layers.1')") !=
+  CHECK(a.output.find(
+            "at operation 1, rank(s) 1 issued all_gather Float in=4 out=16 ('fsdp all_gather layers.2') "
+            "where rank(s) 0, 2, 3 issued all_gather Float in=4 out=16 ('fsdp all_gather layers.1')") !=
         std::string::npos);
   std::filesystem::remove_all(dir);
 }

@@ -89,9 +89,11 @@ TEST_CASE("fmt: no libfmt is loaded; fsdpp formats with LibTorch's fmt, header-o
 // Note [SentencePiece in its own lookup scope] (src/train/piece_tokenizer.hpp): loaded the usual way,
 // libsentencepiece's flag globals were built over libc10's, which made LibTorch abort on every failed
 // allocation, in any program that linked fsdpp.
-TEST_CASE("SentencePiece: its flags stay its own, LibTorch's stay LibTorch's, and a failed allocation throws") {
+TEST_CASE(
+    "SentencePiece: its flags stay its own, LibTorch's stay LibTorch's, and a failed allocation throws") {
   CHECK_FALSE(FLAGS_caffe2_use_fatal_for_enforce);
-  const auto tok = train::Tokenizer::load(std::string(FSDPP_SOURCE_DIR) + "/recipes/tokenizers/fortunes-bpe-2048.model");
+  const auto tok =
+      train::Tokenizer::load(std::string(FSDPP_SOURCE_DIR) + "/recipes/tokenizers/fortunes-bpe-2048.model");
   CHECK(tok->vocab_size() == 2048);
   CHECK(tok->decode(tok->encode("the same text")) == "the same text");
   const auto objects = loaded_objects();

@@ -3,7 +3,6 @@
 
 using namespace fsdpp;
 
-
 TEST_CASE("a rank that never joins makes the others fail at init, naming it") {
   const auto path = test::fresh_store_path();
   comm::InitOptions opts;
@@ -32,8 +31,10 @@ TEST_CASE("ranks started with different world sizes are told so") {
   opts.timeout = std::chrono::milliseconds(3000);
   std::string e0, e1;
   // Rank 0 believes in 2 ranks, rank 1 in 3 (and rank 2 never comes).
-  std::thread a([&] { e0 = test::error_of([&] { comm::connect(comm::make_file_store(path, 2), 0, 2, opts); }); });
-  std::thread b([&] { e1 = test::error_of([&] { comm::connect(comm::make_file_store(path, 3), 1, 3, opts); }); });
+  std::thread a(
+      [&] { e0 = test::error_of([&] { comm::connect(comm::make_file_store(path, 2), 0, 2, opts); }); });
+  std::thread b(
+      [&] { e1 = test::error_of([&] { comm::connect(comm::make_file_store(path, 3), 1, 3, opts); }); });
   a.join();
   b.join();
   std::filesystem::remove(path);

@@ -1,7 +1,9 @@
 #pragma once
 // A communicator decorator that counts operations by kind, for tests that check how many
-// collectives a step issues.
+// collectives a step issues, and records the dtype each reduce-scatter carries.
 #include <atomic>
+#include <mutex>
+#include <vector>
 
 #include "fsdpp/comm/comm.hpp"
 
@@ -11,7 +13,15 @@ class CountingComm : public comm::detail::CommImpl {
  public:
   explicit CountingComm(std::shared_ptr<comm::detail::CommImpl> inner) : inner_(std::move(inner)) {}
   std::atomic<int> all_gathers{0}, reduce_scatters{0}, all_reduces{0}, others{0};
-  void reset() { all_gathers = reduce_scatters = all_reduces = others = 0; }
+  void reset() {
+    all_gathers = reduce_scatters = all_reduces = others = 0;
+    std::lock_guard lock(mutex_);
+    reduce_scatter_dtypes_.clear();
+  }
+  std::vector<at::ScalarType> reduce_scatter_dtypes() const {
+    std::lock_guard lock(mutex_);
+    return reduce_scatter_dtypes_;
+  }
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
@@ -23,6 +33,10 @@ class CountingComm : public comm::detail::CommImpl {
   comm::Work reduce_scatter(const at::Tensor& o, const at::Tensor& i,
                             const comm::ReduceScatterOptions& x) override {
     ++reduce_scatters;
+    {
+      std::lock_guard lock(mutex_);
+      reduce_scatter_dtypes_.push_back(i.scalar_type());
+    }
     return inner_->reduce_scatter(o, i, x);
   }
   comm::Work all_reduce(const at::Tensor& t, const comm::AllReduceOptions& x) override {
@@ -55,6 +69,8 @@ class CountingComm : public comm::detail::CommImpl {
 
  private:
   std::shared_ptr<comm::detail::CommImpl> inner_;
+  mutable std::mutex mutex_;
+  std::vector<at::ScalarType> reduce_scatter_dtypes_;
 };
 
 }  // namespace fsdpp::test

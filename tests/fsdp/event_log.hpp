@@ -43,7 +43,8 @@ class LoggingComm : public CountingComm {
     log_.add("AG " + prefix_ + unit());
     return CountingComm::all_gather(o, i, x);
   }
-  comm::Work reduce_scatter(const at::Tensor& o, const at::Tensor& i, const comm::ReduceScatterOptions& x) override {
+  comm::Work reduce_scatter(const at::Tensor& o, const at::Tensor& i,
+                            const comm::ReduceScatterOptions& x) override {
     log_.add("RS " + prefix_ + unit());
     return CountingComm::reduce_scatter(o, i, x);
   }

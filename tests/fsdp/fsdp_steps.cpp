@@ -62,7 +62,8 @@ int run(const std::string& case_path, const std::string& out_path) {
   if (!batches.defined() || batches.dim() != 4)
     throw std::runtime_error(case_path + ": needs \"batches\" [steps, microbatches, batch, seq + 1]");
   const int64_t steps = batches.size(0), micro = batches.size(1), global = batches.size(2);
-  if (global % world) throw std::runtime_error(fmt::format("batch {} does not divide over {} ranks", global, world));
+  if (global % world)
+    throw std::runtime_error(fmt::format("batch {} does not divide over {} ranks", global, world));
 
   auto model = models::MoETransformer(config);
   train::load_full_weights(*model, weights, case_path);
@@ -77,7 +78,8 @@ int run(const std::string& case_path, const std::string& out_path) {
 
   // Weight decay on matrices only, as the trainer does.
   std::vector<at::Tensor> decay, no_decay;
-  for (auto& s : fsdp::shards(*root.ptr())) (s.info.global_shape.size() >= 2 ? decay : no_decay).push_back(s.param);
+  for (auto& s : fsdp::shards(*root.ptr()))
+    (s.info.global_shape.size() >= 2 ? decay : no_decay).push_back(s.param);
   fsdp::AdamWOptions opt;
   opt.lr = c.at("lr").get<double>();
   opt.weight_decay = c.at("weight_decay").get<double>();
@@ -104,7 +106,8 @@ int run(const std::string& case_path, const std::string& out_path) {
     auto mean = at::full({1}, sum / double(micro * world), at::kDouble);
     comm.all_reduce(mean).wait();
     losses[s] = mean[0];
-    if (rank == 0) std::cout << fmt::format("step {} loss {:.6f}", s + 1, losses[s].item<double>()) << std::endl;
+    if (rank == 0)
+      std::cout << fmt::format("step {} loss {:.6f}", s + 1, losses[s].item<double>()) << std::endl;
   }
   auto full = fsdp::full_state_dict(*root.ptr());
   if (rank == 0) {

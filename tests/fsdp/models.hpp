@@ -21,9 +21,7 @@ struct BlockImpl : torch::nn::Module {
     norm_weight = register_parameter("norm_weight", at::ones({d}));
   }
   // The norm weight may be kept in float32 inside a bfloat16 model; compute returns to x's dtype.
-  at::Tensor forward(at::Tensor x) {
-    return x + fc2(at::tanh(fc1((x * norm_weight).to(x.scalar_type()))));
-  }
+  at::Tensor forward(at::Tensor x) { return x + fc2(at::tanh(fc1((x * norm_weight).to(x.scalar_type())))); }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
   at::Tensor norm_weight;
 };

@@ -28,7 +28,8 @@ at::Tensor grad_for(int step, at::IntArrayRef shape) {
 TEST_CASE("AdamW: 20 steps with a changing learning rate match LibTorch's AdamW") {
   const double wd = 0.1, lrs[] = {1e-2, 3e-3, 5e-2};
   auto ours = make_params(), theirs = make_params();
-  fsdp::AdamW opt({ours.w}, {.lr = lrs[0], .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = wd}, {ours.b});
+  fsdp::AdamW opt({ours.w}, {.lr = lrs[0], .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = wd},
+                  {ours.b});
   auto o = torch::optim::AdamWOptions(lrs[0]).betas({0.9, 0.95}).eps(1e-8).weight_decay(wd);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<at::Tensor>{theirs.w}, std::make_unique<torch::optim::AdamWOptions>(o));
@@ -60,8 +61,8 @@ TEST_CASE("AdamW: a gradient in another dtype or layout updates as its dense, pa
   const fsdp::AdamWOptions o{.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
   fsdp::AdamW a({odd.w}, o, {odd.b}), b({plain.w}, o, {plain.b});
   for (int s = 0; s < 5; ++s) {
-    const auto gw = grad_for(s, {4, 6}).t();                         // strided
-    const auto gb = grad_for(s, {4}).to(at::kBFloat16);              // bfloat16
+    const auto gw = grad_for(s, {4, 6}).t();             // strided
+    const auto gb = grad_for(s, {4}).to(at::kBFloat16);  // bfloat16
     REQUIRE(!gw.is_contiguous());
     odd.w.mutable_grad() = gw;
     odd.b.mutable_grad() = gb;
@@ -75,7 +76,8 @@ TEST_CASE("AdamW: a gradient in another dtype or layout updates as its dense, pa
   CHECK(!at::equal(odd.w, make_params().w));  // and it did update
 }
 
-TEST_CASE("AdamW: weight decay reaches only the decayed group; a parameter without a gradient is left alone") {
+TEST_CASE(
+    "AdamW: weight decay reaches only the decayed group; a parameter without a gradient is left alone") {
   auto p = make_params();
   const auto w0 = p.w.detach().clone(), b0 = p.b.detach().clone();
   fsdp::AdamW opt({p.w}, {.lr = 0.5, .weight_decay = 0.1}, {p.b});

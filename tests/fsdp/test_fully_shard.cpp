@@ -64,7 +64,8 @@ Trace train_reference(int micro) {
 // Sharded over comm: each rank takes its slice of the batch; `micro` microbatches, all but the last
 // without gradient sync.
 // `data_comm`: the ranks the batch is split over, when they are not just `comm`'s (HSDP).
-Trace train_sharded(comm::Comm& comm, int micro, fsdp::FullyShardOptions options = {}, comm::Comm* data_comm = nullptr) {
+Trace train_sharded(comm::Comm& comm, int micro, fsdp::FullyShardOptions options = {},
+                    comm::Comm* data_comm = nullptr) {
   auto ref = make_reference();
   auto net = Net(8, 3);
   test::copy_params(*net, *ref);
@@ -118,9 +119,8 @@ TEST_CASE("10 AdamW steps sharded over 1-4 ranks match plain LibTorch") {
   const auto want = train_reference(1);
   CHECK(want.losses.back() < want.losses.front());  // it trains
   for (int n = 1; n <= 4; ++n)
-    test::run_ranks(n, [&](comm::Comm& comm) {
-      check_same(train_sharded(comm, 1), want, "world " + std::to_string(n));
-    });
+    test::run_ranks(
+        n, [&](comm::Comm& comm) { check_same(train_sharded(comm, 1), want, "world " + std::to_string(n)); });
 }
 
 TEST_CASE("gradient accumulation with no-sync microbatches matches too") {
@@ -131,7 +131,8 @@ TEST_CASE("gradient accumulation with no-sync microbatches matches too") {
     });
 }
 
-TEST_CASE("HSDP: sharded within groups of 2 and replicated across 2 groups, 10 AdamW steps match plain LibTorch") {
+TEST_CASE(
+    "HSDP: sharded within groups of 2 and replicated across 2 groups, 10 AdamW steps match plain LibTorch") {
   const auto want = train_reference(1);
   for (int micro : {1, 3})  // 3 samples per rank: 1 or 3 microbatches
     test::run_ranks(4, [&](comm::Comm& world) {
@@ -140,19 +141,23 @@ TEST_CASE("HSDP: sharded within groups of 2 and replicated across 2 groups, 10 A
       auto replicas = world.split(world.rank() % 2, world.rank() / 2);
       fsdp::FullyShardOptions o;
       o.replicate = replicas;
-      check_same(train_sharded(shard, micro, o, &world), want, "HSDP 2 x 2, " + std::to_string(micro) + " microbatches");
+      check_same(train_sharded(shard, micro, o, &world), want,
+                 "HSDP 2 x 2, " + std::to_string(micro) + " microbatches");
     });
 }
 
 // Note [one-rank buffers]: each rank alone in its shard group, the average over the replicas alone.
-TEST_CASE("HSDP: shard groups of one rank replicated across 2 (data parallel), 10 AdamW steps match plain LibTorch") {
+TEST_CASE(
+    "HSDP: shard groups of one rank replicated across 2 (data parallel), 10 AdamW steps match plain "
+    "LibTorch") {
   const auto want = train_reference(1);
   for (int micro : {1, 3})  // 6 samples per rank: 1 or 3 microbatches
     test::run_ranks(2, [&](comm::Comm& world) {
       auto alone = world.split(world.rank(), 0);
       fsdp::FullyShardOptions o;
       o.replicate = world.split(0, world.rank());
-      check_same(train_sharded(alone, micro, o, &world), want, "HSDP 1 x 2, " + std::to_string(micro) + " microbatches");
+      check_same(train_sharded(alone, micro, o, &world), want,
+                 "HSDP 1 x 2, " + std::to_string(micro) + " microbatches");
     });
 }
 
@@ -273,7 +278,8 @@ std::string read_error(const std::string& dir, const nlohmann::json& index) {
 
 }  // namespace
 
-TEST_CASE("a checkpoint index whose numbers are floats, strings or out of range is rejected naming the field") {
+TEST_CASE(
+    "a checkpoint index whose numbers are floats, strings or out of range is rejected naming the field") {
   const auto dir = test::fresh_store_path() + "-ckpt";
   test::run_ranks(1, [&](comm::Comm& comm) {
     auto model = fsdp::fully_shard(Net(8, 1), comm);
@@ -300,7 +306,8 @@ TEST_CASE("a checkpoint index whose numbers are floats, strings or out of range 
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("a checkpoint index claiming a shape its rows do not fill is rejected before anything is allocated") {
+TEST_CASE(
+    "a checkpoint index claiming a shape its rows do not fill is rejected before anything is allocated") {
   const auto dir = test::fresh_store_path() + "-ckpt";
   test::run_ranks(1, [&](comm::Comm& comm) {
     auto model = fsdp::fully_shard(Net(8, 1), comm);
@@ -312,11 +319,10 @@ TEST_CASE("a checkpoint index claiming a shape its rows do not fill is rejected 
   const auto rows = good["entries"][k]["shape"][0].get<int64_t>();
   const auto cols = good["entries"][k]["shape"][1].get<int64_t>();
   // Found by fuzzing: a first dimension of 455555555555 made the reader allocate 5.4 TB.
-  const std::vector<nlohmann::json> shapes = {nlohmann::json::array({int64_t{455555555555}, cols}),
-                                              nlohmann::json::array({rows + 1, cols}),
-                                              nlohmann::json::array({rows, cols + 1}),
-                                              nlohmann::json::array({rows, cols, 1}),
-                                              nlohmann::json::array()};
+  const std::vector<nlohmann::json> shapes = {
+      nlohmann::json::array({int64_t{455555555555}, cols}), nlohmann::json::array({rows + 1, cols}),
+      nlohmann::json::array({rows, cols + 1}), nlohmann::json::array({rows, cols, 1}),
+      nlohmann::json::array()};
   for (const auto& shape : shapes) {
     auto index = good;
     index["entries"][k]["shape"] = shape;
@@ -327,7 +333,9 @@ TEST_CASE("a checkpoint index claiming a shape its rows do not fill is rejected 
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("a damaged byte in a checkpoint's tensor data, or a cut-short file, is found by its checksum, naming the file") {
+TEST_CASE(
+    "a damaged byte in a checkpoint's tensor data, or a cut-short file, is found by its checksum, naming the "
+    "file") {
   const auto dir = test::fresh_store_path() + "-ckpt";
   test::run_ranks(2, [&](comm::Comm& comm) {
     auto model = fsdp::fully_shard(Net(8, 1), comm);
@@ -347,24 +355,29 @@ TEST_CASE("a damaged byte in a checkpoint's tensor data, or a cut-short file, is
     }
     return std::string("no error");
   };
-  auto write = [&](const std::string& bytes) { std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes; };
+  auto write = [&](const std::string& bytes) {
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  };
   CHECK(error_of([&] { fsdp::verify_sharded(dir); }) == "no error");
   // One bit of the last tensor's last byte: a valid file with a wrong number, which only the
   // checksum can tell.
   auto flipped = original;
   flipped.back() ^= 0x01;
   write(flipped);
-  for (const auto& msg : {error_of([&] { fsdp::verify_sharded(dir); }), error_of([&] { fsdp::read_full_parameters(dir); })}) {
+  for (const auto& msg :
+       {error_of([&] { fsdp::verify_sharded(dir); }), error_of([&] { fsdp::read_full_parameters(dir); })}) {
     CHECK(msg.find(file + " is damaged: its CRC-32C is ") != std::string::npos);
     CHECK(msg.find("rank1.json records") != std::string::npos);
   }
   test::run_ranks(2, [&](comm::Comm& comm) {
     auto model = fsdp::fully_shard(Net(8, 1), comm);
-    CHECK(error_of([&] { fsdp::load_sharded(*model.ptr(), dir); }).find(file + " is damaged") != std::string::npos);
+    CHECK(error_of([&] { fsdp::load_sharded(*model.ptr(), dir); }).find(file + " is damaged") !=
+          std::string::npos);
   });
   write(original.substr(0, original.size() - 4));
-  CHECK(error_of([&] { fsdp::verify_sharded(dir); }).find(file + " is " + std::to_string(original.size() - 4) + " bytes, but") !=
-        std::string::npos);
+  CHECK(error_of([&] {
+          fsdp::verify_sharded(dir);
+        }).find(file + " is " + std::to_string(original.size() - 4) + " bytes, but") != std::string::npos);
   write(original);
   CHECK(error_of([&] { fsdp::verify_sharded(dir); }) == "no error");
   std::filesystem::remove_all(dir);

@@ -38,8 +38,8 @@ TEST_CASE("sharded float32 gradients of an MLP match an Eigen float64 oracle at 
     auto d = t.to(at::kDouble).contiguous().view({t.size(0), t.dim() > 1 ? t.size(1) : 1});
     return Mat(Eigen::Map<const Mat>(d.data_ptr<double>(), d.size(0), d.size(1)));
   };
-  const Mat W1 = to_eigen(w1), B1 = to_eigen(b1), W2 = to_eigen(w2), B2 = to_eigen(b2),
-            X = to_eigen(x), Y = to_eigen(y);
+  const Mat W1 = to_eigen(w1), B1 = to_eigen(b1), W2 = to_eigen(w2), B2 = to_eigen(b2), X = to_eigen(x),
+            Y = to_eigen(y);
   // Forward and backward by hand, in float64.
   const Mat Z1 = (X * W1.transpose()).rowwise() + B1.transpose().row(0);
   const Mat H = Z1.array().tanh().matrix();
@@ -110,17 +110,18 @@ TEST_CASE("one all-gather per unit per unshard and one reduce-scatter per unit p
 
 TEST_CASE("squared_sum: float32 and float64 read in place, other dtypes and strided views through ATen") {
   at::manual_seed(3);
-  const auto f32 = at::randn({1003});                   // not a multiple of the 4 running sums
+  const auto f32 = at::randn({1003});  // not a multiple of the 4 running sums
   const auto f64 = at::randn({7}, at::kDouble) * 1e3;
   const auto bf16 = at::randn({5}).to(at::kBFloat16);
-  const auto strided = at::randn({3, 4}).t();          // not contiguous
+  const auto strided = at::randn({3, 4}).t();  // not contiguous
   const std::vector<at::Tensor> all = {f32, f64, bf16, strided, at::empty({0})};
   // The oracle: every element widened to long double, squared and added in order.
   auto oracle = [](const std::vector<at::Tensor>& ts) {
     long double sum = 0;
     for (const auto& t : ts) {
       const auto d = t.to(at::kDouble).contiguous();
-      for (int64_t i = 0; i < d.numel(); ++i) sum += static_cast<long double>(d.data_ptr<double>()[i]) * d.data_ptr<double>()[i];
+      for (int64_t i = 0; i < d.numel(); ++i)
+        sum += static_cast<long double>(d.data_ptr<double>()[i]) * d.data_ptr<double>()[i];
     }
     return static_cast<double>(sum);
   };
@@ -161,7 +162,8 @@ std::map<std::string, int64_t> operators_run_by(const std::function<void()>& f) 
 // produced the block's input (Note [post-backward hook]), not a node of its own: a sharded step
 // runs no operator or autograd node the plain model does not. A reshape, narrow or empty_like per
 // parameter per step, or an identity node per block, would show here.
-TEST_CASE("a sharded forward and backward run no ATen operator the unsharded model does not, at 1 and 3 ranks") {
+TEST_CASE(
+    "a sharded forward and backward run no ATen operator the unsharded model does not, at 1 and 3 ranks") {
   for (int world : {1, 3})
     test::run_ranks(world, [](comm::Comm& comm) {
       auto plain = test::Net(8, 3);
@@ -227,6 +229,82 @@ TEST_CASE("mixed precision: bfloat16 compute, float32 overrides, output dtype") 
   });
 }
 
+TEST_CASE(
+    "mixed precision: reduce_dtype is the dtype the reduce-scatter carries; inputs left alone on request") {
+  // With bfloat16 compute, each reduce_dtype reaches the wire as itself (a reduction that ignored
+  // it would carry bfloat16 every time), and the averaged gradient agrees with a float64 reference
+  // as closely as that dtype allows.
+  auto g = at::detail::createCPUGenerator(11);
+  const auto x = at::randn({6, 4}, g) * 3;
+  auto init = std::make_shared<ProbeImpl>();
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : init->parameters()) p.copy_(at::randn(p.sizes(), g));
+  }
+  std::map<std::string, double> error;
+  for (const auto reduce : {at::kFloat, at::kBFloat16})
+    test::run_ranks(2, [&](comm::Comm& plain) {
+      auto [comm, counter] = counted(plain);
+      auto probe = std::make_shared<ProbeImpl>();
+      {
+        at::NoGradGuard no_grad;
+        for (auto& p : probe->named_parameters()) p.value().copy_(init->named_parameters()[p.key()]);
+      }
+      fsdp::FullyShardOptions o;
+      o.mp.param_dtype = at::kBFloat16;
+      o.mp.reduce_dtype = reduce;
+      auto model = fsdp::fully_shard(probe, comm, o);
+      // Each rank its own scale, so that the reduction sums different values.
+      (model->forward(x * (1 + comm.rank())).pow(2).sum() * 1e3).backward();
+      const auto dtypes = counter->reduce_scatter_dtypes();
+      REQUIRE(!dtypes.empty());
+      for (const auto d : dtypes) CHECK((d == reduce));
+      // float64 reference: the mean over both ranks of the bfloat16 model's gradients.
+      double num = 0, den = 0;
+      for (const auto& s : fsdp::shards(*model.ptr())) {
+        at::Tensor want;
+        for (int r = 0; r < 2; ++r) {
+          auto ref = std::make_shared<ProbeImpl>();
+          {
+            at::NoGradGuard no_grad;
+            for (auto& p : ref->named_parameters()) p.value().copy_(init->named_parameters()[p.key()]);
+          }
+          ref->to(at::kBFloat16);
+          (ref->forward((x * (1 + r)).to(at::kBFloat16)).pow(2).sum() * 1e3).backward();
+          auto grad = ref->named_parameters()[s.name].grad().to(at::kDouble) / 2;
+          want = want.defined() ? want + grad : grad;
+        }
+        want = want.narrow(0, s.info.row_offset, s.info.local_rows);
+        num += (s.param.grad().to(at::kDouble) - want).pow(2).sum().item<double>();
+        den += want.pow(2).sum().item<double>();
+      }
+      if (comm.rank() == 0) error[c10::toString(reduce)] = std::sqrt(num / den);
+    });
+  MESSAGE("relative error, float32 reduction: " << error["Float"] << ", bfloat16: " << error["BFloat16"]);
+  CHECK(error["Float"] < error["BFloat16"]);
+
+  // cast_forward_inputs=false: the unit's forward gets its float32 input as it came.
+  struct InputProbeImpl : torch::nn::Module {
+    InputProbeImpl() { weight = register_parameter("weight", at::ones({4, 4})); }
+    at::Tensor forward(const at::Tensor& x) {
+      seen = x.scalar_type();
+      return at::linear(x.to(weight.scalar_type()), weight);
+    }
+    at::Tensor weight;
+    at::ScalarType seen{};
+  };
+  for (const bool cast : {true, false})
+    test::run_ranks(2, [&](comm::Comm& comm) {
+      auto probe = std::make_shared<InputProbeImpl>();
+      fsdp::FullyShardOptions o;
+      o.mp.param_dtype = at::kBFloat16;
+      o.mp.cast_forward_inputs = cast;
+      auto model = fsdp::fully_shard(probe, comm, o);
+      model->forward(at::ones({3, 4}));
+      CHECK((probe->seen == (cast ? at::kBFloat16 : at::kFloat)));
+    });
+}
+
 TEST_CASE("float32 grad_dtype accumulates 8 bfloat16 microbatches closer to float64 than bfloat16") {
   // The same 8 no-sync microbatches with unsharded gradients accumulated in bfloat16 (the compute
   // dtype) and in float32 (grad_dtype), against the float64 sum of the same gradients.
@@ -260,7 +338,8 @@ TEST_CASE("float32 grad_dtype accumulates 8 bfloat16 microbatches closer to floa
       fsdp::FullyShardOptions o;
       o.mp.param_dtype = at::kBFloat16;
       o.mp.reduce_dtype = at::kFloat;
-      if (fp32_acc) o.mp.grad_dtype = [](const std::string&, const at::Tensor&) { return std::optional(at::kFloat); };
+      if (fp32_acc)
+        o.mp.grad_dtype = [](const std::string&, const at::Tensor&) { return std::optional(at::kFloat); };
       auto model = fsdp::fully_shard(net, comm, o);
       // Both ranks see all microbatches; the average over 2 ranks is then the sum itself.
       for (int m = 0; m < 8; ++m) {
@@ -405,7 +484,8 @@ TEST_CASE("unshard and reshard change storage, not the parameter objects") {
       INFO(p.key());
       CHECK(t.storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size());
       CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 64 == 0);
-      const std::string unit = p.key().rfind("blocks.", 0) == 0 ? p.key().substr(0, p.key().find('.', 7)) : "root";
+      const std::string unit =
+          p.key().rfind("blocks.", 0) == 0 ? p.key().substr(0, p.key().find('.', 7)) : "root";
       const auto [it, first] = buffers.emplace(unit, t.storage().data());
       CHECK(it->second == t.storage().data());
     }
@@ -418,7 +498,8 @@ TEST_CASE("unshard and reshard change storage, not the parameter objects") {
   });
 }
 
-TEST_CASE("resharding gives host buffers to the cache and the next unshard takes them back; limit 0 frees them") {
+TEST_CASE(
+    "resharding gives host buffers to the cache and the next unshard takes them back; limit 0 frees them") {
   test::run_ranks(1, [](comm::Comm& comm) {
     const int64_t limit = host_buffer_cache_stats().limit_bytes;
     REQUIRE(limit > 0);
@@ -447,7 +528,7 @@ TEST_CASE("resharding gives host buffers to the cache and the next unshard takes
     step(model, model->sharded_parameters());
     const auto d = host_buffer_cache_stats();
     CHECK(d.hits == c.hits);
-    CHECK(d.misses - c.misses == b.hits - a.hits);  // the same allocations, from the allocator now
+    CHECK(d.misses - c.misses == b.hits - a.hits);    // the same allocations, from the allocator now
     CHECK(d.freed - c.freed == d.misses - c.misses);  // and every one freed again
     CHECK(d.cached_bytes == 0);
     set_host_buffer_cache_limit(limit);
@@ -496,7 +577,9 @@ TEST_CASE("the host buffer cache hands a buffer to one thread at a time") {
 }
 
 // Note [one-rank buffers]
-TEST_CASE("alone in its shard group, a unit gathers into its parameters' own buffer; values and gradients are the plain model's, bit for bit") {
+TEST_CASE(
+    "alone in its shard group, a unit gathers into its parameters' own buffer; values and gradients are the "
+    "plain model's, bit for bit") {
   test::run_ranks(1, [](comm::Comm& comm) {
     for (bool bf16 : {false, true}) {
       INFO((bf16 ? "bfloat16 compute, float32 reduce" : "float32"));
@@ -540,7 +623,9 @@ TEST_CASE("alone in its shard group, a unit gathers into its parameters' own buf
 }
 
 // Note [spare gradients]
-TEST_CASE("a sharded gradient dropped by zero_grad is refilled, not made again; one still held elsewhere is left alone") {
+TEST_CASE(
+    "a sharded gradient dropped by zero_grad is refilled, not made again; one still held elsewhere is left "
+    "alone") {
   test::run_ranks(1, [](comm::Comm& comm) {
     const int64_t limit = host_buffer_cache_stats().limit_bytes;
     REQUIRE(limit > 0);
@@ -600,7 +685,8 @@ TEST_CASE("misuse is a clear error: sharding twice, rank-dependent overrides, ba
     fsdp::FullyShardOptions o;
     o.mp.param_dtype = at::kBFloat16;
     const int r = comm.rank();
-    o.mp.param_dtype_override = [r](const std::string& name, const at::Tensor&) -> std::optional<at::ScalarType> {
+    o.mp.param_dtype_override = [r](const std::string& name,
+                                    const at::Tensor&) -> std::optional<at::ScalarType> {
       if (r == 0 && name == "head.weight") return at::kFloat;
       return std::nullopt;
     };
@@ -619,9 +705,7 @@ namespace {
 
 // Holds plain blocks in a ModuleList, as an existing model might; wrap_each converts them.
 struct ListNetImpl : torch::nn::Module {
-  ListNetImpl() {
-    blocks = register_module("blocks", torch::nn::ModuleList(test::Block(6), test::Block(6)));
-  }
+  ListNetImpl() { blocks = register_module("blocks", torch::nn::ModuleList(test::Block(6), test::Block(6))); }
   at::Tensor forward(at::Tensor x) {
     for (auto& b : *blocks) {
       if (auto* unit = b->as<fsdp::FullyShardImpl<test::BlockImpl>>())
@@ -650,7 +734,8 @@ void check_shard_grads(fsdp::UnitHolder& root, const std::map<std::string, at::T
   for (const auto& s : all) {
     INFO(s.name);
     REQUIRE(want.count(s.name) == 1);
-    CHECK(test::rel_diff(s.param.grad(), want.at(s.name).narrow(0, s.info.row_offset, s.info.local_rows)) < 1e-5);
+    CHECK(test::rel_diff(s.param.grad(), want.at(s.name).narrow(0, s.info.row_offset, s.info.local_rows)) <
+          1e-5);
   }
 }
 
@@ -666,7 +751,8 @@ TEST_CASE("blocks held in a Sequential, in a ModuleList via wrap_each, with expl
   }
   auto plain = torch::nn::Sequential(test::Block(6), test::Block(6));
   test::copy_params(*plain, *init);
-  const auto want = reference_grads(*plain, [&](at::Tensor t) { return plain->forward(t); }, x);
+  const auto want = reference_grads(
+      *plain, [&](at::Tensor t) { return plain->forward(t); }, x);
 
   test::run_ranks(2, [&](comm::Comm& comm) {
     const auto local = x.narrow(0, 2 * comm.rank(), 2);
@@ -694,7 +780,8 @@ TEST_CASE("blocks held in a Sequential, in a ModuleList via wrap_each, with expl
       REQUIRE(b0);
       REQUIRE(b1);
       model->set_modules_to_forward_prefetch({b0, b1});  // both blocks as soon as the root gathers
-      net->blocks->ptr(1)->as<fsdp::FullyShardImpl<test::BlockImpl>>()->set_modules_to_backward_prefetch({b0});
+      net->blocks->ptr(1)->as<fsdp::FullyShardImpl<test::BlockImpl>>()->set_modules_to_backward_prefetch(
+          {b0});
       model->forward(local).pow(2).mean().backward();
       check_shard_grads(*model.ptr(), renamed);
     }

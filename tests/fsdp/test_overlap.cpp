@@ -24,7 +24,8 @@ struct BackwardDone : torch::autograd::Function<BackwardDone> {
     ctx->saved_data["log"] = log;
     return x.view_as(x);
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
     auto* log = reinterpret_cast<EventLog*>(ctx->saved_data["log"].toInt());
     log->add("bwd_done " + std::to_string(ctx->saved_data["block"].toInt()));
     return {g[0], at::Tensor(), at::Tensor()};
@@ -66,7 +67,9 @@ TORCH_MODULE(LoggedNet);
 
 }  // namespace
 
-TEST_CASE("overlap by order: gathers run ahead of compute, each reduce-scatter is issued before the next block's backward ends") {
+TEST_CASE(
+    "overlap by order: gathers run ahead of compute, each reduce-scatter is issued before the next block's "
+    "backward ends") {
   constexpr int kLayers = 4;
   for (bool overlap : {true, false})
     test::run_ranks(2, [&](comm::Comm& world) {
@@ -77,7 +80,7 @@ TEST_CASE("overlap by order: gathers run ahead of compute, each reduce-scatter i
       o.overlap_reduce_scatter = overlap;
       auto model = fsdp::fully_shard(LoggedNet(8, kLayers, log), comm, o);
       auto x = at::randn({4, 8}).requires_grad_(true);  // so that block 0 has a backward too
-      model->forward(x).sum().backward();  // the first step records the forward order
+      model->forward(x).sum().backward();               // the first step records the forward order
       {
         std::lock_guard<std::mutex> lock(log.mu);
         log.events.clear();
@@ -109,7 +112,9 @@ TEST_CASE("overlap by order: gathers run ahead of compute, each reduce-scatter i
 // Note [replica average]: HSDP with shard groups of one rank is data parallelism; each unit's
 // all-reduce across the replicas overlaps the backward as a reduce-scatter does, instead of all of
 // them going out one after the other once the backward is over.
-TEST_CASE("HSDP with shard groups of one rank: each block's all-reduce across replicas is issued before the next block's backward ends") {
+TEST_CASE(
+    "HSDP with shard groups of one rank: each block's all-reduce across replicas is issued before the next "
+    "block's backward ends") {
   constexpr int kLayers = 4;
   test::run_ranks(2, [&](comm::Comm& world) {
     EventLog log;
@@ -218,7 +223,9 @@ struct MixedNetImpl : torch::nn::Module {
     head = register_module("head", torch::nn::Linear(d, 1));
   }
   at::Tensor forward(at::Tensor x, at::Tensor s) {
-    auto single = [&](size_t i, const at::Tensor& h) { return blocks[i]->as<fsdp::FullyShardImpl<LoggedBlock>>()->forward(h); };
+    auto single = [&](size_t i, const at::Tensor& h) {
+      return blocks[i]->as<fsdp::FullyShardImpl<LoggedBlock>>()->forward(h);
+    };
     const auto h1 = blocks[1]->as<fsdp::FullyShardImpl<PairBlock>>()->forward(single(0, x), s);
     return head(single(3, single(2, h1) + single(4, h1)));
   }
@@ -233,7 +240,9 @@ TORCH_MODULE(MixedNet);
 // produced its input or from an identity node in front of its inputs, its reduce-scatter goes out
 // after its own backward compute and before the previous block's ends, and the gradients are the
 // unsharded model's.
-TEST_CASE("post-backward by hook, and by identity node for a leaf or two inputs: each reduce-scatter between its block's backward and the previous one's") {
+TEST_CASE(
+    "post-backward by hook, and by identity node for a leaf or two inputs: each reduce-scatter between its "
+    "block's backward and the previous one's") {
   test::run_ranks(2, [&](comm::Comm& world) {
     EventLog log;
     comm::Comm comm(std::make_shared<LoggingComm>(world.impl_ptr(), log));
@@ -259,7 +268,8 @@ TEST_CASE("post-backward by hook, and by identity node for a leaf or two inputs:
     model->forward(x, s).sum().backward();
     INFO("rank " << comm.rank() << ": " << log.dump());
     // Block i's reduce-scatter, after its backward and before that of the block feeding it.
-    for (const auto& [i, feeding] : std::vector<std::pair<int, int>>{{3, 2}, {3, 4}, {4, 1}, {2, 1}, {1, 0}, {0, -1}}) {
+    for (const auto& [i, feeding] :
+         std::vector<std::pair<int, int>>{{3, 2}, {3, 4}, {4, 1}, {2, 1}, {1, 0}, {0, -1}}) {
       const long reduce = log.find("RS blocks." + std::to_string(i));
       CHECK(reduce > log.find("bwd_done " + std::to_string(i)));
       if (feeding >= 0) CHECK(reduce < log.find("bwd_done " + std::to_string(feeding)));

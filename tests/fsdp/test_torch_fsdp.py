@@ -124,8 +124,9 @@ def write_case(path, config, weights, batches, case):
 
 
 def launch(fsdpp, command, log):
-    # MKL's own choice of kernels, as in this PyTorch process (Note [MKL's kernels on other vendors'
-    # CPUs], include/fsdpp/base/mkl_dispatch.hpp).
+    # MKL's own choice of kernels on both sides, as in this PyTorch process (Note [MKL's kernels on
+    # other vendors' CPUs], include/fsdpp/base/mkl_dispatch.hpp: fsdpp_test_fsdp_steps does not ask
+    # for others; the variable keeps it so should that change).
     env = {**os.environ, "FSDPP_MKL_VENDOR_CHECK": "1"}
     r = subprocess.run([fsdpp, "launch", "--nproc", "2", "--"] + command, capture_output=True, text=True, timeout=600,
                        env=env)
@@ -159,9 +160,9 @@ def main():
         torch_moe.exit_rank()
     fsdpp, steps_bin = sys.argv[1], sys.argv[2]
     # fsdpp's side computes RMSNorm and SwiGLU by the ATen compositions PyTorch's modules are
-    # written as, and its products by ATen's (its single-pass kernels and oneDNN's products round
-    # differently: tests/train/test_model.cpp and test_matmul.cpp bound that).
-    base = {**json.load(open(CONFIG)), "fused_kernels": False, "onednn_matmul": False}
+    # written as, and its products by ATen's (its single-pass kernels and MKL's bfloat16 products
+    # round differently: tests/models/test_model.cpp and test_matmul.cpp bound that).
+    base = {**json.load(open(CONFIG)), "fused_kernels": False, "own_products": False}
     configs = {"moe": base, "dense": {**base, "experts": 0}}
     torch.manual_seed(1234)
     weights = {name: torch_moe.MoETransformer(c).state_dict() for name, c in configs.items()}

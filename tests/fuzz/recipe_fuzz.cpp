@@ -24,7 +24,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;  // not JSON: load_recipe reports that before the parser sees anything
   }
   try {
-    fsdpp::train::parse_recipe(std::move(j), "fuzz.json", FSDPP_SOURCE_DIR "/recipes", overrides, std::nullopt);
+    fsdpp::train::parse_recipe(std::move(j), "fuzz.json", FSDPP_SOURCE_DIR "/recipes", overrides,
+                               std::nullopt);
   } catch (const fsdpp::train::RecipeError&) {
   }
   return 0;

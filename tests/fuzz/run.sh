@@ -61,7 +61,7 @@ elif [[ $target == tokenizer ]]; then
   # than the bundled 2048-piece model, and mutate into the same kinds of damage.
   seed_text=$out/tokenizer_seed_text
   mkdir -p "$seed_text"
-  for i in 1 2; do head -c 20000 "$src/README.md" | tr -cd 'a-z \n' > "$seed_text/$i.txt"; done
+  for i in 1 2; do cat "$src/docs/testing.md" "$src/docs/model.md" | tr -cd 'a-z \n' > "$seed_text/$i.txt"; done
   "$build/fsdpp" tokenizer train --vocab 300 "$seed_text" -o "$corpus/tiny.model" > /dev/null
 elif [[ $target == shards ]]; then
   # An index (mode byte 1) and a whole uint16 shard of 3 tokens (mode byte 0).

@@ -14,9 +14,11 @@
 #include "../../src/train/piece_tokenizer.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const auto path =
-      (std::filesystem::temp_directory_path() / ("fsdpp-tokenizer-fuzz-" + std::to_string(getpid()) + ".model")).string();
-  std::ofstream(path, std::ios::binary | std::ios::trunc).write(reinterpret_cast<const char*>(data), std::streamsize(size));
+  static const auto path = (std::filesystem::temp_directory_path() /
+                            ("fsdpp-tokenizer-fuzz-" + std::to_string(getpid()) + ".model"))
+                               .string();
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(reinterpret_cast<const char*>(data), std::streamsize(size));
   try {
     const auto tok = fsdpp_sentencepiece_plugin()->load(path);
     const std::string text = "The quick brown fox\n\xE2\x96\x81 jumps \xFF\xFE over\n";

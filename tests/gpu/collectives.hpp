@@ -64,7 +64,8 @@ inline std::vector<std::string> check_collectives(comm::Comm& comm, int device) 
     comm.broadcast(b).wait();
     expect(same(b, at::full({2}, 7.0)), type + " broadcast");
 
-    auto a2a_in = at::arange(2 * n, on(at::kFloat)).add(100.0 * r).to(dt), a2a_out = at::empty({2 * n}, on(dt));
+    auto a2a_in = at::arange(2 * n, on(at::kFloat)).add(100.0 * r).to(dt),
+         a2a_out = at::empty({2 * n}, on(dt));
     comm.all_to_all(a2a_out, a2a_in).wait();
     bool a2a = true;
     for (int q = 0; q < n; ++q)

@@ -171,7 +171,8 @@ TEST_CASE("fully_shard on CUDA over NCCL trains like the unsharded model on the 
     auto model = fsdp::fully_shard(net, comm);
     fsdp::AdamW opt(model->sharded_parameters(), {.lr = 1e-2});
     const int64_t local = batch / n;
-    const auto xl = x.narrow(0, comm.rank() * local, local).to(on(d)), yl = y.narrow(0, comm.rank() * local, local).to(on(d));
+    const auto xl = x.narrow(0, comm.rank() * local, local).to(on(d)),
+               yl = y.narrow(0, comm.rank() * local, local).to(on(d));
     for (int s = 0; s < steps; ++s) {
       opt.zero_grad();
       auto loss = at::mse_loss(model->forward(xl), yl);
@@ -239,7 +240,9 @@ StepResult train_moe(comm::Comm& comm, int d, bool graph, int steps) {
       body();
     }
     c10::cuda::device_synchronize();
-    if (s >= 5) times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (s >= 5)
+      times.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     out.losses.push_back(loss_out.cpu().item<double>());
   }
   for (const auto& p : root->sharded_parameters()) out.params.push_back(p.detach().cpu());

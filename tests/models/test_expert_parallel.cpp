@@ -87,7 +87,7 @@ void check_against_reference(int ranks, const std::string& routing, bool skewed)
 
     auto moe = make_moe(c);
     if (skewed) skew(moe);
-    moe->set_expert_parallel(comm);
+    moe->set_expert_parallel(train::token_exchange(comm));
     const int64_t local = c.experts / ranks, first = comm.rank() * local;
     CHECK(moe->experts->w1.size(0) == local);
     const auto got = run(moe, batch(comm.rank(), c, skewed));
@@ -114,7 +114,9 @@ void check_against_reference(int ranks, const std::string& routing, bool skewed)
 
 }  // namespace
 
-TEST_CASE("expert parallelism: each rank's outputs and gradients are the unsharded layer's, dropless and capacity") {
+TEST_CASE(
+    "expert parallelism: each rank's outputs and gradients are the unsharded layer's, dropless and "
+    "capacity") {
   for (const int ranks : {2, 4})
     for (const std::string routing : {"dropless", "capacity"}) {
       CAPTURE(ranks);
@@ -133,14 +135,16 @@ TEST_CASE("expert parallelism: experts that receive no tokens neither hang nor c
 TEST_CASE("expert parallelism: a rank count that does not divide the experts is refused, naming both") {
   test::run_ranks(3, [&](comm::Comm& comm) {
     auto moe = make_moe(ep_config("dropless", 8));
-    const auto msg = test::error_of([&] { moe->set_expert_parallel(comm); });
+    const auto msg = test::error_of([&] { moe->set_expert_parallel(train::token_exchange(comm)); });
     CHECK(msg.find("3 ranks") != std::string::npos);
     CHECK(msg.find("8 experts") != std::string::npos);
     CHECK(moe->experts->w1.size(0) == 8);  // untouched
   });
 }
 
-TEST_CASE("expert parallelism under fully_shard: shard infos, full state dicts and loading speak of whole expert tensors") {
+TEST_CASE(
+    "expert parallelism under fully_shard: shard infos, full state dicts and loading speak of whole expert "
+    "tensors") {
   // World 4 as 2 groups of ep 2; the experts of a layer are a unit sharded over the 2 ranks holding them.
   MoEConfig c = ep_config("dropless", 8);
   c.layers = 2;
@@ -158,7 +162,7 @@ TEST_CASE("expert parallelism under fully_shard: shard infos, full state dicts a
     const int r = world.rank();
     train::ExpertSharding experts{.ep = world.split(r / 2, r), .shard = world.split(r % 2, r)};
     auto model = build();
-    model->set_expert_parallel(experts.ep);
+    train::apply_expert_parallel(*model, experts.ep);
     auto root = train::shard_model(model, world, {}, 0, experts);
     int expert_params = 0;
     for (const auto& s : fsdp::shards(*root.ptr())) {

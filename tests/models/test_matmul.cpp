@@ -1,6 +1,6 @@
-// The model's own product routes (models/matmul.hpp): float32 through oneDNN and bfloat16 through
-// MKL's bfloat16 kernel, values and gradients against float64, the route taken, grouped rows (empty
-// groups, rows past the last end, every block path), and bad group ends.
+// The model's products (models/cpu/matmul.hpp): bfloat16 through MKL's bfloat16 kernel, float32 and the
+// other dtypes through ATen's, values and gradients against float64, the route taken, grouped rows
+// (empty groups, rows past the last end), and bad group ends.
 #include <ATen/ATen.h>
 #include <doctest/doctest.h>
 
@@ -10,20 +10,14 @@
 #include <utility>
 #include <vector>
 
-#include "fsdpp/models/matmul.hpp"
-
-// What models::linear calls on the CPU (LibTorch exports it without declaring it); the tests call
-// it directly to tell which route a product took.
-namespace at::native {
-[[gnu::weak]] void mkldnn_matmul(const Tensor& mat1, const Tensor& mat2, const Tensor& result, float beta,
-                                 float alpha);
-}  // namespace at::native
+#include "fsdpp/models/cpu/matmul.hpp"
 
 // What models::linear calls for bfloat16 on the CPU (libtorch_cpu.so's MKL exports it): row-major
 // (101), each operand transposed (112) or not (111), float32 C.
-extern "C" [[gnu::weak]] void cblas_gemm_bf16bf16f32(int layout, int trans_a, int trans_b, int m, int n, int k,
-                                                     float alpha, const uint16_t* a, int lda, const uint16_t* b,
-                                                     int ldb, float beta, float* c, int ldc);
+extern "C" [[gnu::weak]] void cblas_gemm_bf16bf16f32(int layout, int trans_a, int trans_b, int m, int n,
+                                                     int k, float alpha, const uint16_t* a, int lda,
+                                                     const uint16_t* b, int ldb, float beta, float* c,
+                                                     int ldc);
 
 using namespace fsdpp;
 
@@ -48,19 +42,16 @@ at::Tensor grouped_reference(const at::Tensor& x, const at::Tensor& w, const std
   auto out = at::zeros({x.size(0), w.size(1)}, x.options().dtype(at::kDouble));
   for (size_t g = 0, begin = 0; g < ends.size(); begin = ends[g], ++g)
     if (ends[g] > static_cast<int64_t>(begin))
-      out.narrow(0, begin, ends[g] - begin).copy_(at::mm(x.narrow(0, begin, ends[g] - begin).to(at::kDouble), w[g].to(at::kDouble).t()));
+      out.narrow(0, begin, ends[g] - begin)
+          .copy_(at::mm(x.narrow(0, begin, ends[g] - begin).to(at::kDouble), w[g].to(at::kDouble).t()));
   return out;
 }
 
-at::Tensor ends_tensor(const std::vector<int64_t>& ends) {
-  return at::tensor(ends, at::kLong).to(at::kInt);
-}
+at::Tensor ends_tensor(const std::vector<int64_t>& ends) { return at::tensor(ends, at::kLong).to(at::kInt); }
 
 }  // namespace
 
-TEST_CASE("linear: float32 products agree with float64, values and both gradients, and go through oneDNN where it runs") {
-  const std::string route = models::onednn_matmul_available() ? "yes" : "no (ATen's instead)";
-  MESSAGE("oneDNN float32 products in this process: " << route);
+TEST_CASE("linear: float32 products agree with float64, values and both gradients, and are ATen's") {
   at::manual_seed(3);
   const auto x = at::randn({3, 50, 96}).requires_grad_();
   const auto w = (at::randn({40, 96}) * 0.1).requires_grad_();
@@ -76,19 +67,11 @@ TEST_CASE("linear: float32 products agree with float64, values and both gradient
   ya.backward(g.to(at::kDouble).abs());
   CHECK(scaled_error(x.grad(), xd.grad(), xa.grad()) < 1e-5);
   CHECK(scaled_error(w.grad(), wd.grad(), wa.grad()) < 1e-5);
-
-  // The route: oneDNN's bits where it runs, ATen's otherwise and with onednn = false.
+  // float32 has no route of its own: ATen's bits whatever `own` says, as for any other dtype
+  // without one.
   at::NoGradGuard ng;
-  const auto rows = x.detach().reshape({-1, 96});
-  if (models::onednn_matmul_available()) {
-    auto direct = at::empty({150, 40});
-    at::native::mkldnn_matmul(rows, w.detach().t(), direct, 0.0f, 1.0f);
-    CHECK(at::equal(y.detach().reshape({-1, 40}), direct));
-  } else {
-    CHECK(at::equal(y.detach(), at::linear(x.detach(), w.detach())));
-  }
+  CHECK(at::equal(y.detach(), at::linear(x.detach(), w.detach())));
   CHECK(at::equal(models::linear(x.detach(), w.detach(), false), at::linear(x.detach(), w.detach())));
-  // Another dtype without a route of its own is ATen's product whatever `own` says.
   const auto xh = x.detach().to(at::kHalf), wh = w.detach().to(at::kHalf);
   CHECK(at::equal(models::linear(xh, wh, true), at::linear(xh, wh)));
 }
@@ -103,11 +86,13 @@ at::Tensor small_integers(at::IntArrayRef sizes, int64_t spread) {
 
 }  // namespace
 
-TEST_CASE("linear: bfloat16 through MKL's bfloat16 kernel, each result the float32 product rounded once, values and gradients") {
+TEST_CASE(
+    "linear: bfloat16 through MKL's bfloat16 kernel, each result the float32 product rounded once, values "
+    "and gradients") {
   const bool available = models::bf16_matmul_available();
-  MESSAGE("MKL's bfloat16 products in this process: " << std::string(available ? "yes" : "no (ATen's instead)")
-                                                      << "; preferred by the model: "
-                                                      << std::string(models::bf16_matmul_preferred() ? "yes" : "no"));
+  MESSAGE("MKL's bfloat16 products in this process: "
+          << std::string(available ? "yes" : "no (ATen's instead)")
+          << "; preferred by the model: " << std::string(models::bf16_matmul_preferred() ? "yes" : "no"));
   at::manual_seed(8);
   // Exact: the float64 product rounded to bfloat16 (float32 holds it exactly), forward and both
   // gradients; x laid out transposed in memory, as a view of another product's output may be.
@@ -133,15 +118,19 @@ TEST_CASE("linear: bfloat16 through MKL's bfloat16 kernel, each result the float
   const auto [xd, xa] = references(xr);
   const auto [wd, wa] = references(wr);
   const auto yd = at::linear(xd, wd), ya = at::linear(xa, wa);
-  CHECK(((yr.to(at::kDouble) - yd).abs() / (yd.abs() * (1.0 / 256) + ya * 1e-5 + 1e-30)).max().item<double>() <= 1.0);
+  CHECK(
+      ((yr.to(at::kDouble) - yd).abs() / (yd.abs() * (1.0 / 256) + ya * 1e-5 + 1e-30)).max().item<double>() <=
+      1.0);
   const auto gr = at::randn({3, 50, 40}).to(at::kBFloat16);
   yr.backward(gr);
   yd.backward(gr.to(at::kDouble));
   ya.backward(gr.to(at::kDouble).abs());
-  CHECK(((xr.grad().to(at::kDouble) - xd.grad()).abs() / (xd.grad().abs() * (1.0 / 256) + xa.grad() * 1e-5 + 1e-30))
+  CHECK(((xr.grad().to(at::kDouble) - xd.grad()).abs() /
+         (xd.grad().abs() * (1.0 / 256) + xa.grad() * 1e-5 + 1e-30))
             .max()
             .item<double>() <= 1.0);
-  CHECK(((wr.grad().to(at::kDouble) - wd.grad()).abs() / (wd.grad().abs() * (1.0 / 256) + wa.grad() * 1e-5 + 1e-30))
+  CHECK(((wr.grad().to(at::kDouble) - wd.grad()).abs() /
+         (wd.grad().abs() * (1.0 / 256) + wa.grad() * 1e-5 + 1e-30))
             .max()
             .item<double>() <= 1.0);
 
@@ -151,8 +140,9 @@ TEST_CASE("linear: bfloat16 through MKL's bfloat16 kernel, each result the float
   if (available) {
     REQUIRE((&cblas_gemm_bf16bf16f32 != nullptr));
     auto direct = at::empty({150, 40});
-    cblas_gemm_bf16bf16f32(101, 111, 112, 150, 40, 96, 1.0f, reinterpret_cast<const uint16_t*>(rows.const_data_ptr()),
-                           96, reinterpret_cast<const uint16_t*>(wr.detach().const_data_ptr()), 96, 0.0f,
+    cblas_gemm_bf16bf16f32(101, 111, 112, 150, 40, 96, 1.0f,
+                           reinterpret_cast<const uint16_t*>(rows.const_data_ptr()), 96,
+                           reinterpret_cast<const uint16_t*>(wr.detach().const_data_ptr()), 96, 0.0f,
                            direct.data_ptr<float>(), 40);
     CHECK(at::equal(yr.detach().reshape({-1, 40}), direct.to(at::kBFloat16)));
   } else {
@@ -161,7 +151,9 @@ TEST_CASE("linear: bfloat16 through MKL's bfloat16 kernel, each result the float
   CHECK(at::equal(models::linear(xr.detach(), wr.detach(), false), at::linear(xr.detach(), wr.detach())));
 }
 
-TEST_CASE("grouped_linear: bfloat16 through MKL's bfloat16 kernel: each group exact, empty groups and rows past the last end zero") {
+TEST_CASE(
+    "grouped_linear: bfloat16 through MKL's bfloat16 kernel: each group exact, empty groups and rows past "
+    "the last end zero") {
   at::manual_seed(9);
   const std::vector<int64_t> sizes = {7, 100, 0, 300, 1};
   std::vector<int64_t> ends;
@@ -204,13 +196,9 @@ TEST_CASE("grouped_linear: bfloat16 through MKL's bfloat16 kernel: each group ex
   }
 }
 
-TEST_CASE("grouped_linear: each group's rows by its own weight; empty groups, rows past the last end, every way rows are split") {
+TEST_CASE("grouped_linear: each group's rows by its own weight; empty groups and rows past the last end") {
   at::manual_seed(4);
-  // Group sizes: fewer rows than one row step with no rows before them (one call of their own
-  // shape; ATen sums their weight gradient), more with too few rows before them to round up (a
-  // last call overlapping the first), an exact multiple of the step, an empty group, and
-  // multiples with a remainder (one call of the rows rounded up, reaching back into the groups
-  // before; the remainder's weight gradient added by ATen); then 9 rows past the last end.
+  // Groups of several sizes, one of them empty; then 9 rows past the last end.
   const std::vector<int64_t> sizes = {7, 100, 128, 0, 100, 700, 1030};
   std::vector<int64_t> ends;
   int64_t rows = 0;
@@ -269,10 +257,13 @@ TEST_CASE("grouped_linear: on ATen's product too, rows past the last end are zer
     CHECK(scaled_error(w.grad(), wd.grad(), wa.grad()) < 1e-5);
   }
   // No rows in any group: zeros.
-  CHECK(at::equal(models::grouped_linear(at::randn({6, in}), w.detach(), ends_tensor({0, 0, 0}), false), at::zeros({6, out})));
+  CHECK(at::equal(models::grouped_linear(at::randn({6, in}), w.detach(), ends_tensor({0, 0, 0}), false),
+                  at::zeros({6, out})));
 }
 
-TEST_CASE("grouped_linear: on ATen's route, rows not a multiple of 16 bytes (which at::_grouped_mm refuses) take a product per group") {
+TEST_CASE(
+    "grouped_linear: on ATen's route, rows not a multiple of 16 bytes (which at::_grouped_mm refuses) take a "
+    "product per group") {
   // float32 rows of 6 and 10 values, bfloat16 rows of 12 and 20: 24, 40 bytes; a weight's row too.
   at::manual_seed(10);
   const std::vector<int64_t> ends = {3, 3, 40};
@@ -299,43 +290,17 @@ TEST_CASE("grouped_linear: on ATen's route, rows not a multiple of 16 bytes (whi
   }
 }
 
-TEST_CASE("grouped_linear: a row's result does not depend on how many rows its group has, nor on the groups before it") {
-  // Groups of different sizes run in calls of different row counts, overlapping differently at
-  // their ends or reaching back into the group before; a row computed twice must get one value,
-  // and the same whatever surrounds it.
-  at::manual_seed(5);
-  const auto x = at::randn({1000, 64});
-  const auto w = at::randn({1, 96, 64}) * 0.1;
-  const auto all = models::grouped_linear(x, w, ends_tensor({1000}), true);
-  for (int64_t n : {16, 17, 300, 700, 999}) {
-    CAPTURE(n);
-    const auto part = models::grouped_linear(x.narrow(0, 0, n), w, ends_tensor({n}), true);
-    CHECK(at::equal(part, all.narrow(0, 0, n)));
-  }
-  // The same rows as the second of two groups, after a first group of another weight.
-  const auto w2 = at::cat({at::randn({1, 96, 64}), w});
-  for (int64_t first : {5, 64, 100, 250}) {
-    for (int64_t n : {17, 300, 700}) {
-      CAPTURE(first);
-      CAPTURE(n);
-      const auto rows = at::cat({at::randn({first, 64}), x.narrow(0, 0, n)});
-      const auto y = models::grouped_linear(rows, w2, ends_tensor({first, first + n}), true);
-      CHECK(at::equal(y.narrow(0, first, n), all.narrow(0, 0, n)));
-      CHECK(at::equal(y.narrow(0, 0, first), models::grouped_linear(rows.narrow(0, 0, first), w2.narrow(0, 0, 1),
-                                                                    ends_tensor({first}), true)));
-    }
-  }
-}
-
 TEST_CASE("grouped_linear: ends of the wrong length, decreasing or past the rows are refused, naming them") {
   const auto x = at::randn({10, 8});
   const auto w = at::randn({3, 4, 8});
-  CHECK_THROWS_WITH_AS(models::grouped_linear(x, w, ends_tensor({4, 10}), true), doctest::Contains("ends must be [3]"),
-                       c10::Error);
+  CHECK_THROWS_WITH_AS(models::grouped_linear(x, w, ends_tensor({4, 10}), true),
+                       doctest::Contains("ends must be [3]"), c10::Error);
   CHECK_THROWS_WITH_AS(models::grouped_linear(x, w, ends_tensor({4, 3, 10}), true),
                        doctest::Contains("ends[1] = 3 after 4"), c10::Error);
   CHECK_THROWS_WITH_AS(models::grouped_linear(x, w, ends_tensor({4, 6, 11}), true),
                        doctest::Contains("at most 10 (the rows of x)"), c10::Error);
-  CHECK_THROWS_WITH_AS(models::linear(x, at::randn({4, 9}), true), doctest::Contains("linear: x [..., in] and weight [out, in] expected, got x [10, 8] and weight [4, 9]"),
-                       c10::Error);
+  CHECK_THROWS_WITH_AS(
+      models::linear(x, at::randn({4, 9}), true),
+      doctest::Contains("linear: x [..., in] and weight [out, in] expected, got x [10, 8] and weight [4, 9]"),
+      c10::Error);
 }

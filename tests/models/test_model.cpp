@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "fsdpp/base/adopt.hpp"
-#include "fsdpp/models/kernels.hpp"
-#include "fsdpp/models/matmul.hpp"
+#include "fsdpp/models/cpu/kernels.hpp"
+#include "fsdpp/models/cpu/matmul.hpp"
 #include "fsdpp/models/moe.hpp"
 
 using namespace fsdpp;
@@ -275,8 +275,8 @@ TEST_CASE("rotary_qkv: the fused CPU kernel gives the ATen composition's bits, v
     at::ScalarType dtype;
     int64_t D;
   };
-  for (auto [dtype, D] : {Case{at::kFloat, 8}, Case{at::kFloat, 32}, Case{at::kFloat, 42}, Case{at::kBFloat16, 8},
-                          Case{at::kBFloat16, 32}, Case{at::kDouble, 8}}) {
+  for (auto [dtype, D] : {Case{at::kFloat, 8}, Case{at::kFloat, 32}, Case{at::kFloat, 42},
+                          Case{at::kBFloat16, 8}, Case{at::kBFloat16, 32}, Case{at::kDouble, 8}}) {
     CAPTURE(dtype);
     CAPTURE(D);
     at::manual_seed(7);
@@ -349,7 +349,8 @@ TEST_CASE("attention: the fused causal kernel equals softmax(q k^T / sqrt(d) + c
   const auto qkv = attn->qkv(x2).view({B, T, 3, H, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
   const auto [cos, sin] = models::rotary_tables(T, hd, c.rope_theta, at::TensorOptions().dtype(at::kFloat));
   const auto q = models::rotary_reference(qkv[0], cos, sin), k = models::rotary_reference(qkv[1], cos, sin);
-  const auto expected = attn->out(attention_f64(q, k, qkv[2]).to(at::kFloat).transpose(1, 2).reshape({B, T, D}));
+  const auto expected =
+      attn->out(attention_f64(q, k, qkv[2]).to(at::kFloat).transpose(1, 2).reshape({B, T, D}));
   CHECK(at::allclose(y, expected, 1e-5, 1e-6));
 
   y.pow(2).sum().backward();
@@ -402,7 +403,8 @@ TEST_CASE("rms_norm: the fused CPU kernel agrees with the ATen composition, valu
     bool transposed;
     double bound_y, bound_dx, bound_dw;
   };
-  for (const Case& k : {Case{{3, 5, 128}, at::kFloat, false, 2e-6, 2e-5, 1e-4}, Case{{4100, 37}, at::kFloat, false, 2e-6, 2e-5, 1e-4},
+  for (const Case& k : {Case{{3, 5, 128}, at::kFloat, false, 2e-6, 2e-5, 1e-4},
+                        Case{{4100, 37}, at::kFloat, false, 2e-6, 2e-5, 1e-4},
                         Case{{37, 70}, at::kFloat, true, 2e-6, 2e-5, 1e-4},
                         Case{{6, 33, 128}, at::kBFloat16, false, 1e-2, 1e-2, 1e-4}}) {
     CAPTURE(k.shape);
@@ -427,8 +429,8 @@ TEST_CASE("rms_norm: the fused CPU kernel agrees with the ATen composition, valu
   }
   // Enough rows that ATen would split a sum over them between threads.
   const auto w = (at::rand({128}) + 0.5).requires_grad_();
-  check_thread_independent([&](const at::Tensor& x) { return models::rms_norm(x, w, 1e-5); }, at::randn({40000, 128}),
-                           {w});
+  check_thread_independent([&](const at::Tensor& x) { return models::rms_norm(x, w, 1e-5); },
+                           at::randn({40000, 128}), {w});
   // A row of zeros normalises to zeros (eps keeps it finite), a NaN stays in its row.
   auto x = at::randn({3, 64});
   x[0].zero_();
@@ -437,7 +439,8 @@ TEST_CASE("rms_norm: the fused CPU kernel agrees with the ATen composition, valu
   CHECK(at::equal(y[0], at::zeros({64})));
   CHECK(y[1].isnan().all().item<bool>());
   CHECK(at::allclose(y[2], models::rms_norm_reference(x[2], at::ones({64}), 1e-5), 1e-6, 1e-7));
-  CHECK_THROWS_WITH_AS(models::rms_norm(x, at::ones({63}), 1e-5), doctest::Contains("last dimension"), c10::Error);
+  CHECK_THROWS_WITH_AS(models::rms_norm(x, at::ones({63}), 1e-5), doctest::Contains("last dimension"),
+                       c10::Error);
 }
 
 TEST_CASE("residual_rms_norm: the kernel gives x + r and its norm, values and both outputs' gradients") {
@@ -448,7 +451,8 @@ TEST_CASE("residual_rms_norm: the kernel gives x + r and its norm, values and bo
     bool residual;
     double bound_y, bound_dx, bound_dw;
   };
-  for (const Case& k : {Case{{4100, 37}, at::kFloat, true, 2e-6, 2e-5, 1e-4}, Case{{3, 5, 128}, at::kFloat, false, 2e-6, 2e-5, 1e-4},
+  for (const Case& k : {Case{{4100, 37}, at::kFloat, true, 2e-6, 2e-5, 1e-4},
+                        Case{{3, 5, 128}, at::kFloat, false, 2e-6, 2e-5, 1e-4},
                         Case{{6, 33, 128}, at::kBFloat16, true, 1e-2, 1e-2, 1e-4},
                         Case{{6, 33, 128}, at::kBFloat16, false, 1e-2, 1e-2, 1e-4}}) {
     CAPTURE(k.shape);
@@ -457,7 +461,8 @@ TEST_CASE("residual_rms_norm: the kernel gives x + r and its norm, values and bo
     const int64_t D = x.size(-1);
     const auto w = 1 + 0.5 * at::randn({D});
     const auto gs = at::randn(k.shape).to(k.dtype), gy = at::randn(k.shape).to(k.dtype);
-    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(), wi = w.clone().requires_grad_();
+    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(),
+               wi = w.clone().requires_grad_();
     const auto [sum, y] = models::residual_rms_norm(xi, k.residual ? ri : at::Tensor(), wi, 1e-5);
     torch::autograd::backward({sum, y}, {gs, gy});
     // The sum is one rounding of x + r, as the composition's.
@@ -478,16 +483,19 @@ TEST_CASE("residual_rms_norm: the kernel gives x + r and its norm, values and bo
     CHECK(worst(wi.grad(), wd.grad(), 1e-2) < k.bound_dw);
   }
   // One output's gradient alone: the sum's passes through as it is; the norm's is rms_norm's.
-  const auto x = at::randn({70, 48}), r = at::randn({70, 48}), w = 1 + 0.5 * at::randn({48}), g = at::randn({70, 48});
+  const auto x = at::randn({70, 48}), r = at::randn({70, 48}), w = 1 + 0.5 * at::randn({48}),
+             g = at::randn({70, 48});
   {
-    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(), wi = w.clone().requires_grad_();
+    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(),
+               wi = w.clone().requires_grad_();
     models::residual_rms_norm(xi, ri, wi, 1e-5).first.backward(g);
     CHECK(at::equal(xi.grad(), g));
     CHECK(at::equal(ri.grad(), g));
     CHECK(at::equal(wi.grad(), at::zeros_like(w)));
   }
   {
-    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(), wi = w.clone().requires_grad_();
+    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(),
+               wi = w.clone().requires_grad_();
     const auto x2 = (x + r).requires_grad_(), w2 = w.clone().requires_grad_();
     models::residual_rms_norm(xi, ri, wi, 1e-5).second.backward(g);
     models::rms_norm(x2, w2, 1e-5).backward(g);
@@ -499,8 +507,10 @@ TEST_CASE("residual_rms_norm: the kernel gives x + r and its norm, values and bo
     // In float32, both gradients at once: the bits of ATen's add, rms_norm's kernel and autograd's
     // sum of the two gradients, which the kernel stands for.
     const auto gs = at::randn({70, 48});
-    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(), wi = w.clone().requires_grad_();
-    const auto x2 = x.clone().requires_grad_(), r2 = r.clone().requires_grad_(), w2 = w.clone().requires_grad_();
+    const auto xi = x.clone().requires_grad_(), ri = r.clone().requires_grad_(),
+               wi = w.clone().requires_grad_();
+    const auto x2 = x.clone().requires_grad_(), r2 = r.clone().requires_grad_(),
+               w2 = w.clone().requires_grad_();
     const auto [sum, y] = models::residual_rms_norm(xi, ri, wi, 1e-5);
     const auto sum2 = x2 + r2;
     const auto y2 = models::rms_norm(sum2, w2, 1e-5);
@@ -519,10 +529,10 @@ TEST_CASE("residual_rms_norm: the kernel gives x + r and its norm, values and bo
         return sum * 0.5 + y;
       },
       at::randn({40000, 128}), {wt, rt});
-  CHECK_THROWS_WITH_AS(models::residual_rms_norm(x, r.narrow(0, 0, 69), w, 1e-5), doctest::Contains("does not match x"),
-                       c10::Error);
-  CHECK_THROWS_WITH_AS(models::residual_rms_norm(x, r.to(at::kDouble), w, 1e-5), doctest::Contains("does not match x"),
-                       c10::Error);
+  CHECK_THROWS_WITH_AS(models::residual_rms_norm(x, r.narrow(0, 0, 69), w, 1e-5),
+                       doctest::Contains("does not match x"), c10::Error);
+  CHECK_THROWS_WITH_AS(models::residual_rms_norm(x, r.to(at::kDouble), w, 1e-5),
+                       doctest::Contains("does not match x"), c10::Error);
 }
 
 TEST_CASE("swiglu: the fused CPU kernel agrees with silu(a) * b, values and gradients, across exp's range") {
@@ -581,7 +591,8 @@ double relative_to_largest(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-TEST_CASE("expert_swiglu: each expert's SwiGLU on its own rows against float64, values and the four gradients") {
+TEST_CASE(
+    "expert_swiglu: each expert's SwiGLU on its own rows against float64, values and the four gradients") {
   at::manual_seed(17);
   // Experts of 130 rows (a chunk and 2), none, 1 and 257 (two chunks and 1), then 5 rows past the
   // last end.
@@ -589,7 +600,8 @@ TEST_CASE("expert_swiglu: each expert's SwiGLU on its own rows against float64, 
   const std::vector<int64_t> ends = {130, 130, 131, 388};
   const auto ends_t = at::tensor(ends, at::kLong).to(at::kInt);
   const auto x = at::randn({N, D}).requires_grad_();
-  const auto w1 = (at::randn({E, H, D}) * 0.2).requires_grad_(), w3 = (at::randn({E, H, D}) * 0.2).requires_grad_(),
+  const auto w1 = (at::randn({E, H, D}) * 0.2).requires_grad_(),
+             w3 = (at::randn({E, H, D}) * 0.2).requires_grad_(),
              w2 = (at::randn({E, D, H}) * 0.2).requires_grad_();
   const auto y = models::expert_swiglu(x, w1, w3, w2, ends_t);
   const auto g = at::randn({N, D});
@@ -616,14 +628,16 @@ TEST_CASE("expert_swiglu: each expert's SwiGLU on its own rows against float64, 
   CHECK(at::equal(y.detach().narrow(0, 388, 5), at::zeros({5, D})));
   CHECK(at::equal(x.grad().narrow(0, 388, 5), at::zeros({5, D})));
 
-  check_thread_independent([&](const at::Tensor& xi) { return models::expert_swiglu(xi, w1, w3, w2, ends_t); },
-                           x.detach(), {w1, w3, w2});
+  check_thread_independent(
+      [&](const at::Tensor& xi) { return models::expert_swiglu(xi, w1, w3, w2, ends_t); }, x.detach(),
+      {w1, w3, w2});
 
   // Bad ends and shapes are refused, naming them.
-  CHECK_THROWS_WITH_AS(models::expert_swiglu(x, w1, w3, w2, at::tensor(std::vector<int64_t>{5, 4, 6, 9}, at::kLong)),
-                       doctest::Contains("expert_swiglu: ends must be non-decreasing"), c10::Error);
-  CHECK_THROWS_WITH_AS(models::expert_swiglu(x, w1, w3, w1, ends_t), doctest::Contains("w2 [experts, dim, hidden]"),
-                       c10::Error);
+  CHECK_THROWS_WITH_AS(
+      models::expert_swiglu(x, w1, w3, w2, at::tensor(std::vector<int64_t>{5, 4, 6, 9}, at::kLong)),
+      doctest::Contains("expert_swiglu: ends must be non-decreasing"), c10::Error);
+  CHECK_THROWS_WITH_AS(models::expert_swiglu(x, w1, w3, w1, ends_t),
+                       doctest::Contains("w2 [experts, dim, hidden]"), c10::Error);
 }
 
 TEST_CASE("expert_swiglu: chunks of any size, a large expert's weights' gradients summed over many of them") {
@@ -634,7 +648,8 @@ TEST_CASE("expert_swiglu: chunks of any size, a large expert's weights' gradient
   const std::vector<int64_t> expert_ends = {2500, 2503};
   const auto ends = at::tensor(expert_ends, at::kLong);
   const auto x = at::randn({N, D}).requires_grad_();
-  const auto w1 = (at::randn({E, H, D}) * 0.3).requires_grad_(), w3 = (at::randn({E, H, D}) * 0.3).requires_grad_(),
+  const auto w1 = (at::randn({E, H, D}) * 0.3).requires_grad_(),
+             w3 = (at::randn({E, H, D}) * 0.3).requires_grad_(),
              w2 = (at::randn({E, D, H}) * 0.3).requires_grad_();
   const auto g = at::randn({N, D});
   const auto d = experts_f64(x, w1, w3, w2, expert_ends);
@@ -655,10 +670,10 @@ TEST_CASE("expert_swiglu: chunks of any size, a large expert's weights' gradient
       CHECK(err(w2.grad()[e], w2d.grad()[e]) < 1e-5);
     }
   }
-  check_thread_independent([&](const at::Tensor& xi) { return models::expert_swiglu(xi, w1, w3, w2, ends); }, x.detach(),
-                           {w1, w3, w2});
-  CHECK_THROWS_WITH_AS(models::expert_swiglu(x, w1, w3, w2, ends, 0), doctest::Contains("chunk_rows must be at least 1"),
-                       c10::Error);
+  check_thread_independent([&](const at::Tensor& xi) { return models::expert_swiglu(xi, w1, w3, w2, ends); },
+                           x.detach(), {w1, w3, w2});
+  CHECK_THROWS_WITH_AS(models::expert_swiglu(x, w1, w3, w2, ends, 0),
+                       doctest::Contains("chunk_rows must be at least 1"), c10::Error);
 }
 
 // The kernels clamp exp's argument; compiled so that a clamped path ran on every lane, SwiGLU
@@ -678,7 +693,8 @@ TEST_CASE("fused kernels: ordinary inputs make no subnormal floats, forward or b
     const auto tiny = at::full({64}, 1e-30f);
     CHECK(underflows([&] { (void)(tiny * tiny); }));  // the control: 1e-60 underflows
   }
-  auto check = [&](const std::string& kernel, const std::function<at::Tensor(const std::vector<at::Tensor>&)>& f,
+  auto check = [&](const std::string& kernel,
+                   const std::function<at::Tensor(const std::vector<at::Tensor>&)>& f,
                    std::vector<at::Tensor> in) {
     CAPTURE(kernel);
     for (auto& t : in) t.requires_grad_();
@@ -715,7 +731,8 @@ TEST_CASE("causal_attention: the CPU kernel equals the float64 composition, valu
   at::manual_seed(21);
   // One block, a block and one row, several blocks with a partial last one; head sizes the BLAS
   // and the row loops take whole and not.
-  for (const auto& [T, D] : std::vector<std::pair<int64_t, int64_t>>{{1, 8}, {7, 32}, {64, 32}, {65, 16}, {200, 24}}) {
+  for (const auto& [T, D] :
+       std::vector<std::pair<int64_t, int64_t>>{{1, 8}, {7, 32}, {64, 32}, {65, 16}, {200, 24}}) {
     for (int way = 0; way < 3; ++way) {
       CAPTURE(T);
       CAPTURE(D);
@@ -749,7 +766,8 @@ TEST_CASE("causal_attention: the CPU kernel equals the float64 composition, valu
   }
 }
 
-TEST_CASE("causal_attention: large scores stay finite, rows see only earlier keys, threads do not change bits") {
+TEST_CASE(
+    "causal_attention: large scores stay finite, rows see only earlier keys, threads do not change bits") {
   at::manual_seed(22);
   const int64_t B = 2, H = 2, T = 130, D = 32;
   // Scores in the hundreds: softmax must subtract each row's maximum.
@@ -774,11 +792,14 @@ TEST_CASE("causal_attention: large scores stay finite, rows see only earlier key
       at::randn({3, B, H, T, D}));
 }
 
-TEST_CASE("rotary_causal_attention: the one-pass kernel gives rotary_qkv then causal_attention, values and gradients") {
+TEST_CASE(
+    "rotary_causal_attention: the one-pass kernel gives rotary_qkv then causal_attention, values and "
+    "gradients") {
   REQUIRE(models::causal_attention_available());
   // One block, a partial block, several blocks with a partial last one; head sizes whose rotated
   // half is under, at and past one AVX-512 vector of floats.
-  for (const auto& [T, D] : std::vector<std::pair<int64_t, int64_t>>{{1, 8}, {7, 32}, {64, 32}, {65, 16}, {200, 42}}) {
+  for (const auto& [T, D] :
+       std::vector<std::pair<int64_t, int64_t>>{{1, 8}, {7, 32}, {64, 32}, {65, 16}, {200, 42}}) {
     CAPTURE(T);
     CAPTURE(D);
     at::manual_seed(24);
@@ -810,7 +831,8 @@ TEST_CASE("rotary_causal_attention: the one-pass kernel gives rotary_qkv then ca
     // And the float64 composition: rotation and attention, q and k rotated, v not.
     const auto p = qkv.to(at::kDouble).permute({2, 0, 3, 1, 4});
     const auto cd = cos.to(at::kDouble), sd = sin.to(at::kDouble);
-    const auto expected = attention_f64(models::rotary_reference(p[0], cd, sd), models::rotary_reference(p[1], cd, sd), p[2]);
+    const auto expected =
+        attention_f64(models::rotary_reference(p[0], cd, sd), models::rotary_reference(p[1], cd, sd), p[2]);
     CHECK(worst(y, expected, expected.pow(2).mean().sqrt().item<double>()) < 1e-5);
   }
   // Heads are split between threads whole: 1 and 2 threads give the same bits.
@@ -819,19 +841,23 @@ TEST_CASE("rotary_causal_attention: the one-pass kernel gives rotary_qkv then ca
   const auto angles = at::randn({T, D});
   const auto cos = angles.cos(), sin = angles.sin();
   const auto w = at::randn({B, H, T, D});
-  check_thread_independent([&](const at::Tensor& x) { return models::rotary_causal_attention(x, cos, sin) * w; },
-                           at::randn({B, T, 3, H, D}));
+  check_thread_independent(
+      [&](const at::Tensor& x) { return models::rotary_causal_attention(x, cos, sin) * w; },
+      at::randn({B, T, 3, H, D}));
   // Elsewhere (double) the two calls; a bad shape is refused with rotary_qkv's message.
   const auto qd = at::randn({1, 9, 3, 2, 8}, at::kDouble);
   const auto cd = angles.narrow(0, 0, 9).narrow(1, 0, 8).cos().to(at::kDouble),
              sd = angles.narrow(0, 0, 9).narrow(1, 0, 8).sin().to(at::kDouble);
   const auto [q, k, v] = models::rotary_qkv(qd, cd, sd);
   CHECK(at::equal(models::rotary_causal_attention(qd, cd, sd), models::causal_attention(q, k, v)));
-  CHECK_THROWS_WITH_AS(models::rotary_causal_attention(at::zeros({2, 4, 3, 2, 8}), at::zeros({5, 8}), at::zeros({5, 8})),
-                       doctest::Contains("cos and sin must be [4, 8]"), c10::Error);
+  CHECK_THROWS_WITH_AS(
+      models::rotary_causal_attention(at::zeros({2, 4, 3, 2, 8}), at::zeros({5, 8}), at::zeros({5, 8})),
+      doctest::Contains("cos and sin must be [4, 8]"), c10::Error);
 }
 
-TEST_CASE("rotary_causal_attention: bfloat16 on the CPU runs the float32 kernel on the widened values, the result rounded once") {
+TEST_CASE(
+    "rotary_causal_attention: bfloat16 on the CPU runs the float32 kernel on the widened values, the result "
+    "rounded once") {
   REQUIRE(models::causal_attention_available());
   at::manual_seed(26);
   const int64_t B = 2, H = 3, T = 70, D = 32;
@@ -856,12 +882,14 @@ TEST_CASE("rotary_causal_attention: bfloat16 on the CPU runs the float32 kernel 
   // which rounds its probabilities to bfloat16) is further off.
   const auto p = qkv.to(at::kDouble).permute({2, 0, 3, 1, 4});
   const auto cd = cos.to(at::kDouble), sd = sin.to(at::kDouble);
-  const auto expected = attention_f64(models::rotary_reference(p[0], cd, sd), models::rotary_reference(p[1], cd, sd), p[2]);
+  const auto expected =
+      attention_f64(models::rotary_reference(p[0], cd, sd), models::rotary_reference(p[1], cd, sd), p[2]);
   const double scale = expected.pow(2).mean().sqrt().item<double>();
   const auto [q, k, v] = models::rotary_qkv(qkv, cos, sin);
   const auto composition = models::causal_attention(q, k, v);
   const double own_error = worst(y, expected, scale), composition_error = worst(composition, expected, scale);
-  MESSAGE("worst error over the rms: widened kernel " << own_error << ", bfloat16 composition " << composition_error);
+  MESSAGE("worst error over the rms: widened kernel " << own_error << ", bfloat16 composition "
+                                                      << composition_error);
   CHECK(own_error < 1.0 / 64);
   CHECK(own_error <= composition_error);
 }
@@ -879,7 +907,8 @@ TEST_CASE("softmax_top_k: the CPU kernel agrees with softmax, topk and logsumexp
     const auto gs = at::randn({T, E}), gz = at::randn({T}), gw = at::randn({T, k});
     auto run = [&](bool fused) {
       const auto l = logits.clone().requires_grad_();
-      const auto r = fused ? models::softmax_top_k(l, k, normalize) : models::softmax_top_k_reference(l, k, normalize);
+      const auto r =
+          fused ? models::softmax_top_k(l, k, normalize) : models::softmax_top_k_reference(l, k, normalize);
       ((r.scores * gs).sum() + (r.lse * gz).sum() + (r.weights * gw).sum()).backward();
       return std::tuple{r, l.grad()};
     };
@@ -914,12 +943,14 @@ TEST_CASE("softmax_top_k: the CPU kernel agrees with softmax, topk and logsumexp
       at::randn({5000, 6}));
   // Other dtypes take the reference; a k the logits cannot give is refused.
   const auto ld = at::randn({7, 4}, at::kDouble);
-  CHECK(at::equal(models::softmax_top_k(ld, 2, true).weights, models::softmax_top_k_reference(ld, 2, true).weights));
-  CHECK_THROWS_WITH_AS(models::softmax_top_k(at::zeros({3, 4}), 5, true), doctest::Contains("1 <= k <= experts"),
-                       c10::Error);
+  CHECK(at::equal(models::softmax_top_k(ld, 2, true).weights,
+                  models::softmax_top_k_reference(ld, 2, true).weights));
+  CHECK_THROWS_WITH_AS(models::softmax_top_k(at::zeros({3, 4}), 5, true),
+                       doctest::Contains("1 <= k <= experts"), c10::Error);
 }
 
-TEST_CASE("sort_by_expert: the stable sort by expert, its inverse and the counts; a choice out of range is named") {
+TEST_CASE(
+    "sort_by_expert: the stable sort by expert, its inverse and the counts; a choice out of range is named") {
   at::manual_seed(31);
   const int64_t T = 37, k = 3, E = 6;
   const auto experts = at::randint(0, E - 1, {T, k}, at::kLong);  // expert 5 gets no rows
@@ -931,13 +962,16 @@ TEST_CASE("sort_by_expert: the stable sort by expert, its inverse and the counts
   CHECK(at::equal(o.position.index_select(0, o.order), at::arange(T * k, at::kLong)));
   auto bad = experts.clone();
   bad[4][1] = 7;
-  CHECK_THROWS_WITH_AS(models::sort_by_expert(bad, E), doctest::Contains("token 4's choice 1 is expert 7, outside [0, 6)"),
+  CHECK_THROWS_WITH_AS(models::sort_by_expert(bad, E),
+                       doctest::Contains("token 4's choice 1 is expert 7, outside [0, 6)"),
                        std::out_of_range);
-  CHECK_THROWS_WITH_AS(models::sort_by_expert(experts.to(at::kInt), E), doctest::Contains("int64 [tokens, top_k]"),
-                       c10::Error);
+  CHECK_THROWS_WITH_AS(models::sort_by_expert(experts.to(at::kInt), E),
+                       doctest::Contains("int64 [tokens, top_k]"), c10::Error);
 }
 
-TEST_CASE("dispatch_rows and combine_rows: the CPU kernels give index_select and index_add's bits, values and gradients") {
+TEST_CASE(
+    "dispatch_rows and combine_rows: the CPU kernels give index_select and index_add's bits, values and "
+    "gradients") {
   at::manual_seed(32);
   // A width that is no multiple of the vector lanes; tokens choosing one expert twice as well as
   // distinct ones (each token's rows are summed in ascending position either way).
@@ -994,19 +1028,21 @@ TEST_CASE("dispatch_rows and combine_rows: the CPU kernels give index_select and
   CHECK(at::equal(models::dispatch_rows(xd, o), models::dispatch_rows_reference(xd, o)));
   const auto yd = at::randn({T * k, D}, at::kDouble), wd = at::rand({T, k}, at::kDouble);
   CHECK(at::equal(models::combine_rows(yd, wd, o), models::combine_rows_reference(yd, wd, o)));
-  CHECK_THROWS_WITH_AS(models::dispatch_rows(at::zeros({T + 1, D}), o), doctest::Contains("does not hold the 3000 tokens"),
-                       c10::Error);
+  CHECK_THROWS_WITH_AS(models::dispatch_rows(at::zeros({T + 1, D}), o),
+                       doctest::Contains("does not hold the 3000 tokens"), c10::Error);
   CHECK_THROWS_WITH_AS(models::combine_rows(at::zeros({T * k, D}), at::zeros({T, k + 1}), o),
                        doctest::Contains("do not match the order of 6000 assignments, top-2"), c10::Error);
 }
 
-TEST_CASE("causal_attention: other dtypes go to scaled_dot_product_attention; mismatched shapes are refused") {
+TEST_CASE(
+    "causal_attention: other dtypes go to scaled_dot_product_attention; mismatched shapes are refused") {
   at::manual_seed(23);
   const auto q = at::randn({1, 2, 9, 8}, at::kDouble), k = at::randn({1, 2, 9, 8}, at::kDouble),
              v = at::randn({1, 2, 9, 8}, at::kDouble);
   CHECK(at::equal(models::causal_attention(q, k, v), models::causal_attention_reference(q, k, v)));
-  CHECK_THROWS_WITH_AS(models::causal_attention(at::zeros({1, 2, 9, 8}), at::zeros({1, 2, 8, 8}), at::zeros({1, 2, 9, 8})),
-                       doctest::Contains("one shape [B, H, T, D]"), c10::Error);
+  CHECK_THROWS_WITH_AS(
+      models::causal_attention(at::zeros({1, 2, 9, 8}), at::zeros({1, 2, 8, 8}), at::zeros({1, 2, 9, 8})),
+      doctest::Contains("one shape [B, H, T, D]"), c10::Error);
 }
 
 namespace {
@@ -1048,7 +1084,9 @@ TEST_CASE("model: fused_kernels changes only the rounding (logits and gradients 
   CHECK_FALSE(at::equal(fused, plain));  // the kernels did run
 }
 
-TEST_CASE("model: fused_attention changes only the rounding (logits and gradients against scaled_dot_product_attention)") {
+TEST_CASE(
+    "model: fused_attention changes only the rounding (logits and gradients against "
+    "scaled_dot_product_attention)") {
   auto c = small_config();
   c.dense_layers = 1;
   at::manual_seed(14);
@@ -1056,12 +1094,13 @@ TEST_CASE("model: fused_attention changes only the rounding (logits and gradient
   CHECK_FALSE(at::equal(own, sdpa));  // the kernel did run
 }
 
-TEST_CASE("model: in bfloat16, onednn_matmul changes only the rounding (MKL's bfloat16 products against ATen's)") {
+TEST_CASE(
+    "model: in bfloat16, own_products changes only the rounding (MKL's bfloat16 products against ATen's)") {
   auto c = small_config();
   c.dense_layers = 1;
   at::manual_seed(15);
   models::MoETransformer own(c);
-  c.onednn_matmul = false;
+  c.own_products = false;
   models::MoETransformer aten(c);
   {
     at::NoGradGuard ng;
@@ -1084,18 +1123,15 @@ TEST_CASE("model: in bfloat16, onednn_matmul changes only the rounding (MKL's bf
     CHECK((p.value().grad().scalar_type() == at::kBFloat16));
     CHECK(worst(p.value().grad(), expected, expected.pow(2).mean().sqrt().item<double>() + 1e-12) < 0.1);
   }
-  MESSAGE("MKL's bfloat16 products preferred here: " << std::string(models::bf16_matmul_preferred() ? "yes" : "no"));
+  MESSAGE("MKL's bfloat16 products preferred here: " << std::string(models::bf16_matmul_preferred() ? "yes"
+                                                                                                    : "no"));
   if (!models::bf16_matmul_preferred()) CHECK(at::equal(lo, la));
 }
 
-TEST_CASE("model: onednn_matmul changes only the rounding (logits and gradients against ATen's products)") {
+TEST_CASE("model: in float32, own_products changes nothing (ATen's products either way)") {
   auto c = small_config();
   c.dense_layers = 1;
   at::manual_seed(13);
-  const auto [onednn, aten] = only_rounding_apart(c, [](MoEConfig& c) { c.onednn_matmul = false; }, {3, 40});
-  // Where ATen's BLAS is as fast (MKL on its AVX-512 kernels: Note [MKL's kernels on other vendors'
-  // CPUs]), the model keeps ATen's products whatever onednn_matmul says: the same bits.
-  const bool preferred = models::onednn_matmul_preferred();
-  MESSAGE("oneDNN's products preferred here: " << std::string(preferred ? "yes" : "no"));
-  if (!preferred) CHECK(at::equal(onednn, aten));
+  const auto [own, aten] = only_rounding_apart(c, [](MoEConfig& c) { c.own_products = false; }, {3, 40});
+  CHECK(at::equal(own, aten));
 }

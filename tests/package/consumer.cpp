@@ -11,7 +11,8 @@ int main() {
   auto comm = fsdpp::comm::init_from_env();
   auto t = at::full({8}, comm.rank() + 1.0);
   comm.all_reduce(t).wait();
-  const auto plan = fsdpp::pipeline::make_plan(*fsdpp::pipeline::make_schedule("1F1B"), {.pp = 2, .microbatches = 4});
+  const auto plan =
+      fsdpp::pipeline::make_plan(*fsdpp::pipeline::make_schedule("1F1B"), {.pp = 2, .microbatches = 4});
   fsdpp::fsdp::FullyShardOptions options{.reshard_after_forward = true};
   std::cout << "consumer rank " << comm.rank() << " sum " << t[7].item<double>() << std::endl;
   if (plan.lowered.size() != 2 || !options.reshard_after_forward) return 1;

@@ -18,4 +18,9 @@ echo "$out"
 for r in 0 1 2; do
   grep -q "consumer rank $r sum 6" <<<"$out" || { echo "FAIL: rank $r did not print sum 6"; exit 1; }
 done
+# Linking fsdpp::mkl_kernels is what asks MKL for its kernels by instruction set: the answer comes
+# from libfsdpp_mkl_kernels.so, which fsdpp::mkl_dispatch() finds in the process.
+mkl=$("$tmp/consumer/consumer_mkl")
+echo "$mkl"
+grep -q "asked=1" <<<"$mkl" || { echo "FAIL: consumer_mkl links fsdpp::mkl_kernels, but fsdpp does not see it"; exit 1; }
 echo "PASS: an installed fsdpp works through find_package(fsdpp)"

@@ -55,7 +55,8 @@ struct Batch {
 Batch make_batch(int m) {
   auto g = at::detail::createCPUGenerator(5);
   Batch b;
-  for (int i = 0; i < m; ++i) b.x.push_back(at::randn({kMicro, kDim}, g)), b.y.push_back(at::randn({kMicro, kDim}, g));
+  for (int i = 0; i < m; ++i)
+    b.x.push_back(at::randn({kMicro, kDim}, g)), b.y.push_back(at::randn({kMicro, kDim}, g));
   return b;
 }
 
@@ -110,7 +111,8 @@ void check_pipelined(const Plan& plan, const std::vector<std::vector<at::Tensor>
     std::vector<at::Tensor> mine_params;
     for (int s = 0; s < stages; ++s)
       if (plan.owner[s] == comm.rank()) {
-        mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); }, model.layers[s]->parameters()});
+        mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
+                        model.layers[s]->parameters()});
         for (auto& p : model.layers[s]->parameters()) mine_params.push_back(p);
       }
     PipelineExecutor exec(plan, comm, mine,
@@ -142,7 +144,8 @@ void check_pipelined(const Plan& plan, const std::vector<std::vector<at::Tensor>
     int send_f = 0;
     for (const auto& a : plan.lowered[comm.rank()]) send_f += a.type == ActionType::kSendF;
     CHECK(exec.stats().outputs_released == 5 * send_f);
-    CHECK(exec.stats().peak_recv_buffers <= simulate(plan.lowered, plan.owner).peak_recv_buffers[comm.rank()]);
+    CHECK(exec.stats().peak_recv_buffers <=
+          simulate(plan.lowered, plan.owner).peak_recv_buffers[comm.rank()]);
   });
 }
 
@@ -153,8 +156,13 @@ TEST_CASE("every built-in schedule trains like the unpipelined model (pp 2 and 4
     std::string name;
     int v;
   };
-  for (const auto& c : std::vector<Case>{{"GPipe", 1}, {"1F1B", 1}, {"LoopedBFS", 2}, {"Interleaved1F1B", 2},
-                                         {"InterleavedZeroBubble", 1}, {"ZBVZeroBubble", 2}, {"DualPipeV", 2}})
+  for (const auto& c : std::vector<Case>{{"GPipe", 1},
+                                         {"1F1B", 1},
+                                         {"LoopedBFS", 2},
+                                         {"Interleaved1F1B", 2},
+                                         {"InterleavedZeroBubble", 1},
+                                         {"ZBVZeroBubble", 2},
+                                         {"DualPipeV", 2}})
     for (int pp : {2, 4})
       for (int m : {pp, 2 * pp, 2 * pp + 1}) {
         auto schedule = make_schedule(c.name);
@@ -170,7 +178,9 @@ TEST_CASE("every built-in schedule trains like the unpipelined model (pp 2 and 4
       }
 }
 
-TEST_CASE("forward only: the plan's forwards give the unpipelined losses, keep nothing, and training goes on after") {
+TEST_CASE(
+    "forward only: the plan's forwards give the unpipelined losses, keep nothing, and training goes on "
+    "after") {
   // Every built-in at pp 2 and 4 under a send budget of 1, for 1 and for all m microbatches.
   int checked = 0;
   for (const auto& name : schedule_names())
@@ -207,13 +217,15 @@ TEST_CASE("forward only: the plan's forwards give the unpipelined losses, keep n
             if (plan.owner[st] == comm.rank())
               mine.push_back({st, [&model, st](const at::Tensor& x) { return model.stage(st, x); },
                               model.layers[st]->parameters()});
-          PipelineExecutor exec(plan, comm, mine,
-                                [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                                {.activation_shape = {kMicro, kDim}});
+          PipelineExecutor exec(
+              plan, comm, mine,
+              [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+              {.activation_shape = {kMicro, kDim}});
           const bool last = plan.owner[stages - 1] == comm.rank();
           INFO(name << " pp=" << pp << " v=" << v << " rank " << comm.rank());
           for (int count : {1, m}) {
-            const std::vector<at::Tensor> xs(b.x.begin(), b.x.begin() + count), ys(b.y.begin(), b.y.begin() + count);
+            const std::vector<at::Tensor> xs(b.x.begin(), b.x.begin() + count),
+                ys(b.y.begin(), b.y.begin() + count);
             const auto got = exec.forward(xs, ys);
             CHECK_FALSE(got.requires_grad());
             double sum = 0;
@@ -222,14 +234,18 @@ TEST_CASE("forward only: the plan's forwards give the unpipelined losses, keep n
           }
           for (const auto& st : mine) CHECK_FALSE(model.layers[st.index]->weight.grad().defined());
           exec.step(b.x, b.y);
-          for (const auto& st : mine) CHECK(rel(model.layers[st.index]->weight.grad(), grads[st.index][0]) < 1e-5);
-          CHECK(test::error_of([&] { exec.forward({}, {}); }).find("forward takes 1 to") != std::string::npos);
+          for (const auto& st : mine)
+            CHECK(rel(model.layers[st.index]->weight.grad(), grads[st.index][0]) < 1e-5);
+          CHECK(test::error_of([&] { exec.forward({}, {}); }).find("forward takes 1 to") !=
+                std::string::npos);
         });
       }
   CHECK(checked >= 8);
 }
 
-TEST_CASE("under a send budget some receives must be posted earlier: without that the plan deadlocks, with it it runs") {
+TEST_CASE(
+    "under a send budget some receives must be posted earlier: without that the plan deadlocks, with it it "
+    "runs") {
   // Every built-in at budget 1: where make_plan had to hoist receives, the plain lowering (each
   // receive before its use, in peer send order) deadlocks in the simulator; the hoisted plan runs
   // on real ranks and trains like the unpipelined model.
@@ -255,15 +271,17 @@ TEST_CASE("under a send budget some receives must be posted earlier: without tha
                 std::string::npos);
           if (ran < 2) {
             ++ran;
-            check_pipelined(plan, reference_grads(spec.num_stages(), m), reference_params(spec.num_stages(), m),
-                            name + " budget 1");
+            check_pipelined(plan, reference_grads(spec.num_stages(), m),
+                            reference_params(spec.num_stages(), m), name + " budget 1");
           }
         }
   MESSAGE(needed << " (schedule, pp, v, m) plans needed hoisted receives at budget 1");
   CHECK(needed > 0);
 }
 
-TEST_CASE("a forward output's storage is given up once its send is issued, and is not while the stage's backward needs it") {
+TEST_CASE(
+    "a forward output's storage is given up once its send is issued, and is not while the stage's backward "
+    "needs it") {
   // The stages keep a handle on every output they return; the bytes behind those handles are what
   // the executor still holds. Outputs that were sent (not the last stage's) hold none right after
   // their step's forward; the last stage's, which the loss needs, keep theirs.
@@ -273,7 +291,8 @@ TEST_CASE("a forward output's storage is given up once its send is issued, and i
     Model model(2);
     const int s = comm.rank();
     std::vector<at::Tensor> outputs;
-    std::vector<PipelineStage> mine{{s, [&](const at::Tensor& x) {
+    std::vector<PipelineStage> mine{{s,
+                                     [&](const at::Tensor& x) {
                                        auto y = model.stage(s, x);
                                        outputs.push_back(y);
                                        return y;
@@ -295,7 +314,9 @@ TEST_CASE("a forward output's storage is given up once its send is issued, and i
   });
 }
 
-TEST_CASE("each directed edge's traffic goes over its own two-rank communicator, one way, and nothing over the pipeline's") {
+TEST_CASE(
+    "each directed edge's traffic goes over its own two-rank communicator, one way, and nothing over the "
+    "pipeline's") {
   // Interleaved1F1B at pp 4, 2 stages per rank: rank 3 sends forward to rank 0 (stage 3 -> 4) as
   // well as to its neighbours, so 8 directed edges. The flight records of the step say which
   // communicator carried each send and receive.
@@ -313,8 +334,10 @@ TEST_CASE("each directed edge's traffic goes over its own two-rank communicator,
     std::vector<PipelineStage> mine;
     for (int s = 0; s < spec.num_stages(); ++s)
       if (plan.owner[size_t(s)] == comm.rank())
-        mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); }, model.layers[s]->parameters()});
-    PipelineExecutor exec(plan, comm, mine, [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+        mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
+                        model.layers[s]->parameters()});
+    PipelineExecutor exec(plan, comm, mine,
+                          [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
                           {{kMicro, kDim}});
     const auto b = make_batch(spec.microbatches);
     exec.step(b.x, b.y);
@@ -336,7 +359,7 @@ TEST_CASE("each directed edge's traffic goes over its own two-rank communicator,
         for (const auto& [rank, list] : by_rank)
           for (const auto& op : list) {
             if (op != "send" && op != "recv") continue;
-            CHECK(sizes[name] == 2);                   // p2p only on two-rank communicators
+            CHECK(sizes[name] == 2);                     // p2p only on two-rank communicators
             CHECK(op == (rank == 0 ? "send" : "recv"));  // and one way: the sender is rank 0
             (op == "send" ? sends : recvs) += 1;
           }
@@ -357,7 +380,8 @@ TEST_CASE("a stage's REDUCE_GRAD is issued while the rank's other stage still ha
   const auto plan = make_plan(*make_schedule("Interleaved1F1B"), {pp, v, m}, {.fsdp_stages = true});
   auto g = at::detail::createCPUGenerator(3);
   std::vector<at::Tensor> xs, ys;
-  for (int i = 0; i < m; ++i) xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
+  for (int i = 0; i < m; ++i)
+    xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
   test::run_ranks(pp * dp, [&](comm::Comm& world) {
     comm::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
     const int d = mesh.coord("dp");
@@ -368,7 +392,8 @@ TEST_CASE("a stage's REDUCE_GRAD is issued while the rank's other stage still ha
     std::vector<PipelineStage> mine;
     for (int s = 0; s < stages; ++s) {
       if (plan.owner[s] != mesh.coord("pp")) continue;
-      comm::Comm comm(std::make_shared<test::LoggingComm>(mesh.comm("dp").impl_ptr(), log, "stage" + std::to_string(s) + " "));
+      comm::Comm comm(std::make_shared<test::LoggingComm>(mesh.comm("dp").impl_ptr(), log,
+                                                          "stage" + std::to_string(s) + " "));
       comm.set_consistency_check(false);
       units.push_back(fsdp::fully_shard(model.layers[s].ptr(), comm));
       model.layers[s]->weight.register_hook([&log, s](const at::Tensor& grad) {
@@ -377,7 +402,11 @@ TEST_CASE("a stage's REDUCE_GRAD is issued while the rank's other stage still ha
       });
       auto* unit = units.back().ptr().get();
       const bool last = s == stages - 1;
-      mine.push_back({s, [unit, last](const at::Tensor& x) { auto y = unit->forward(x); return last ? y : at::tanh(y); },
+      mine.push_back({s,
+                      [unit, last](const at::Tensor& x) {
+                        auto y = unit->forward(x);
+                        return last ? y : at::tanh(y);
+                      },
                       model.layers[s]->parameters(), fsdp_sharding(*unit)});
     }
     PipelineExecutor exec(plan, mesh.comm("pp"), mine,
@@ -405,10 +434,12 @@ TEST_CASE("a custom schedule from a CSV file in tests/ runs end to end and match
   std::ifstream f(FSDPP_TEST_DATA "/custom_1f1b.csv");
   REQUIRE(f);
   TableSchedule table("custom_1f1b", parse_csv(f));
-  check_pipelined(make_plan(table, {2, 1, 4}), reference_grads(2, 4), reference_params(2, 4), "custom_1f1b.csv");
+  check_pipelined(make_plan(table, {2, 1, 4}), reference_grads(2, 4), reference_params(2, 4),
+                  "custom_1f1b.csv");
 }
 
-TEST_CASE("messages between two ranks match by order, as on NCCL: receives out of send order get the wrong data") {
+TEST_CASE(
+    "messages between two ranks match by order, as on NCCL: receives out of send order get the wrong data") {
   // The executor sends every message with one tag, so Gloo matches them as NCCL does, and every
   // test above also proves its plan's order. Here the zero-bubble V schedule without the
   // lowering's reordering: rank 1 consumes gradients in another order than rank 0 sends them, and
@@ -426,13 +457,16 @@ TEST_CASE("messages between two ranks match by order, as on NCCL: receives out o
       std::vector<PipelineStage> mine;
       for (int s = 0; s < spec.num_stages(); ++s)
         if (p->owner[s] == comm.rank())
-          mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); }, model.layers[s]->parameters()});
-      PipelineExecutor exec(*p, comm, mine, [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+          mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
+                          model.layers[s]->parameters()});
+      PipelineExecutor exec(*p, comm, mine,
+                            [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
                             {{kMicro, kDim}});
       const auto b = make_batch(spec.microbatches);
       exec.step(b.x, b.y);
       double worst = 0;
-      for (const auto& st : mine) worst = std::max(worst, rel(model.layers[st.index]->weight.grad(), want[st.index][0]));
+      for (const auto& st : mine)
+        worst = std::max(worst, rel(model.layers[st.index]->weight.grad(), want[st.index][0]));
       (p == &plan ? ordered_error : error)[comm.rank()] = worst;
     });
   CHECK(std::max(ordered_error[0], ordered_error[1]) < 1e-5);
@@ -449,7 +483,8 @@ TEST_CASE("an action table PyTorch 2.15 wrote (ZBVZeroBubble, pp 2, 4 microbatch
 }
 
 TEST_CASE("a send budget is never exceeded and changes no result") {
-  for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{{"1F1B", 1}, {"Interleaved1F1B", 2}, {"ZBVZeroBubble", 2}})
+  for (const auto& [name, v] :
+       std::vector<std::pair<std::string, int>>{{"1F1B", 1}, {"Interleaved1F1B", 2}, {"ZBVZeroBubble", 2}})
     for (int budget : {1, 2}) {
       const ScheduleSpec spec{4, v, 8};
       const auto plan = make_plan(*make_schedule(name), spec, {.max_outstanding_sends = budget});
@@ -469,7 +504,8 @@ TEST_CASE("a send budget is never exceeded and changes no result") {
         INFO(name << " budget " << budget << " rank " << comm.rank());
         CHECK(exec.stats().sends > 0);
         CHECK(exec.stats().peak_sends_in_flight <= budget);
-        for (const auto& st : mine) CHECK(rel(model.layers[st.index]->weight.grad(), want[st.index][0]) < 1e-5);
+        for (const auto& st : mine)
+          CHECK(rel(model.layers[st.index]->weight.grad(), want[st.index][0]) < 1e-5);
       });
     }
 }
@@ -483,8 +519,9 @@ TEST_CASE("5 AdamW steps of 1F1B at pp 4 match unpipelined training; two runs ar
     test::run_ranks(pp, [&](comm::Comm& comm) {
       Model model(pp);
       const int s = comm.rank();
-      PipelineExecutor exec(plan, comm, {{s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
-                                          model.layers[s]->parameters()}},
+      PipelineExecutor exec(plan, comm,
+                            {{s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
+                              model.layers[s]->parameters()}},
                             [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
                             {{kMicro, kDim}});
       torch::optim::AdamW opt(model.layers[s]->parameters(), torch::optim::AdamWOptions(1e-2));
@@ -534,14 +571,29 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
   const int pp = 2, dp = 2, m = 4, rows = 4;  // each microbatch's 4 rows split over dp
   auto g = at::detail::createCPUGenerator(9);
   std::vector<at::Tensor> xs, ys;
-  for (int i = 0; i < m; ++i) xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
-  // (schedule, stages per rank, unshard window): window 1 gathers a rank's two stages in turn.
-  for (const auto& [name, v, window] : std::vector<std::tuple<std::string, int, int>>{
-           {"GPipe", 1, 3}, {"1F1B", 1, 3}, {"Interleaved1F1B", 2, 3}, {"Interleaved1F1B", 2, 1}, {"LoopedBFS", 2, 3},
-           {"InterleavedZeroBubble", 1, 3}, {"ZBVZeroBubble", 2, 3}, {"ZBVZeroBubble", 2, 1}, {"DualPipeV", 2, 3}}) {
-    CAPTURE(window);
+  for (int i = 0; i < m; ++i)
+    xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
+  // (schedule, stages per rank, max_active_stages, unshard lookahead): 1 stage active gathers a
+  // rank's two stages in turn; lookahead 1 gathers each stage only when it is about to compute.
+  for (const auto& [name, v, active, lookahead] :
+       std::vector<std::tuple<std::string, int, int, std::string>>{{"GPipe", 1, 3, "full"},
+                                                                   {"1F1B", 1, 3, "full"},
+                                                                   {"Interleaved1F1B", 2, 3, "full"},
+                                                                   {"Interleaved1F1B", 2, 1, "full"},
+                                                                   {"Interleaved1F1B", 2, 3, "auto"},
+                                                                   {"Interleaved1F1B", 2, 2, "1,1"},
+                                                                   {"LoopedBFS", 2, 3, "full"},
+                                                                   {"InterleavedZeroBubble", 1, 3, "full"},
+                                                                   {"ZBVZeroBubble", 2, 3, "full"},
+                                                                   {"ZBVZeroBubble", 2, 1, "full"},
+                                                                   {"DualPipeV", 2, 3, "full"}}) {
+    CAPTURE(active);
+    CAPTURE(lookahead);
     const auto plan = make_plan(*make_schedule(name), {pp, v, m},
-                                {.fsdp_stages = true, .max_outstanding_sends = 2, .unshard_window = window});
+                                {.fsdp_stages = true,
+                                 .max_outstanding_sends = 2,
+                                 .max_active_stages = active,
+                                 .unshard_lookahead = UnshardLookahead::parse(lookahead)});
     const int stages = pp * v;
     // Reference: 3 AdamW steps on the whole batch, one process, no sharding.
     Model ref(stages);
@@ -572,7 +624,11 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
           units.push_back(fsdp::fully_shard(model.layers[s].ptr(), mesh.comm("dp")));
           auto* unit = units.back().ptr().get();
           const bool last = s == stages - 1;
-          mine.push_back({s, [unit, last](const at::Tensor& x) { auto y = unit->forward(x); return last ? y : at::tanh(y); },
+          mine.push_back({s,
+                          [unit, last](const at::Tensor& x) {
+                            auto y = unit->forward(x);
+                            return last ? y : at::tanh(y);
+                          },
                           model.layers[s]->parameters(), fsdp_sharding(*unit)});
           for (auto& p : unit->sharded_parameters()) sharded.push_back(p);
         }
@@ -631,7 +687,8 @@ TEST_CASE("FSDP stages stay gathered across their microbatches: one all-gather p
   const auto plan = make_plan(*make_schedule("1F1B"), {pp, 1, m}, {.fsdp_stages = true});
   auto g = at::detail::createCPUGenerator(5);
   std::vector<at::Tensor> xs, ys;
-  for (int i = 0; i < m; ++i) xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
+  for (int i = 0; i < m; ++i)
+    xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
   std::map<bool, std::vector<double>> losses;
   for (bool keep : {true, false})
     test::run_ranks(pp * dp, [&](comm::Comm& world) {
@@ -648,10 +705,12 @@ TEST_CASE("FSDP stages stay gathered across their microbatches: one all-gather p
       }
       auto stage = fsdp::fully_shard(module, dp_comm);
       auto* root = stage.ptr().get();
-      std::vector<PipelineStage> mine{{s, [root](const at::Tensor& x) { return root->forward(x); }, root->parameters(), fsdp_sharding(*root)}};
+      std::vector<PipelineStage> mine{{s, [root](const at::Tensor& x) { return root->forward(x); },
+                                       root->parameters(), fsdp_sharding(*root)}};
       ExecutorOptions eo{.activation_shape = {rows / dp, kDim}, .keep_stages_unsharded = keep};
-      PipelineExecutor exec(plan, mesh.comm("pp"), mine,
-                            [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); }, eo);
+      PipelineExecutor exec(
+          plan, mesh.comm("pp"), mine,
+          [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); }, eo);
       const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);
       torch::optim::AdamW opt(stage->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
       for (int step = 0; step < 3; ++step) {
@@ -666,7 +725,8 @@ TEST_CASE("FSDP stages stay gathered across their microbatches: one all-gather p
         else
           CHECK(gathers > 2 * m);
         CHECK(int(counter->reduce_scatters) == 2);
-        if (step == 0 && world.rank() == 0) MESSAGE("all-gathers per step and rank, keep=" << keep << ": " << gathers);
+        if (step == 0 && world.rank() == 0)
+          MESSAGE("all-gathers per step and rank, keep=" << keep << ": " << gathers);
         if (s == pp - 1 && d == 0) losses[keep].push_back(loss);
       }
     });

@@ -56,12 +56,14 @@ TEST_CASE("JSON action tables, with errors naming the JSON path") {
   CHECK(joined(p[0]) == "0F0 0B0");
   CHECK(joined(p[1]) == "1F0 1B0");
   std::istringstream bad(R"({"ranks": [["0F0"], ["1F0", "1Z0"]]})");
-  CHECK(error_of([&] { parse_json_table(bad); }).find("/ranks/1/1: '1Z0' is not an action") != std::string::npos);
+  CHECK(error_of([&] { parse_json_table(bad); }).find("/ranks/1/1: '1Z0' is not an action") !=
+        std::string::npos);
   std::istringstream broken("{\"ranks\": [");
   CHECK(error_of([&] { parse_json_table(broken); }).find("not valid JSON") != std::string::npos);
   const auto path = std::string(FSDPP_TEST_DATA) + "/custom_1f1b.csv";
   CHECK(load_table(path) == load_table(path));  // CSV by extension
-  CHECK(error_of([] { load_table("/nonexistent/x.json"); }).find("cannot read /nonexistent/x.json") != std::string::npos);
+  CHECK(error_of([] { load_table("/nonexistent/x.json"); }).find("cannot read /nonexistent/x.json") !=
+        std::string::npos);
 }
 
 TEST_CASE("CSV round trip, with empty cells as idle slots") {
@@ -76,10 +78,11 @@ TEST_CASE("PyTorch's OVERLAP_F_B groups read as their actions in order; bad grou
   const auto p = from_csv("0F0,(0F1;3B0)OVERLAP_F_B,3W0\n1F0,( 1F1;2B0 )OVERLAP_F_B\n");
   CHECK(joined(p[0]) == "0F0 0F1 3B0 3W0");
   CHECK(error_of([] { from_csv("0F0,(0F1;0SEND_F0)OVERLAP_F_B\n"); })
-            .find("line 1, column 10: '0SEND_F0' in (0F1;0SEND_F0)OVERLAP_F_B: a group holds compute actions only") !=
-        std::string::npos);
-  CHECK(error_of([] { from_csv("(0F1;0B0)OVERLAP\n"); }).find("a group must read (action;action...)OVERLAP_F_B") !=
-        std::string::npos);
+            .find("line 1, column 10: '0SEND_F0' in (0F1;0SEND_F0)OVERLAP_F_B: a group holds compute actions "
+                  "only") != std::string::npos);
+  CHECK(error_of([] {
+          from_csv("(0F1;0B0)OVERLAP\n");
+        }).find("a group must read (action;action...)OVERLAP_F_B") != std::string::npos);
 }
 
 TEST_CASE("built-in orders follow their published rules") {
@@ -102,9 +105,14 @@ TEST_CASE("every built-in is valid, lowers and runs for pp 2 and 4 and several m
     std::string name;
     int v;
   };
-  for (const auto& c : std::vector<Case>{{"GPipe", 1}, {"1F1B", 1}, {"LoopedBFS", 2}, {"Interleaved1F1B", 2},
-                                         {"InterleavedZeroBubble", 1}, {"InterleavedZeroBubble", 2},
-                                         {"ZBVZeroBubble", 2}, {"DualPipeV", 2}})
+  for (const auto& c : std::vector<Case>{{"GPipe", 1},
+                                         {"1F1B", 1},
+                                         {"LoopedBFS", 2},
+                                         {"Interleaved1F1B", 2},
+                                         {"InterleavedZeroBubble", 1},
+                                         {"InterleavedZeroBubble", 2},
+                                         {"ZBVZeroBubble", 2},
+                                         {"DualPipeV", 2}})
     for (int pp : {2, 4})
       for (int m : {pp, 2 * pp, 2 * pp + 1}) {
         const ScheduleSpec spec{pp, c.v, m};
@@ -118,7 +126,8 @@ TEST_CASE("every built-in is valid, lowers and runs for pp 2 and 4 and several m
         INFO(c.name << " pp=" << pp << " v=" << c.v << " m=" << m << " " << why);
         if (!why.empty()) {  // interleaved schedules refuse some odd counts, DualPipeV m < 2pp
           CHECK((why.find("must be a multiple") != std::string::npos ||
-                 (c.name == "DualPipeV" && m < 2 * pp && why.find("at least as many microbatches as stages (") != std::string::npos)));
+                 (c.name == "DualPipeV" && m < 2 * pp &&
+                  why.find("at least as many microbatches as stages (") != std::string::npos)));
           continue;
         }
         const auto plan = make_plan(*s, spec, {.fsdp_stages = true});
@@ -145,17 +154,21 @@ TEST_CASE("UNSHARD/RESHARD keep a window of stages gathered, as PyTorch's loweri
         "0UNSHARD 1UNSHARD 0F0 0F1 1F0 1F1 1B0 1B1 1RESHARD 0B0 0B1 0RESHARD");
   CHECK(joined(add_unshard_reshard(compute, 1)[0]) ==
         "0UNSHARD 0F0 0F1 0RESHARD 1UNSHARD 1F0 1F1 1B0 1B1 1RESHARD 0UNSHARD 0B0 0B1 0RESHARD");
+  // A lookahead of 1 within 2 active stages: stage 1 is gathered only when it is next, and stage 0
+  // stays gathered through stage 1's work because it is among the next 2 stages.
+  CHECK(joined(add_unshard_reshard(compute, 2, {1})[0]) ==
+        "0UNSHARD 0F0 0F1 1UNSHARD 1F0 1F1 1B0 1B1 1RESHARD 0B0 0B1 0RESHARD");
 }
 
-TEST_CASE("the unshard window is a plan option: at most that many stages of a rank are gathered at once") {
-  // Interleaved1F1B with 4 stages per rank: a window of w keeps min(w, 4) stages gathered at the
-  // peak, and smaller windows gather again more often. The plan checks the option.
+TEST_CASE("max_active_stages is a plan option: at most that many stages of a rank are gathered at once") {
+  // Interleaved1F1B with 4 stages per rank: w active stages keep min(w, 4) stages gathered at the
+  // peak, and fewer gather again more often. The plan checks the option.
   const ScheduleSpec spec{2, 4, 8};
   const auto schedule = make_schedule("Interleaved1F1B");
   int previous_unshards = 0;
   for (int w : {4, 3, 2, 1}) {
     CAPTURE(w);
-    const auto plan = make_plan(*schedule, spec, {.fsdp_stages = true, .unshard_window = w});
+    const auto plan = make_plan(*schedule, spec, {.fsdp_stages = true, .max_active_stages = w});
     int unshards = 0;
     for (const auto& rank : plan.lowered) {
       std::set<int> gathered;
@@ -163,7 +176,8 @@ TEST_CASE("the unshard window is a plan option: at most that many stages of a ra
       for (const auto& a : rank) {
         if (a.type == ActionType::kUnshard) gathered.insert(a.stage), ++unshards;
         if (a.type == ActionType::kReshard) gathered.erase(a.stage);
-        if (a.type == ActionType::kForward || a.type == ActionType::kBackward) CHECK(gathered.count(a.stage) == 1);
+        if (a.type == ActionType::kForward || a.type == ActionType::kBackward)
+          CHECK(gathered.count(a.stage) == 1);
         peak = std::max(peak, gathered.size());
       }
       CHECK(peak == size_t(std::min(w, spec.stages_per_rank)));
@@ -172,17 +186,59 @@ TEST_CASE("the unshard window is a plan option: at most that many stages of a ra
     if (w < 4) CHECK(unshards > spec.num_stages());  // some stage is gathered more than once
     previous_unshards = unshards;
   }
-  CHECK(make_plan(*schedule, spec, {.fsdp_stages = true, .unshard_window = 4}).lowered !=
-        make_plan(*schedule, spec, {.fsdp_stages = true, .unshard_window = 1}).lowered);
-  const auto why = [&] {
+  CHECK(make_plan(*schedule, spec, {.fsdp_stages = true, .max_active_stages = 4}).lowered !=
+        make_plan(*schedule, spec, {.fsdp_stages = true, .max_active_stages = 1}).lowered);
+  const auto why = [&](const PlanOptions& o) {
     try {
-      make_plan(*schedule, spec, {.fsdp_stages = true, .unshard_window = 0});
+      make_plan(*schedule, spec, o);
     } catch (const ScheduleError& e) {
       return std::string(e.what());
     }
     return std::string("no error");
-  }();
-  CHECK(why == "unshard window must be at least 1 (the stage being computed), got 0");
+  };
+  CHECK(why({.fsdp_stages = true, .max_active_stages = 0}) ==
+        "max_active_stages must be at least 1 (the stage being computed), got 0");
+  CHECK(why({.fsdp_stages = true, .unshard_lookahead = UnshardLookahead::parse("1,2,3")}) ==
+        "unshard lookahead needs one value per pipeline rank (2), got 3");
+  CHECK(why({.fsdp_stages = true,
+             .max_active_stages = 2,
+             .unshard_lookahead = UnshardLookahead::parse("1,3")}) ==
+        "unshard lookahead of rank 1 must be in [1, max_active_stages=2], got 3");
+}
+
+TEST_CASE("unshard lookahead: \"auto\" resolves to min(rank + 2, max_active_stages), and gathers later") {
+  CHECK(resolve_unshard_lookahead(UnshardLookahead::parse("auto"), 4, 3) == std::vector<int>{2, 3, 3, 3});
+  CHECK(resolve_unshard_lookahead(UnshardLookahead::parse("full"), 2, 3) == std::vector<int>{3, 3});
+  CHECK(resolve_unshard_lookahead(UnshardLookahead::parse("2,1"), 2, 3) == std::vector<int>{2, 1});
+  for (const char* bad : {"", "fast", "1,,2", "1,x", "-1"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(UnshardLookahead::parse(bad), ScheduleError);
+  }
+  CHECK(to_string(UnshardLookahead::parse("auto")) == "auto");
+  CHECK(to_string(UnshardLookahead::parse("3,1")) == "3,1");
+  // With 4 stages per rank and 3 active, a lookahead of 1 gathers each stage just before its first
+  // use: at every compute action, no gathered stage is one the rank has not reached yet, except the
+  // one computing. "full" gathers ahead.
+  const ScheduleSpec spec{2, 4, 8};
+  const auto schedule = make_schedule("Interleaved1F1B");
+  const auto ahead = [&](const std::string& lookahead) {
+    const auto plan = make_plan(
+        *schedule, spec, {.fsdp_stages = true, .unshard_lookahead = UnshardLookahead::parse(lookahead)});
+    int most = 0;  // the most stages gathered before their first compute, at any point
+    for (const auto& rank : plan.lowered) {
+      std::set<int> waiting;
+      for (const auto& a : rank) {
+        if (a.type == ActionType::kUnshard) waiting.insert(a.stage);
+        if (a.type == ActionType::kReshard) waiting.erase(a.stage);
+        if (a.type == ActionType::kForward || a.type == ActionType::kBackward) waiting.erase(a.stage);
+        most = std::max(most, static_cast<int>(waiting.size()));
+      }
+    }
+    return most;
+  };
+  CHECK(ahead("1,1") == 1);
+  CHECK(ahead("full") == 3);
+  CHECK(ahead("auto") == 3);  // rank 1 gathers 3 ahead
 }
 
 TEST_CASE("simulated bubbles: (p-1)/(m+p-1) for GPipe and 1F1B, less for zero-bubble schedules") {
@@ -255,7 +311,8 @@ TEST_CASE("a custom schedule from a CSV file and one registered in C++ take the 
   CHECK(std::find(names.begin(), names.end(), "Reversed") != names.end());
   const auto rp = make_plan(*make_schedule("Reversed"), {3, 1, 5});
   CHECK(rp.lowered.size() == 3);
-  CHECK(error_of([] { make_schedule("Nope"); }).find("unknown schedule 'Nope' (known: 1F1B,") != std::string::npos);
+  CHECK(error_of([] { make_schedule("Nope"); }).find("unknown schedule 'Nope' (known: 1F1B,") !=
+        std::string::npos);
 }
 
 TEST_CASE("table schedules: stages and microbatches out of range are named with their line and column") {
@@ -263,7 +320,8 @@ TEST_CASE("table schedules: stages and microbatches out of range are named with 
   const auto csv = (dir / "fsdpp-table-range.csv").string();
   std::ofstream(csv) << "0F0,0B0\n1F0, 5F0\n";
   auto msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 1}); });
-  CHECK(msg.find(csv + ": line 2, column 6: '5F0' names stage 5, but there are 2 stages") != std::string::npos);
+  CHECK(msg.find(csv + ": line 2, column 6: '5F0' names stage 5, but there are 2 stages") !=
+        std::string::npos);
   std::ofstream(csv) << "0F0,0F3,0B0\n1F0,1B0\n";
   msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 1}); });
   CHECK(msg.find("line 1, column 5: '0F3' names microbatch 3, but there are 1") != std::string::npos);
@@ -293,7 +351,8 @@ TEST_CASE("sends and receives between two ranks come in the same order (NCCL mat
           }
           for (bool fsdp : {false, true})
             for (int budget : {0, 1, 2}) {
-              INFO(name << " pp=" << pp << " v=" << v << " m=" << m << " fsdp=" << fsdp << " budget=" << budget);
+              INFO(name << " pp=" << pp << " v=" << v << " m=" << m << " fsdp=" << fsdp
+                        << " budget=" << budget);
               const auto plan = make_plan(*s, spec, {.fsdp_stages = fsdp, .max_outstanding_sends = budget});
               CHECK_NOTHROW(check_point_to_point_order(plan.lowered, plan.owner));
               CHECK_NOTHROW(simulate(plan.lowered, plan.owner, {}, budget));  // every receive before its use
@@ -304,12 +363,18 @@ TEST_CASE("sends and receives between two ranks come in the same order (NCCL mat
   CHECK(plans >= 6 * 6);  // each built-in, in at least one layout
   // Two forwards that rank 1 receives in the opposite order to rank 0's sends: named by the pair of
   // ranks, the message and both actions.
-  std::string msg = error_of([] { check_point_to_point_order(from_csv("0F0,0SEND_F0,0F1,0SEND_F1\n1RECV_F1,1F1,1RECV_F0,1F0\n"), {0, 1}); });
-  CHECK(msg.find("rank 0 -> rank 1: message 1 is rank 0: 0SEND_F0 but rank 1: 1RECV_F1 (the message of 0SEND_F1)") !=
-        std::string::npos);
+  std::string msg = error_of([] {
+    check_point_to_point_order(from_csv("0F0,0SEND_F0,0F1,0SEND_F1\n1RECV_F1,1F1,1RECV_F0,1F0\n"), {0, 1});
+  });
+  CHECK(
+      msg.find(
+          "rank 0 -> rank 1: message 1 is rank 0: 0SEND_F0 but rank 1: 1RECV_F1 (the message of 0SEND_F1)") !=
+      std::string::npos);
 }
 
-TEST_CASE("zero-bubble schedules consume out of their peers' send order; the lowering posts those receives earlier") {
+TEST_CASE(
+    "zero-bubble schedules consume out of their peers' send order; the lowering posts those receives "
+    "earlier") {
   for (const auto& [name, spec] : {std::pair<std::string, ScheduleSpec>{"ZBVZeroBubble", {2, 2, 4}},
                                    {"InterleavedZeroBubble", {2, 2, 8}}}) {
     INFO(name);
@@ -328,7 +393,9 @@ TEST_CASE("zero-bubble schedules consume out of their peers' send order; the low
     auto without_recvs = [](Program p) {
       for (auto& rank : p)
         rank.erase(std::remove_if(rank.begin(), rank.end(),
-                                  [](const Action& a) { return a.type == ActionType::kRecvF || a.type == ActionType::kRecvB; }),
+                                  [](const Action& a) {
+                                    return a.type == ActionType::kRecvF || a.type == ActionType::kRecvB;
+                                  }),
                    rank.end());
       return p;
     };
@@ -352,8 +419,9 @@ TEST_CASE("a lowered table keeps its own sends and receives, which are checked")
   std::ofstream(csv) << "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
                         "1RECV_F1,1RECV_F0,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1\n";
   auto msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 2}); });
-  CHECK(msg.find(csv + ": rank 0 -> rank 1: message 1 is line 1, column 5: 0SEND_F0 but line 2, column 1: 1RECV_F1 "
-                       "(the message of 0SEND_F1)") != std::string::npos);
+  CHECK(msg.find(csv +
+                 ": rank 0 -> rank 1: message 1 is line 1, column 5: 0SEND_F0 but line 2, column 1: 1RECV_F1 "
+                 "(the message of 0SEND_F1)") != std::string::npos);
   // A receive that is missing, one that is not needed, one twice.
   std::ofstream(csv) << "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
                         "1RECV_F0,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1\n";
@@ -366,7 +434,8 @@ TEST_CASE("a lowered table keeps its own sends and receives, which are checked")
   std::ofstream(csv) << "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
                         "1RECV_F0,1F0,1SEND_F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1\n";
   msg = error_of([&] { make_plan(*load_table_schedule(csv), {2, 1, 2}); });
-  CHECK(msg.find(csv + ": line 2, column 14: 1SEND_F0: stage 1 has no next stage to talk to") != std::string::npos);
+  CHECK(msg.find(csv + ": line 2, column 14: 1SEND_F0: stage 1 has no next stage to talk to") !=
+        std::string::npos);
   // A receive after the computation that needs it: the simulator names the rank and action.
   std::ofstream(csv) << "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
                         "1RECV_F0,1F0,1B0,1SEND_B0,1F1,1RECV_F1,1B1,1SEND_B1\n";

@@ -11,7 +11,8 @@
    PyTorch writes.
 3. Lowered programs, for PyTorch's runtime schedules: between every pair of ranks the same messages
    in the same order (sent and received), and on every rank the same UNSHARD, RESHARD and
-   REDUCE_GRAD actions after the same number of computations (fsdpp lowered with --fsdp).
+   REDUCE_GRAD actions after the same number of computations (fsdpp lowered with --fsdp), also
+   with max_active_stages 1 to 3 and unshard_lookahead "full", "auto" and one value per rank.
 
 PyTorch's orders come from its schedule classes, built on stub stages (the schedule only reads their
 indices); fsdpp's from `fsdpp schedule show`.
@@ -60,11 +61,11 @@ def is_compute(token):
     return re.fullmatch(r"\d+[FBIW]\d+", token) is not None
 
 
-def torch_schedule(cls, pp, v, m, layout):
+def torch_schedule(cls, pp, v, m, layout, **options):
     n = pp * v
     indices = [0, 2 * pp - 1] if layout == "v" else [k * pp for k in range(v)]
     stages = [StubStage(i, n, pp) for i in indices]
-    return cls(stages[0], m) if issubclass(cls, S.PipelineScheduleSingle) else cls(stages, m)
+    return cls(stages[0], m, **options) if issubclass(cls, S.PipelineScheduleSingle) else cls(stages, m, **options)
 
 
 def flat(actions):
@@ -198,6 +199,52 @@ def check_lowered(tmp, failures):
     return cases
 
 
+def check_lookahead(tmp, failures):
+    """Staggered unshards: PyTorch's lowering with max_active_stages and unshard_lookahead ("full",
+    "auto", one value per rank) against fsdpp's plan with --max-active-stages and
+    --unshard-lookahead, for PyTorch's runtime schedules (also with 3 stages per rank where the
+    layout allows it): the same UNSHARD and RESHARD actions after the same number of computations
+    on every rank, and the same messages."""
+    cases = 0
+    for cls_name, cls, ours_name, v0, layout in runtime_schedules():
+        for pp in (2, 4):
+            for v in sorted({v0, 3 if layout == "loop" else v0}):
+                m = 2 * pp
+                for active in (1, 2, 3):
+                    per_rank = tuple(1 + (r * 2 + 1) % active for r in range(pp))
+                    for lookahead in ("full", "auto", per_rank):
+                        what = (f"{cls_name}, pp {pp}, {v} stages per rank, {m} microbatches, "
+                                f"max_active_stages {active}, unshard_lookahead {lookahead}")
+                        try:
+                            sched = torch_schedule(cls, pp, v, m, layout, max_active_stages=active,
+                                                   unshard_lookahead=lookahead)
+                            theirs = {r: [str(a) for a in flat(acts)]
+                                      for r, acts in sched.pipeline_order_with_comms.items()}
+                        except ValueError as e:
+                            if "max_active_stages" in str(e):
+                                continue  # DualPipeV's overlapped pairs need 2 active stages
+                            failures.append(f"{what}: PyTorch refuses: {e}")
+                            continue
+                        text = lookahead if isinstance(lookahead, str) else ",".join(map(str, lookahead))
+                        out = os.path.join(tmp, "k")
+                        try:
+                            fsdpp_show(["--schedule", ours_name, "--fsdp", "--max-active-stages", str(active),
+                                        "--unshard-lookahead", text], pp, v, m, out)
+                        except subprocess.CalledProcessError as e:
+                            failures.append(f"{what}: PyTorch accepts it, fsdpp refuses: {e.stdout.decode()}{e.stderr.decode()}")
+                            continue
+                        with open(out + ".csv") as f:
+                            ours = {r: [a for a in row if a] for r, row in enumerate(csv.reader(f))}
+                        for part, a, b in zip(("sends", "receives", "FSDP actions"),
+                                              lowered_summary(theirs, pp, layout), lowered_summary(ours, pp, layout)):
+                            if a != b:
+                                key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+                                failures.append(f"{what}: {part} differ at {key}:\n  PyTorch {a.get(key)}\n  fsdpp   {b.get(key)}")
+                        cases += 1
+    print(f"{cases} lowerings with max_active_stages and unshard_lookahead compared")
+    return cases
+
+
 def off_by_one_1f1b(torch_ranks, ours, pp):
     """PyTorch 2.15's Schedule1F1B IR numbers the last rank's forwards 1..m instead of 0..m-1 (its
     runtime does not use this IR). True when that is the only difference."""
@@ -247,10 +294,12 @@ def main():
                         failures.append(f"{what}: rank {bad} differs:\n  PyTorch {theirs[bad]}\n  fsdpp   {ours.get(bad)}")
         tables = check_tables(tmp, failures)
         lowered = check_lowered(tmp, failures)
+        staggered = check_lookahead(tmp, failures)
     print(f"{compared} (schedule, pp, microbatches) orders compared; {tables} tables exchanged both ways; "
-          f"{lowered} lowered programs compared")
-    if compared < 20 or tables < 8 or lowered < 16:
-        failures.append(f"only {compared} orders, {tables} tables and {lowered} lowered programs were compared")
+          f"{lowered} lowered programs compared; {staggered} with staggered unshards")
+    if compared < 20 or tables < 8 or lowered < 16 or staggered < 60:
+        failures.append(f"only {compared} orders, {tables} tables, {lowered} lowered programs and "
+                        f"{staggered} staggered lowerings were compared")
     for f in failures:
         print("FAIL:", f)
     return 1 if failures else 0

@@ -38,7 +38,8 @@ inline Result sh(const std::string& cmd) {
 }
 
 inline std::string fresh_dir(const std::string& name) {
-  const auto d = std::filesystem::temp_directory_path() / ("fsdpp-run-" + std::to_string(getpid()) + "-" + name);
+  const auto d =
+      std::filesystem::temp_directory_path() / ("fsdpp-run-" + std::to_string(getpid()) + "-" + name);
   std::filesystem::remove_all(d);
   return d.string();
 }

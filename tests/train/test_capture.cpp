@@ -77,7 +77,8 @@ std::vector<RankLog> run_steps(bool static_buffers, int steps) {
       logs[r].losses.push_back(loss.item<double>());
       // This rank's operations of the step, per communicator (fully_shard's are split off the one
       // given) in issue order; communicators by name.
-      const auto since = std::chrono::duration_cast<std::chrono::microseconds>(begin.time_since_epoch()).count();
+      const auto since =
+          std::chrono::duration_cast<std::chrono::microseconds>(begin.time_since_epoch()).count();
       std::map<std::string, std::vector<std::string>> per_comm;
       for (const auto& c : nlohmann::json::parse(comm::flight_records_json())) {
         if (c["rank"].get<int>() != r || c["size"].get<int>() != n) continue;
@@ -98,7 +99,8 @@ std::vector<RankLog> run_steps(bool static_buffers, int steps) {
       if (static_buffers) CHECK(mid == where);
       // Gradients (zeroed in place) and the optimizer's state and learning rate stay put too.
       for (const auto& p : root->sharded_parameters())
-        where.insert(where.end(), {p.grad().data_ptr(), opt.state(p)->exp_avg.data_ptr(), opt.state(p)->exp_avg_sq.data_ptr()});
+        where.insert(where.end(), {p.grad().data_ptr(), opt.state(p)->exp_avg.data_ptr(),
+                                   opt.state(p)->exp_avg_sq.data_ptr()});
       where.push_back(opt.lr().data_ptr());
       logs[r].addresses.push_back(where);
       REQUIRE(x.data_ptr() == x_at);
@@ -109,7 +111,8 @@ std::vector<RankLog> run_steps(bool static_buffers, int steps) {
 
 }  // namespace
 
-TEST_CASE("capture-ready step on CPU: fixed buffer addresses, the same collectives every step, same results") {
+TEST_CASE(
+    "capture-ready step on CPU: fixed buffer addresses, the same collectives every step, same results") {
   const int steps = 5;
   const auto fixed = run_steps(/*static_buffers=*/true, steps);
   const auto plain = run_steps(/*static_buffers=*/false, steps);
@@ -128,7 +131,9 @@ TEST_CASE("capture-ready step on CPU: fixed buffer addresses, the same collectiv
     // Static buffers keep every unit gathered from forward to backward (resharding would free
     // nothing): one all-gather per unit per step, where the default gathers all but the root twice.
     auto gathers = [](const std::vector<std::string>& ops) {
-      return std::count_if(ops.begin(), ops.end(), [](const std::string& op) { return op.find(": all_gather ") != std::string::npos; });
+      return std::count_if(ops.begin(), ops.end(), [](const std::string& op) {
+        return op.find(": all_gather ") != std::string::npos;
+      });
     };
     CHECK(gathers(fixed[r].ops[0]) == fixed[r].units);
     CHECK(gathers(plain[r].ops[0]) == 2 * plain[r].units - 1);
@@ -144,13 +149,15 @@ namespace {
 // device, as the MoE's auxiliary-loss hook once did.
 struct ScalarGradOnDefaultDevice : torch::autograd::Function<ScalarGradOnDefaultDevice> {
   static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x, at::Tensor aux) { return x; }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
     return {grads[0], at::full({}, 0.5, at::TensorOptions().dtype(grads[0].scalar_type()))};
   }
 };
 struct ScalarGradOnInputDevice : torch::autograd::Function<ScalarGradOnInputDevice> {
   static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x, at::Tensor aux) { return x; }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
     return {grads[0], at::full({}, 0.5, grads[0].options())};
   }
 };
@@ -161,7 +168,7 @@ TEST_CASE("DefaultDeviceCheck names tensors made without a device, in forward an
   const auto x = at::randn({4, 3}).requires_grad_(true), aux = at::zeros({}).requires_grad_(true);
   {
     DefaultDeviceCheck check;
-    auto y = ScalarGradOnInputDevice::apply(x * 2 + 1, aux);   // operators' own tensors follow their inputs
+    auto y = ScalarGradOnInputDevice::apply(x * 2 + 1, aux);     // operators' own tensors follow their inputs
     auto z = at::zeros({4, 3}, x.options()) + at::ones_like(y);  // options from an input
     (y * z).sum().backward();
     CHECK(check.findings() == std::vector<std::string>{});

@@ -96,7 +96,8 @@ TEST_CASE("activation checkpointing inside fully_shard units: 3 AdamW steps as w
       // Each block's unit holds its checkpoint wrapper, which recomputed once per step.
       int wrapped = 0;
       for (const auto& child : root->inner().layers->named_children())
-        if (auto unit = std::dynamic_pointer_cast<fsdp::FullyShardImpl<train::CheckpointImpl>>(child.value())) {
+        if (auto unit =
+                std::dynamic_pointer_cast<fsdp::FullyShardImpl<train::CheckpointImpl>>(child.value())) {
           ++wrapped;
           CHECK(unit->inner().recomputes() == 3);
         }
@@ -108,7 +109,8 @@ TEST_CASE("activation checkpointing inside fully_shard units: 3 AdamW steps as w
   const auto [got_losses, got_params] = run(1);
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r);
-    for (size_t s = 0; s < want_losses[r].size(); ++s) CHECK(got_losses[r][s] == doctest::Approx(want_losses[r][s]).epsilon(1e-6));
+    for (size_t s = 0; s < want_losses[r].size(); ++s)
+      CHECK(got_losses[r][s] == doctest::Approx(want_losses[r][s]).epsilon(1e-6));
     REQUIRE(got_params[r].size() == want_params[r].size());
     for (size_t i = 0; i < want_params[r].size(); ++i)
       if (want_params[r][i].numel() > 0) CHECK(max_rel(got_params[r][i], want_params[r][i]) < 1e-5);

@@ -81,11 +81,13 @@ TEST_CASE("data: samples are the window's bytes; same seed same order, another s
   CHECK_FALSE(x.equal(c.samples(10, 6)));
   for (int64_t i = 0; i < 6; ++i) {
     const int64_t w = a.window_of(10 + i);
-    for (int64_t t = 0; t <= seq; ++t) CHECK(x[i][t].item<int64_t>() == static_cast<unsigned char>(s[w * seq + t]));
+    for (int64_t t = 0; t <= seq; ++t)
+      CHECK(x[i][t].item<int64_t>() == static_cast<unsigned char>(s[w * seq + t]));
   }
   // Epochs differ in order.
   std::vector<int64_t> e0, e1;
-  for (int64_t g = 0; g < a.windows(); ++g) e0.push_back(a.window_of(g)), e1.push_back(a.window_of(g + a.windows()));
+  for (int64_t g = 0; g < a.windows(); ++g)
+    e0.push_back(a.window_of(g)), e1.push_back(a.window_of(g + a.windows()));
   CHECK(e0 != e1);
   CHECK_THROWS_WITH_AS(train::TokenStream(bytes_of("abc"), 8, 1), doctest::Contains("cannot make one sample"),
                        std::runtime_error);
@@ -95,7 +97,8 @@ TEST_CASE("data: the epoch order is a bijection of [0, n) for every n, and anoth
   for (int64_t n : {1, 2, 3, 5, 16, 17, 100, 1000, 4097}) {
     CAPTURE(n);
     std::vector<int64_t> a, b;
-    for (int64_t i = 0; i < n; ++i) a.push_back(train::permute_index(i, n, 11)), b.push_back(train::permute_index(i, n, 12));
+    for (int64_t i = 0; i < n; ++i)
+      a.push_back(train::permute_index(i, n, 11)), b.push_back(train::permute_index(i, n, 12));
     std::vector<int64_t> sorted(a);
     std::sort(sorted.begin(), sorted.end());
     for (int64_t i = 0; i < n; ++i) REQUIRE(sorted[static_cast<size_t>(i)] == i);
@@ -157,7 +160,8 @@ TEST_CASE("data: fortunes split into documents; indexes and symlinks skipped; va
 
 TEST_CASE("data: missing inputs are named") {
   train::DataOptions o;
-  o.source = "files";
+  o.source = train::DataSource::kFiles;
   o.paths = {"/nonexistent/fsdpp-corpus"};
-  CHECK_THROWS_WITH_AS(train::load_corpus(o, 1), doctest::Contains("/nonexistent/fsdpp-corpus"), std::runtime_error);
+  CHECK_THROWS_WITH_AS(train::load_corpus(o, 1), doctest::Contains("/nonexistent/fsdpp-corpus"),
+                       std::runtime_error);
 }

@@ -34,7 +34,8 @@ json base() {
 }
 
 // The problems parse_recipe reports, joined.
-std::string problems(json j, const std::vector<std::string>& overrides = {}, std::optional<int> world = std::nullopt) {
+std::string problems(json j, const std::vector<std::string>& overrides = {},
+                     std::optional<int> world = std::nullopt) {
   try {
     train::parse_recipe(std::move(j), "test.json", kSource + "/recipes", overrides, world);
   } catch (const train::RecipeError& e) {
@@ -121,8 +122,10 @@ TEST_CASE("recipe: layout rules (world size, batch divisibility, schedules, stag
                            "parallel.microbatches=2"}),
          "pp x stages_per_rank = 4 stages, but the model has 2 layers");
   expect(problems(base(), {"parallel.microbatches=2"}), "parallel.microbatches: only used with pp > 1");
-  expect(problems(base(), {"parallel.max_outstanding_sends=2"}), "parallel.max_outstanding_sends: only used with pp > 1");
-  expect(problems(base(), {"parallel.keep_stages_unsharded=false"}), "parallel.keep_stages_unsharded: only used with pp > 1");
+  expect(problems(base(), {"parallel.max_outstanding_sends=2"}),
+         "parallel.max_outstanding_sends: only used with pp > 1");
+  expect(problems(base(), {"parallel.keep_stages_unsharded=false"}),
+         "parallel.keep_stages_unsharded: only used with pp > 1");
   expect(problems(base(), {"parallel.pp=2", "parallel.microbatches=2", "train.global_batch=10"}),
          "must be a multiple of dp x grad_accum x parallel.microbatches = 4, got 10");
   CHECK(problems(base(), {"parallel.pp=2", "parallel.microbatches=2"}) == "valid");
@@ -149,12 +152,17 @@ TEST_CASE("recipe: HSDP's dp_replicate x dp_shard") {
 
 TEST_CASE("recipe: expert parallelism's ep divides the experts and the shard group") {
   CHECK(problems(base(), {"parallel.ep=2"}) == "valid");
-  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {"parallel.dp=8", "parallel.ep=4", "parallel.dp_replicate=2"}, 8)
+  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes",
+                            {"parallel.dp=8", "parallel.ep=4", "parallel.dp_replicate=2"}, 8)
             .parallel.expert_shard() == 1);
-  expect(problems(base(), {"parallel.ep=3", "parallel.dp=3"}), "parallel.ep: must divide model.experts (4), got 3");
-  expect(problems(base(), {"parallel.ep=4"}), "parallel.ep: must divide the shard group (parallel.dp / parallel.dp_replicate = 2), got 4");
-  expect(problems(base(), {"parallel.ep=2", "parallel.dp=4", "parallel.dp_replicate=4"}), "parallel.dp_replicate = 1), got 2");
-  expect(problems(base(), {"parallel.ep=2", "model.experts=0"}), "parallel.ep: expert parallelism needs MoE layers");
+  expect(problems(base(), {"parallel.ep=3", "parallel.dp=3"}),
+         "parallel.ep: must divide model.experts (4), got 3");
+  expect(problems(base(), {"parallel.ep=4"}),
+         "parallel.ep: must divide the shard group (parallel.dp / parallel.dp_replicate = 2), got 4");
+  expect(problems(base(), {"parallel.ep=2", "parallel.dp=4", "parallel.dp_replicate=4"}),
+         "parallel.dp_replicate = 1), got 2");
+  expect(problems(base(), {"parallel.ep=2", "model.experts=0"}),
+         "parallel.ep: expert parallelism needs MoE layers");
   expect(problems(base(), {"parallel.ep=0"}), "parallel.ep");
   expect(problems(base(), {"parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2",
                            "parallel.schedule=InterleavedZeroBubble"}),
@@ -162,72 +170,84 @@ TEST_CASE("recipe: expert parallelism's ep divides the experts and the shard gro
   CHECK(problems(base(), {"parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2"}) == "valid");
 }
 
-TEST_CASE("recipe: parallel.unshard_window goes into the plan, with pp > 1 only") {
-  const auto r = train::parse_recipe(base(), "test.json", kSource + "/recipes",
-                                     {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.unshard_window=1"});
+TEST_CASE("recipe: parallel.max_active_stages and unshard_lookahead go into the plan, with pp > 1 only") {
+  const auto r = train::parse_recipe(
+      base(), "test.json", kSource + "/recipes",
+      {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.max_active_stages=1"});
   REQUIRE(r.plan);
   for (const auto& rank : r.plan->lowered) {  // one stage per rank: the window changes nothing here
-    CHECK(std::count_if(rank.begin(), rank.end(), [](const pipeline::Action& a) { return a.type == pipeline::ActionType::kUnshard; }) == 1);
+    CHECK(std::count_if(rank.begin(), rank.end(), [](const pipeline::Action& a) {
+            return a.type == pipeline::ActionType::kUnshard;
+          }) == 1);
   }
-  const auto v2 = [&](int window) {
+  const auto v2 = [&](const std::string& override) {
     return train::parse_recipe(base(), "test.json", kSource + "/recipes",
-                               {"model.layers=4", "parallel.pp=2", "parallel.dp=1", "parallel.microbatches=4", "parallel.stages_per_rank=2",
-                                "parallel.schedule=Interleaved1F1B", "parallel.unshard_window=" + std::to_string(window)})
+                               {"model.layers=4", "parallel.pp=2", "parallel.dp=1", "parallel.microbatches=4",
+                                "parallel.stages_per_rank=2", "parallel.schedule=Interleaved1F1B", override})
         .plan->lowered;
   };
-  const bool window_changes_plan = v2(1) != v2(2);
-  CHECK(window_changes_plan);
-  expect(problems(base(), {"parallel.unshard_window=2"}), "parallel.unshard_window: only used with pp > 1");
-  expect(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.unshard_window=0"}),
-         "parallel.unshard_window: must be in [1, 64], got 0");
+  const bool active_changes_plan = v2("parallel.max_active_stages=1") != v2("parallel.max_active_stages=2");
+  CHECK(active_changes_plan);
+  const bool lookahead_changes_plan =
+      v2("parallel.unshard_lookahead=[1,1]") != v2("parallel.unshard_lookahead=full");
+  CHECK(lookahead_changes_plan);
+  const bool auto_is_its_resolution =
+      v2("parallel.unshard_lookahead=auto") == v2("parallel.unshard_lookahead=[2,3]");
+  CHECK(auto_is_its_resolution);
+  expect(problems(base(), {"parallel.max_active_stages=2"}),
+         "parallel.max_active_stages: only used with pp > 1");
+  expect(problems(base(), {"parallel.unshard_lookahead=auto"}),
+         "parallel.unshard_lookahead: only used with pp > 1");
+  const std::vector<std::string> pp2 = {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2"};
+  const auto with = [&](const std::string& o) {
+    auto all = pp2;
+    all.push_back(o);
+    return problems(base(), all);
+  };
+  expect(with("parallel.max_active_stages=0"), "parallel.max_active_stages: must be in [1, 64], got 0");
+  expect(with("parallel.unshard_lookahead=soon"),
+         "parallel.unshard_lookahead: must be \"full\", \"auto\" or one integer per pipeline rank, got "
+         "\"soon\"");
+  expect(with("parallel.unshard_lookahead=[1]"),
+         "parallel.unshard_lookahead: unshard lookahead needs one value per pipeline rank (2), got 1");
+  expect(
+      with("parallel.unshard_lookahead=[1,4]"),
+      "parallel.unshard_lookahead: unshard lookahead of rank 1 must be in [1, max_active_stages=3], got 4");
 }
 
-TEST_CASE("recipe: parallel.reshard_after_forward, dist.cpu_binding, dist.compute_nice and dist.compute_policy") {
+TEST_CASE("recipe: parallel.reshard_after_forward") {
   const auto r = train::parse_recipe(base(), "test.json", kSource + "/recipes",
-                                     {"parallel.reshard_after_forward=false", "dist.cpu_binding=compute", "dist.compute_nice=7"});
+                                     {"parallel.reshard_after_forward=false"});
   CHECK(!r.parallel.reshard_after_forward);
-  CHECK(r.dist.cpu_binding == "compute");
-  CHECK(r.dist.compute_nice == 7);
-  expect(problems(base(), {"dist.compute_nice=20"}), "dist.compute_nice: must be in [0, 19], got 20");
-  expect(problems(base(), {"dist.compute_nice=-1"}), "dist.compute_nice: must be in [0, 19], got -1");
-  CHECK(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.reshard_after_forward=false"}) ==
+  CHECK(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2",
+                          "parallel.reshard_after_forward=false"}) ==
         "valid");  // what a pipeline's plan does anyway
-  expect(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2", "parallel.reshard_after_forward=false",
-                           "parallel.keep_stages_unsharded=false"}),
+  expect(problems(base(), {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2",
+                           "parallel.reshard_after_forward=false", "parallel.keep_stages_unsharded=false"}),
          "parallel.reshard_after_forward: false keeps blocks gathered through the step, which contradicts");
-  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {}).dist.compute_policy == "normal");
-  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {"dist.compute_policy=idle"}).dist.compute_policy ==
-        "idle");
-  expect(problems(base(), {"dist.compute_policy=batch"}), "dist.compute_policy: must be one of normal | idle, got \"batch\"");
-  expect(problems(base(), {"dist.compute_policy=idle", "dist.compute_nice=19"}),
-         "dist.compute_nice: 19 has no effect with dist.compute_policy \"idle\" (a SCHED_IDLE thread has no nice value): "
-         "set dist.compute_nice=0 or dist.compute_policy=normal");
-  expect(problems(base(), {"dist.cpu_binding=cores"}), "dist.cpu_binding: must be one of none | rank | compute, got \"cores\"");
-  const auto rotated = train::parse_recipe(base(), "test.json", kSource + "/recipes",
-                                           {"dist.cpu_binding=rank", "dist.cpu_rotation_ms=20"});
-  CHECK(rotated.dist.cpu_rotation_ms == 20);
-  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {}).dist.cpu_rotation_ms == 0);
-  expect(problems(base(), {"dist.cpu_rotation_ms=20"}),
-         "dist.cpu_rotation_ms: 20 moves the computing threads between the CPU shares that dist.cpu_binding makes, but "
-         "dist.cpu_binding is \"none\": bind (\"compute\" or \"rank\") or set dist.cpu_rotation_ms=0");
-  expect(problems(base(), {"dist.cpu_binding=compute", "dist.cpu_rotation_ms=-5"}),
-         "dist.cpu_rotation_ms: must be in [0, 60000], got -5");
 }
 
-TEST_CASE("recipe: parallel.microbatch_threads divides train.grad_accum, with pp = 1, ep = 1, on the CPU") {
-  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {}).parallel.microbatch_threads == 1);
+TEST_CASE("recipe: cpu.microbatch_threads divides train.grad_accum, with pp = 1, ep = 1, on the CPU") {
+  CHECK(train::parse_recipe(base(), "test.json", kSource + "/recipes", {}).cpu.microbatch_threads == 1);
   const auto r = train::parse_recipe(base(), "test.json", kSource + "/recipes",
-                                     {"parallel.microbatch_threads=2", "train.grad_accum=4"});
-  CHECK(r.parallel.microbatch_threads == 2);
-  expect(problems(base(), {"parallel.microbatch_threads=2"}),
-         "parallel.microbatch_threads: must divide train.grad_accum (1), the step's microbatches, got 2");
-  expect(problems(base(), {"parallel.microbatch_threads=0"}), "parallel.microbatch_threads: must be in [1, 64], got 0");
-  expect(problems(base(), {"parallel.microbatch_threads=2", "parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2"}),
-         "parallel.microbatch_threads: only used with pp = 1: a pipeline's microbatches follow its schedule");
-  expect(problems(base(), {"parallel.microbatch_threads=2", "train.grad_accum=2", "parallel.ep=2"}),
-         "parallel.microbatch_threads: not with expert parallelism (parallel.ep > 1)");
-  expect(problems(base(), {"parallel.microbatch_threads=2", "train.grad_accum=2", "train.device=cuda"}),
-         "parallel.microbatch_threads: runs microbatches on CPU threads; train.device is \"cuda\"");
+                                     {"cpu.microbatch_threads=2", "train.grad_accum=4"});
+  CHECK(r.cpu.microbatch_threads == 2);
+  expect(problems(base(), {"cpu.microbatch_threads=2"}),
+         "cpu.microbatch_threads: must divide train.grad_accum (1), the step's microbatches, got 2");
+  expect(problems(base(), {"cpu.microbatch_threads=0"}), "cpu.microbatch_threads: must be in [1, 64], got 0");
+  expect(problems(base(),
+                  {"cpu.microbatch_threads=2", "parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2"}),
+         "cpu.microbatch_threads: only used with pp = 1: a pipeline's microbatches follow its schedule");
+  expect(problems(base(), {"cpu.microbatch_threads=2", "train.grad_accum=2", "parallel.ep=2"}),
+         "cpu.microbatch_threads: not with expert parallelism (parallel.ep > 1)");
+  expect(problems(base(), {"cpu.microbatch_threads=2", "train.grad_accum=2", "train.device=cuda"}),
+         "cpu.microbatch_threads: runs microbatches on CPU threads; train.device is \"cuda\"");
+}
+
+TEST_CASE("recipe: the cpu section has microbatch_threads only") {
+  expect(problems(base(), {"cpu.threads=2"}), "cpu.threads: unknown key");
+  expect(problems(base(), {"cpu.microbatch_thread=2"}),
+         "cpu.microbatch_thread: unknown key, did you mean 'microbatch_threads'?");
 }
 
 TEST_CASE("recipe: checkpoint storage is shared or local") {
@@ -240,8 +260,9 @@ TEST_CASE("recipe: device and CUDA graph rules") {
   expect(problems(base(), {"train.device=tpu"}), "train.device: must be one of");
   expect(problems(base(), {"train.cuda_graph=true"}), "train.cuda_graph: needs train.device \"cuda\"");
   const auto cuda = problems(base(), {"train.device=cuda", "train.cuda_graph=true"});
-  expect(cuda, "train.cuda_graph: needs model.routing \"capacity\" (static shapes; \"dropless\" routing reads each "
-               "expert's token count on the host");
+  expect(cuda,
+         "train.cuda_graph: needs model.routing \"capacity\" (static shapes; \"dropless\" routing reads each "
+         "expert's token count on the host");
   if (!comm::has_backend(comm::Backend::kNccl))
     expect(cuda, "train.device: \"cuda\" needs fsdpp built with the NCCL backend");
   // Pipelines are captured too, with the same rule (the plan keeps sends and receives in NCCL's order).
@@ -261,8 +282,11 @@ TEST_CASE("recipe: precision overrides") {
   const auto p = problems(j);
   expect(p, "precision.overrides[1].match: missing");
   expect(p, "precision.overrides[2]: needs param_dtype or grad_dtype");
-  expect(p, "precision.overrides[3].grad_dtype: must be one of float32 | bfloat16 | float16, got \"bfloat\", did you mean 'bfloat16'?");
-  j["precision"]["overrides"] = json::parse(R"([{"match": "*.router.gate.weight", "param_dtype": "float32", "grad_dtype": "float32"}])");
+  expect(p,
+         "precision.overrides[3].grad_dtype: must be one of float32 | bfloat16 | float16, got \"bfloat\", "
+         "did you mean 'bfloat16'?");
+  j["precision"]["overrides"] = json::parse(
+      R"([{"match": "*.router.gate.weight", "param_dtype": "float32", "grad_dtype": "float32"}])");
   j["precision"]["param_dtype"] = "bfloat16";
   j["precision"]["reduce_dtype"] = "float16";
   const auto r = train::parse_recipe(j, "t.json", ".");
@@ -287,7 +311,8 @@ TEST_CASE("recipe: precision overrides") {
 
 TEST_CASE("recipe: activation checkpointing is none, full or every k-th block") {
   const auto ac = [](const std::string& value) {
-    return train::parse_recipe(base(), "t.json", kSource + "/recipes", {"train.activation_checkpointing=" + value})
+    return train::parse_recipe(base(), "t.json", kSource + "/recipes",
+                               {"train.activation_checkpointing=" + value})
         .train.activation_checkpointing;
   };
   CHECK(train::parse_recipe(base(), "t.json", ".").train.activation_checkpointing == 0);
@@ -295,28 +320,33 @@ TEST_CASE("recipe: activation checkpointing is none, full or every k-th block") 
   CHECK(ac("full") == 1);
   CHECK(ac("2") == 2);
   expect(problems(base(), {"train.activation_checkpointing=some"}),
-         "train.activation_checkpointing: must be \"none\", \"full\" or k, every k-th block (1 to model.layers = 2), got \"some\"");
+         "train.activation_checkpointing: must be \"none\", \"full\" or k, every k-th block (1 to "
+         "model.layers = 2), got \"some\"");
   expect(problems(base(), {"train.activation_checkpointing=3"}), "(1 to model.layers = 2), got 3");
   expect(problems(base(), {"train.activation_checkpointing=0"}), "got 0");
   // Schedules that split backward into I and W are refused with it, naming the schedule.
   expect(problems(base(), {"train.activation_checkpointing=full", "parallel.pp=2", "parallel.microbatches=2",
                            "parallel.schedule=InterleavedZeroBubble"}),
          "train.activation_checkpointing: schedule InterleavedZeroBubble splits backward");
-  CHECK(problems(base(), {"train.activation_checkpointing=full", "parallel.pp=2", "parallel.microbatches=2"}) == "valid");
+  CHECK(problems(base(), {"train.activation_checkpointing=full", "parallel.pp=2",
+                          "parallel.microbatches=2"}) == "valid");
 }
 
-TEST_CASE("recipe: the tokenizer's vocabulary is the model's; token shards need their directory and tokenizer") {
+TEST_CASE(
+    "recipe: the tokenizer's vocabulary is the model's; token shards need their directory and tokenizer") {
   auto j = base();
   j["data"]["tokenizer"] = "tokenizers/fortunes-bpe-2048.model";  // relative to the recipe's folder
-  expect(problems(j), "data.tokenizer: " + kSource + "/recipes/tokenizers/fortunes-bpe-2048.model has a vocabulary of 2048 "
-                      "but model.vocab_size is 256: they must be equal");
+  expect(problems(j), "data.tokenizer: " + kSource +
+                          "/recipes/tokenizers/fortunes-bpe-2048.model has a vocabulary of 2048 "
+                          "but model.vocab_size is 256: they must be equal");
   j["model"]["vocab_size"] = 2048;
   const auto r = train::parse_recipe(j, "test.json", kSource + "/recipes");
   REQUIRE(r.tokenizer);
   CHECK(r.tokenizer->vocab_size() == 2048);
   j["data"]["tokenizer"] = "tokenizers/missing.model";
   // Neither beside the recipe nor in the working directory: the message names the full path.
-  expect(problems(j), "data.tokenizer: tokenizer " + fs::current_path().string() + "/tokenizers/missing.model: no such file");
+  expect(problems(j), "data.tokenizer: tokenizer " + fs::current_path().string() +
+                          "/tokenizers/missing.model: no such file");
   j = base();
   j["data"]["tokenizer"] = "none";
   expect(problems(j), "data.tokenizer: \"none\" is only for source \"shards\" (source is \"synthetic\")");
@@ -336,37 +366,43 @@ TEST_CASE("recipe: the tokenizer's vocabulary is the model's; token shards need 
     w.close();
     shards.push_back({{"file", "t_" + split + "_000001.bin"}, {"split", split}, {"tokens", 100}});
   }
-  write_file_atomically((dir / "index.json").string(),
-                        json{{"tokenizer", {{"spec", "/somewhere/tok.model"}, {"hash", "crc32c:12345678"}}}, {"shards", shards}}.dump());
+  write_file_atomically(
+      (dir / "index.json").string(),
+      json{{"tokenizer", {{"spec", "/somewhere/tok.model"}, {"hash", "crc32c:12345678"}}}, {"shards", shards}}
+          .dump());
   j["data"]["path"] = dir.string();
-  expect(problems(j), "data.tokenizer: data.path " + dir.string() + " was written with tokenizer /somewhere/tok.model "
-                      "(crc32c:12345678), not bytes (bytes)");
+  expect(problems(j), "data.tokenizer: data.path " + dir.string() +
+                          " was written with tokenizer /somewhere/tok.model "
+                          "(crc32c:12345678), not bytes (bytes)");
   j["data"]["tokenizer"] = "none";  // nothing decoded: any shards of the right vocabulary
   CHECK(problems(j) == "valid");
   // Shards are opened, and their headers checked, when the recipe is read.
   fs::resize_file(dir / "t_val_000001.bin", 1100);
-  expect(problems(j), "data.path: data: " + (dir / "t_val_000001.bin").string() + ": the header (offset 8) says 100 tokens");
+  expect(problems(j), "data.path: data: " + (dir / "t_val_000001.bin").string() +
+                          ": the header (offset 8) says 100 tokens");
   fs::remove_all(dir);
 }
 
 TEST_CASE("recipe: the pipeline plan is made once, when the recipe is read") {
   CHECK(train::parse_recipe(base(), "t.json", ".").plan == nullptr);
-  const auto r = train::parse_recipe(base(), "t.json", kSource + "/recipes",
-                                     {"parallel.pp=2", "parallel.microbatches=4", "parallel.max_outstanding_sends=1"});
+  const auto r =
+      train::parse_recipe(base(), "t.json", kSource + "/recipes",
+                          {"parallel.pp=2", "parallel.microbatches=4", "parallel.max_outstanding_sends=1"});
   REQUIRE(r.plan);
   CHECK(r.plan->spec.pp == 2);
   CHECK(r.plan->spec.microbatches == 4);
   CHECK(r.plan->max_outstanding_sends == 1);
   // Lowered for sharded stages: each rank's program reduces each of its stages' gradients once.
   for (const auto& rank : r.plan->lowered)
-    CHECK(std::count_if(rank.begin(), rank.end(),
-                        [](const pipeline::Action& a) { return a.type == pipeline::ActionType::kReduceGrad; }) == 1);
+    CHECK(std::count_if(rank.begin(), rank.end(), [](const pipeline::Action& a) {
+            return a.type == pipeline::ActionType::kReduceGrad;
+          }) == 1);
 }
 
 TEST_CASE("recipe: dotted overrides") {
-  const auto r = train::parse_recipe(base(), "t.json", ".",
-                                     {"optim.lr=1e-3", "data.source=synthetic", "checkpoint.keep=5", "name=other",
-                                      "model.dim=64"});
+  const auto r = train::parse_recipe(
+      base(), "t.json", ".",
+      {"optim.lr=1e-3", "data.source=synthetic", "checkpoint.keep=5", "name=other", "model.dim=64"});
   CHECK(r.optim.lr == doctest::Approx(1e-3));
   CHECK(r.checkpoint.keep == 5);
   CHECK(r.name == "other");
@@ -392,9 +428,12 @@ TEST_CASE("recipe: every bundled recipe and config is valid") {
       found = ex.problems();
     }
     // A GPU recipe is valid where the build has the NCCL backend; elsewhere that is its only problem.
-    if (!comm::has_backend(comm::Backend::kNccl) && fsdpp::read_json_file(e.path().string()).value("train", json::object()).value("device", "") == "cuda") {
+    if (!comm::has_backend(comm::Backend::kNccl) &&
+        fsdpp::read_json_file(e.path().string()).value("train", json::object()).value("device", "") ==
+            "cuda") {
       REQUIRE(found.size() == 1);
-      CHECK(found[0].find("train.device: \"cuda\" needs fsdpp built with the NCCL backend") != std::string::npos);
+      CHECK(found[0].find("train.device: \"cuda\" needs fsdpp built with the NCCL backend") !=
+            std::string::npos);
     } else {
       CHECK(found.empty());
     }
@@ -444,12 +483,15 @@ TEST_CASE("recipe: a refused value is named once, as given, not the default it l
 TEST_CASE("recipe: a key given twice in a recipe file is refused, naming its path") {
   const auto dir = fs::temp_directory_path() / ("fsdpp-dup-" + std::to_string(getpid()));
   fs::create_directories(dir);
-  std::ofstream(dir / "top.json") << R"({"model": {"dim": 32, "layers": 2, "heads": 2, "max_seq_len": 64}, "data": {"source": "synthetic"},)"
-                                  << R"( "train": {"steps": 3, "global_batch": 8}, "train": {"steps": 5}})";
-  std::ofstream(dir / "nested.json") << R"({"model": {"dim": 32, "layers": 2, "heads": 2, "max_seq_len": 64, "dim": 64},)"
-                                     << R"( "data": {"source": "synthetic"}, "precision": {"overrides": [{"match": "a"},)"
-                                     << R"( {"match": "b", "param_dtype": "float32", "param_dtype": "bfloat16"}]}})";
-  for (const auto& [file, path] : {std::pair<std::string, std::string>{"top.json", "train:"}, {"nested.json", "model.dim:"}}) {
+  std::ofstream(dir / "top.json")
+      << R"({"model": {"dim": 32, "layers": 2, "heads": 2, "max_seq_len": 64}, "data": {"source": "synthetic"},)"
+      << R"( "train": {"steps": 3, "global_batch": 8}, "train": {"steps": 5}})";
+  std::ofstream(dir / "nested.json")
+      << R"({"model": {"dim": 32, "layers": 2, "heads": 2, "max_seq_len": 64, "dim": 64},)"
+      << R"( "data": {"source": "synthetic"}, "precision": {"overrides": [{"match": "a"},)"
+      << R"( {"match": "b", "param_dtype": "float32", "param_dtype": "bfloat16"}]}})";
+  for (const auto& [file, path] :
+       {std::pair<std::string, std::string>{"top.json", "train:"}, {"nested.json", "model.dim:"}}) {
     CAPTURE(file);
     std::string got = "accepted";
     try {
@@ -503,9 +545,11 @@ TEST_CASE("recipe: a V schedule defaults to 2 stages per rank; others to 1") {
 TEST_CASE("recipe: precision.overrides patterns that match no parameter are listed") {
   auto j = base();
   j["precision"] = {{"param_dtype", "bfloat16"},
-                    {"overrides", {{{"match", "*.router.gate.weight"}, {"param_dtype", "float32"}},
-                                   {{"match", "*.gate_proj.*"}, {"param_dtype", "float32"}},
-                                   {{"match", "*norm*"}, {"param_dtype", "float32"}}}}};
+                    {"overrides",
+                     {{{"match", "*.router.gate.weight"}, {"param_dtype", "float32"}},
+                      {{"match", "*.gate_proj.*"}, {"param_dtype", "float32"}},
+                      {{"match", "*norm*"}, {"param_dtype", "float32"}}}}};
   const auto r = train::parse_recipe(j, "test.json", kSource + "/recipes");
-  CHECK(train::unmatched_overrides(r) == std::vector<std::string>{"precision.overrides[1].match \"*.gate_proj.*\""});
+  CHECK(train::unmatched_overrides(r) ==
+        std::vector<std::string>{"precision.overrides[1].match \"*.gate_proj.*\""});
 }

@@ -107,15 +107,16 @@ std::map<std::string, int> collectives_per_step(const std::string& dir, const st
   return count;
 }
 
-// A traced run with parallel.microbatch_threads = n in `dir`: every rank's span of the threads'
+// A traced run with cpu.microbatch_threads = n in `dir`: every rank's span of the threads'
 // forward and backward has one span for each thread on a track of its own, starting with it and
 // ending within it.
 void check_thread_spans(const std::string& dir, int n) {
   const auto trace = json::parse(std::ifstream(dir + "/trace.json"));
   std::map<std::pair<int, std::string>, int> tracks;  // (rank, track name) -> tid
   for (const auto& e : trace["traceEvents"])
-    if (e["ph"] == "M" && e["name"] == "thread_name") tracks[{e["pid"].get<int>(), e["args"]["name"].get<std::string>()}] = e["tid"];
-  std::map<int, std::vector<json>> whole;  // by rank
+    if (e["ph"] == "M" && e["name"] == "thread_name")
+      tracks[{e["pid"].get<int>(), e["args"]["name"].get<std::string>()}] = e["tid"];
+  std::map<int, std::vector<json>> whole;                            // by rank
   std::map<std::pair<int, int>, std::map<int64_t, json>> by_thread;  // (rank, thread) -> start -> span
   const std::string all = fmt::format("forward and backward, {} threads", n);
   for (const auto& e : trace["traceEvents"]) {
@@ -163,16 +164,18 @@ TEST_CASE("run: an invalid recipe fails before any rank starts, naming the probl
   const auto ep = sh(kBin + " validate " + std::string(FSDPP_SOURCE_DIR) +
                      "/recipes/moe-small-ep.json parallel.dp=8 parallel.dp_replicate=2");
   INFO(ep.out);
-  CHECK(ep.out.find("dp 8 (2 replicas x 4 shards; ep 2: 4 of 8 experts per rank, sharded over 2 ranks) x pp 1 = 8 ranks") !=
-        std::string::npos);
-  const auto bad = sh(kBin + " validate " + std::string(FSDPP_SOURCE_DIR) + "/recipes/moe-small-ep.json parallel.ep=3");
+  CHECK(ep.out.find("dp 8 (2 replicas x 4 shards; ep 2: 4 of 8 experts per rank, sharded over 2 ranks) x pp "
+                    "1 = 8 ranks") != std::string::npos);
+  const auto bad =
+      sh(kBin + " validate " + std::string(FSDPP_SOURCE_DIR) + "/recipes/moe-small-ep.json parallel.ep=3");
   CHECK(bad.rc == 2);
   CHECK(bad.out.find("parallel.ep: must divide model.experts (8), got 3") != std::string::npos);
 }
 
 TEST_CASE("run: resume continues bitwise identically to an uninterrupted run") {
   const auto whole = fresh_dir("whole"), split = fresh_dir("split");
-  const std::string args = "train.steps=12 checkpoint.interval=4 logging.interval=1 parallel.dp=2 train.grad_accum=2";
+  const std::string args =
+      "train.steps=12 checkpoint.interval=4 logging.interval=1 parallel.dp=2 train.grad_accum=2";
   train_run(whole, args);
   const auto first = train_run(split, args + " --stop-after 6");
   CHECK(first.find("steps 1..6 of 12") != std::string::npos);
@@ -210,10 +213,12 @@ TEST_CASE("run: resume continues bitwise identically to an uninterrupted run") {
 }
 
 TEST_CASE("run: dp, pp (1F1B) and dp x pp train to the same losses on the same data") {
-  const std::string common = "train.steps=20 train.global_batch=8 logging.interval=1 eval.interval=0 optim.lr=3e-3";
+  const std::string common =
+      "train.steps=20 train.global_batch=8 logging.interval=1 eval.interval=0 optim.lr=3e-3";
   const auto dp = fresh_dir("dp"), pp = fresh_dir("pp"), twod = fresh_dir("2d");
   train_run(dp, common + " parallel.dp=2 train.grad_accum=2");
-  train_run(pp, common + " parallel.dp=1 parallel.pp=2 parallel.microbatches=4 parallel.max_outstanding_sends=1");
+  train_run(pp,
+            common + " parallel.dp=1 parallel.pp=2 parallel.microbatches=4 parallel.max_outstanding_sends=1");
   train_run(twod, common + " parallel.dp=2 parallel.pp=2 parallel.microbatches=2");
   const auto a = losses(dp), b = losses(pp), c = losses(twod);
   REQUIRE(a.size() == 20);
@@ -227,15 +232,19 @@ TEST_CASE("run: dp, pp (1F1B) and dp x pp train to the same losses on the same d
   CHECK(a.at(20) < a.at(1) - 0.5);  // and it learned something
   // The final evaluation reads eval.batches microbatches per dp rank, so dp 2 and dp 2 x pp 2 read
   // the same ones; pipelined, they go through the executor's forward-only mode two at a time.
-  const auto val = [](const std::string& d) { return json::parse(std::ifstream(d + "/summary.json")).at("val_loss").get<double>(); };
+  const auto val = [](const std::string& d) {
+    return json::parse(std::ifstream(d + "/summary.json")).at("val_loss").get<double>();
+  };
   CHECK(val(twod) == doctest::Approx(val(dp)).epsilon(2e-4));
   for (const auto& d : {dp, pp, twod}) fs::remove_all(d);
 }
 
-TEST_CASE("run: HSDP (dp_replicate 2 x dp_shard 2) trains as plain FSDP over 4 ranks, alone and under pp 2; one "
-          "copy of its checkpoint, which resumes at another layout") {
-  const std::string common = "train.steps=10 train.global_batch=8 logging.interval=1 eval.interval=0 optim.lr=3e-3 "
-                             "checkpoint.interval=5";
+TEST_CASE(
+    "run: HSDP (dp_replicate 2 x dp_shard 2) trains as plain FSDP over 4 ranks, alone and under pp 2; one "
+    "copy of its checkpoint, which resumes at another layout") {
+  const std::string common =
+      "train.steps=10 train.global_batch=8 logging.interval=1 eval.interval=0 optim.lr=3e-3 "
+      "checkpoint.interval=5";
   const auto fsdp4 = fresh_dir("fsdp4"), hsdp = fresh_dir("hsdp"), pp_fsdp = fresh_dir("pp-fsdp"),
              pp_hsdp = fresh_dir("pp-hsdp"), relayout = fresh_dir("hsdp-relayout");
   train_run(fsdp4, common + " parallel.dp=4");
@@ -264,16 +273,20 @@ TEST_CASE("run: HSDP (dp_replicate 2 x dp_shard 2) trains as plain FSDP over 4 r
   for (const auto& dir : {fsdp4, hsdp, pp_fsdp, pp_hsdp, relayout}) fs::remove_all(dir);
 }
 
-TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as ep 1, also with HSDP, under pp and "
-          "with activation checkpointing; its checkpoints resume bitwise and at ep 1") {
-  const std::string common = "train.steps=10 train.global_batch=8 logging.interval=1 eval.interval=0 optim.lr=3e-3 "
-                             "checkpoint.interval=5 model.experts=8 parallel.dp=4";
+TEST_CASE(
+    "run: expert parallelism (ep 2 and 4, dropless and capacity) trains as ep 1, also with HSDP, under pp "
+    "and "
+    "with activation checkpointing; its checkpoints resume bitwise and at ep 1") {
+  const std::string common =
+      "train.steps=10 train.global_batch=8 logging.interval=1 eval.interval=0 optim.lr=3e-3 "
+      "checkpoint.interval=5 model.experts=8 parallel.dp=4";
   std::string ep2_dropless;
   std::vector<std::string> dirs;
   for (const std::string routing : {"dropless", "capacity"}) {
     CAPTURE(routing);
     const std::string recipe = common + " model.routing=" + routing;
-    const auto ref = fresh_dir("ep1-" + routing), ep2 = fresh_dir("ep2-" + routing), ep4 = fresh_dir("ep4-" + routing);
+    const auto ref = fresh_dir("ep1-" + routing), ep2 = fresh_dir("ep2-" + routing),
+               ep4 = fresh_dir("ep4-" + routing);
     dirs.insert(dirs.end(), {ref, ep2, ep4});
     train_run(ref, recipe);
     const auto out = train_run(ep2, recipe + " parallel.ep=2");
@@ -320,37 +333,37 @@ TEST_CASE("run: expert parallelism (ep 2 and 4, dropless and capacity) trains as
   for (const auto& dir : dirs) fs::remove_all(dir);
 }
 
-TEST_CASE("run: parallel.reshard_after_forward=false gathers each block once per step, not 4 times, and trains "
-          "bitwise alike; dist.cpu_binding binds; dist.compute_nice and dist.compute_policy yield; dist.cpu_rotation_ms "
-          "rotates; the MKL decision is logged") {
-  const std::string common = "train.steps=10 logging.interval=1 eval.interval=0 parallel.dp=2 train.grad_accum=2 --trace";
+TEST_CASE(
+    "run: parallel.reshard_after_forward=false gathers each block once per step, not 4 times, and trains "
+    "bitwise alike; the MKL decision is logged") {
+  const std::string common =
+      "train.steps=10 logging.interval=1 eval.interval=0 parallel.dp=2 train.grad_accum=2 --trace";
   const auto freed = fresh_dir("reshard-true"), kept = fresh_dir("reshard-false");
-  const auto idle_out = train_run(freed, common + " dist.compute_policy=idle");
-  const auto out =
-      train_run(kept, common + " parallel.reshard_after_forward=false dist.cpu_binding=compute dist.compute_nice=1 "
-                               "dist.cpu_rotation_ms=5");
+  train_run(freed, common);
+  const auto out = train_run(kept, common + " parallel.reshard_after_forward=false");
   const auto a = collectives_per_step(freed, "all_gather"), b = collectives_per_step(kept, "all_gather");
   CHECK(a == std::map<std::string, int>{{"layers.0", 4}, {"layers.1", 4}, {"root", 2}});
   CHECK(b == std::map<std::string, int>{{"layers.0", 1}, {"layers.1", 1}, {"root", 1}});
   CHECK(losses(kept) == losses(freed));
   check_same_parameters(checkpoint(freed, 10), checkpoint(kept, 10));
-  const bool bound = out.find("cpu binding (compute): rank 0's compute thread on CPU") != std::string::npos ||
-                     out.find("cpu binding (compute): not bound: 2 local ranks for 1 CPU") != std::string::npos;
-  CHECK(bound);
-  CHECK(out.find("compute nice (1): rank 0's computing thread") != std::string::npos);
-  CHECK(idle_out.find("compute policy (idle): rank 0's computing thread in SCHED_IDLE") != std::string::npos);
-  CHECK(out.find("compute policy") == std::string::npos);
-  const bool rotated = out.find("cpu rotation (5 ms): rank 0's 1 computing thread, 2 shares, every 5 ms") != std::string::npos ||
-                       out.find("cpu rotation (5 ms): not rotated: 2 local ranks for 1 CPU") != std::string::npos;
-  CHECK(rotated);
-  // What MKL was told (Note [MKL's kernels on other vendors' CPUs]): the same decision as here.
-  CHECK(out.find("MKL: " + mkl_dispatch().detail) != std::string::npos);
+  // The command line links libfsdpp_mkl_kernels.so (Note [MKL's kernels on other vendors' CPUs]):
+  // kernels by instruction set on another vendor's AVX-512 CPU, MKL's own choice elsewhere.
+  __builtin_cpu_init();
+  const bool other_vendor_avx512 = !__builtin_cpu_is("intel") && __builtin_cpu_supports("avx512f") &&
+                                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                                   __builtin_cpu_supports("avx512vl");
+  const bool asked =
+      out.find("MKL: MKL's kernels chosen by instruction set, AVX-512 on this CPU") != std::string::npos;
+  const bool own = out.find("MKL: MKL's own choice") != std::string::npos;
+  CHECK(asked == other_vendor_avx512);
+  CHECK(own == !other_vendor_avx512);
   for (const auto& d : {freed, kept}) fs::remove_all(d);
 }
 
-TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the other, at dp 1 (also with "
-          "activation checkpointing, and in bfloat16), at dp 2 and under HSDP, gathering and reducing each block "
-          "once per step; resume is bitwise") {
+TEST_CASE(
+    "run: cpu.microbatch_threads=2 trains as one microbatch after the other, at dp 1 (also with "
+    "activation checkpointing, and in bfloat16), at dp 2 and under HSDP, gathering and reducing each block "
+    "once per step; resume is bitwise") {
   const std::string common = "train.steps=10 logging.interval=1 eval.interval=0";
   const std::map<std::string, int> once{{"layers.0", 1}, {"layers.1", 1}, {"root", 1}};
   // Each layout with a rank's microbatches a step (train.grad_accum).
@@ -368,14 +381,16 @@ TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the
     // split over two threads may round otherwise (MKL's AVX2 kernels split some), and AdamW turns
     // a rounding in a gradient that nearly cancels into a difference of the learning rate's order.
     train_run(one, common + " " + layout, "OMP_NUM_THREADS=1 ");
-    const auto out = train_run(two, common + " " + layout + " parallel.microbatch_threads=2 --trace");
+    const auto out = train_run(two, common + " " + layout + " cpu.microbatch_threads=2 --trace");
     CHECK(out.find("microbatch threads: 2 microbatches at once, one thread each") != std::string::npos);
     check_trains_alike(one, two, 1e-5);
     // With 2 microbatches a step, each thread runs one, and the threads add the same gradients in the
     // same order as one microbatch after the other; with 4, each thread first sums its own two, and
     // the rounding differs.
-    if (accum == 2) check_same_parameters(checkpoint(one, 10), checkpoint(two, 10));
-    else check_close_parameters(checkpoint(one, 10), checkpoint(two, 10));
+    if (accum == 2)
+      check_same_parameters(checkpoint(one, 10), checkpoint(two, 10));
+    else
+      check_close_parameters(checkpoint(one, 10), checkpoint(two, 10));
     CHECK(collectives_per_step(two, "all_gather") == once);
     CHECK(collectives_per_step(two, "reduce_scatter") == once);
     check_thread_spans(two, 2);
@@ -383,7 +398,8 @@ TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the
   }
   // Resumed from a checkpoint, the run continues bitwise as if uninterrupted.
   {
-    const std::string args = common + " parallel.dp=1 train.grad_accum=2 parallel.microbatch_threads=2 checkpoint.interval=5";
+    const std::string args =
+        common + " parallel.dp=1 train.grad_accum=2 cpu.microbatch_threads=2 checkpoint.interval=5";
     const auto whole = fresh_dir("mb-threads-whole"), split = fresh_dir("mb-threads-split");
     train_run(whole, args);
     train_run(split, args + " --stop-after 5");
@@ -393,17 +409,6 @@ TEST_CASE("run: parallel.microbatch_threads=2 trains as one microbatch after the
     check_same_parameters(checkpoint(whole, 10), checkpoint(split, 10));
     for (const auto& d : {whole, split}) fs::remove_all(d);
   }
-  // CPU rotation moves each rank's computing thread and its intra-op threads, not these.
-  const auto rotated = fresh_dir("mb-threads-rotated");
-  const auto r = sh(kBin + " run " + kRecipe + " logging.output_dir=" + rotated + " " + common +
-                    " parallel.dp=2 train.grad_accum=2 parallel.microbatch_threads=2 dist.cpu_binding=compute "
-                    "dist.cpu_rotation_ms=5");
-  INFO(r.out);
-  CHECK(r.rc != 0);
-  CHECK(r.out.find("tiny-synthetic.json: dist.cpu_rotation_ms moves each rank's computing thread and its intra-op "
-                   "threads between the 2 local ranks' CPU shares, but not the threads of "
-                   "parallel.microbatch_threads (2): set dist.cpu_rotation_ms=0") != std::string::npos);
-  fs::remove_all(rotated);
 }
 
 TEST_CASE("run: activation checkpointing trains as without it, at dp 2 and at pp 2") {
@@ -483,8 +488,9 @@ TEST_CASE("run: a checkpoint loads at another layout; consolidate writes full na
   fs::remove_all(ref);
 }
 
-TEST_CASE("run: token shards from `fsdpp tokenize` train to the same losses at dp 1, 2 and 4, resume bitwise, and "
-          "generate through the run's tokenizer") {
+TEST_CASE(
+    "run: token shards from `fsdpp tokenize` train to the same losses at dp 1, 2 and 4, resume bitwise, and "
+    "generate through the run's tokenizer") {
   const auto dir = fresh_dir("shards");
   const auto text = dir + "/text", shards = dir + "/shards";
   fs::create_directories(text);
@@ -519,7 +525,8 @@ TEST_CASE("run: token shards from `fsdpp tokenize` train to the same losses at d
   const auto summary = json::parse(std::ifstream(d2 + "/summary.json"));
   // Bits per byte: nats per token over ln 2, over the validation split's bytes per token.
   const auto index = json::parse(std::ifstream(shards + "/index.json"));
-  const double bytes_per_token = index["splits"]["val"]["bytes"].get<double>() / index["splits"]["val"]["tokens"].get<double>();
+  const double bytes_per_token =
+      index["splits"]["val"]["bytes"].get<double>() / index["splits"]["val"]["tokens"].get<double>();
   CHECK(summary["val_bpb"].get<double>() ==
         doctest::Approx(summary["val_loss"].get<double>() / std::log(2.0) / bytes_per_token).epsilon(1e-9));
 
@@ -554,18 +561,21 @@ TEST_CASE("run: token shards from `fsdpp tokenize` train to the same losses at d
   fs::remove_all(dir);
 }
 
-TEST_CASE("run: `fsdpp tokenize` killed mid-way leaves no shard in its output, only whole ones in its staging "
-          "directory, and runs again") {
+TEST_CASE(
+    "run: `fsdpp tokenize` killed mid-way leaves no shard in its output, only whole ones in its staging "
+    "directory, and runs again") {
   const auto dir = fresh_dir("tokenize-killed");
   const auto text = dir + "/text", shards = dir + "/shards";
   fs::create_directories(text);
   // About 25 MB of text: several seconds of tokenizing.
   std::string all;
   for (const auto& e : fs::directory_iterator(train::fortunes_dir()))
-    if (e.is_regular_file() && !e.is_symlink() && !e.path().has_extension()) all += train::read_text_file(e.path().string());
+    if (e.is_regular_file() && !e.is_symlink() && !e.path().has_extension())
+      all += train::read_text_file(e.path().string());
   for (int i = 0; all.size() * i < 25'000'000; ++i) std::ofstream(text + "/part" + std::to_string(i)) << all;
   const std::string bundled = std::string(FSDPP_SOURCE_DIR) + "/recipes/tokenizers/fortunes-bpe-2048.model";
-  const std::string cmd = kBin + " tokenize --tokenizer " + bundled + " " + text + " -o " + shards + " --shard-tokens 300000";
+  const std::string cmd =
+      kBin + " tokenize --tokenizer " + bundled + " " + text + " -o " + shards + " --shard-tokens 300000";
   FILE* p = popen(("exec " + cmd + " > " + dir + "/log 2>&1 & echo $!").c_str(), "r");
   REQUIRE(p);
   int pid = 0;
@@ -607,7 +617,8 @@ TEST_CASE("run: `fsdpp tokenize` killed mid-way leaves no shard in its output, o
 }
 
 // The line of a one-step run's log that starts with `prefix`; `env` as env(1) takes it.
-std::string rank_log_line(const std::string& dir, const std::string& env, const std::string& args, const std::string& prefix) {
+std::string rank_log_line(const std::string& dir, const std::string& env, const std::string& args,
+                          const std::string& prefix) {
   fs::remove_all(dir);
   const auto r = sh("env " + env + " " + kBin + " run " + kRecipe + " logging.output_dir=" + dir +
                     " train.steps=1 eval.interval=0 checkpoint.enabled=false " + args);
@@ -618,45 +629,36 @@ std::string rank_log_line(const std::string& dir, const std::string& env, const 
   return r.out.substr(at, r.out.find('\n', at) - at);
 }
 
-TEST_CASE("run: ranks start with malloc's thresholds fixed high, unless dist.keep_freed_memory=false or the environment sets one") {
-  const auto dir = fresh_dir("host-memory");
-  const auto run_with = [&](const std::string& env, const std::string& args) {
-    return rank_log_line(dir, env, args, "host memory: ");
-  };
-  // The launcher's own GLIBC_TUNABLES is kept and extended, not passed beside the ranks' value.
-  CHECK(run_with("GLIBC_TUNABLES=glibc.malloc.arena_max=4", "") ==
-        "host memory: mmap threshold 256 MiB, trim threshold 1 GiB, top pad 64 MiB (GLIBC_TUNABLES)");
-  CHECK(run_with("-u GLIBC_TUNABLES", "dist.keep_freed_memory=false") == "host memory: malloc's own thresholds");
-  CHECK(run_with("GLIBC_TUNABLES=glibc.malloc.trim_threshold=2097152", "") ==
-        "host memory: trim threshold 2 MiB (GLIBC_TUNABLES)");
-  fs::remove_all(dir);
-}
-
-TEST_CASE("run: ranks of a run with parallel.microbatch_threads start with OpenMP's spin shortened, unless the environment sets it") {
+TEST_CASE(
+    "run: ranks of a run with cpu.microbatch_threads start with OpenMP's spin shortened, unless the "
+    "environment sets it") {
   const auto dir = fresh_dir("openmp-wait");
   const auto run_with = [&](const std::string& env, const std::string& args) {
-    return rank_log_line(dir, "-u GOMP_SPINCOUNT -u OMP_WAIT_POLICY " + env, "parallel.dp=1 train.grad_accum=2 " + args,
-                         "OpenMP: ");
+    return rank_log_line(dir, "-u GOMP_SPINCOUNT -u OMP_WAIT_POLICY " + env,
+                         "parallel.dp=1 train.grad_accum=2 " + args, "OpenMP: ");
   };
-  CHECK(run_with("", "parallel.microbatch_threads=2") ==
-        std::string("OpenMP: idle threads spin ") + kMicrobatchThreadsSpinCount + " rounds, then sleep (GOMP_SPINCOUNT)");
+  CHECK(run_with("", "cpu.microbatch_threads=2") == std::string("OpenMP: idle threads spin ") +
+                                                        kMicrobatchThreadsSpinCount +
+                                                        " rounds, then sleep (GOMP_SPINCOUNT)");
   CHECK(run_with("", "") == "OpenMP: libgomp's own wait (300,000 spin rounds)");
-  CHECK(run_with("GOMP_SPINCOUNT=2000", "parallel.microbatch_threads=2") ==
+  CHECK(run_with("GOMP_SPINCOUNT=2000", "cpu.microbatch_threads=2") ==
         "OpenMP: idle threads spin 2000 rounds, then sleep (GOMP_SPINCOUNT)");
-  CHECK(run_with("OMP_WAIT_POLICY=passive", "parallel.microbatch_threads=2") == "OpenMP: OMP_WAIT_POLICY=passive");
+  CHECK(run_with("OMP_WAIT_POLICY=passive", "cpu.microbatch_threads=2") == "OpenMP: OMP_WAIT_POLICY=passive");
   fs::remove_all(dir);
 }
 
-TEST_CASE("run: ranks started with torchrun's variables and no launcher (rank 0 hosting the store) end without "
-          "the store's connection warnings") {
+TEST_CASE(
+    "run: ranks started with torchrun's variables and no launcher (rank 0 hosting the store) end without "
+    "the store's connection warnings") {
   // Each rank's watchdog polls the store from its own connection; the server rank 0 hosts outlives
   // the communicator and waits at exit for every rank's watchdog to stop (WatchdogOptions::hosted).
   const auto dir = fresh_dir("no-launcher");
   const auto rank = [&](int r, int world, int port) {
-    return fmt::format("env WORLD_SIZE={} RANK={} LOCAL_RANK={} LOCAL_WORLD_SIZE={} MASTER_ADDR=127.0.0.1 MASTER_PORT={} "
-                       "OMP_NUM_THREADS=1 {} run {} logging.output_dir={} parallel.dp={} train.steps=2 eval.interval=0 "
-                       "checkpoint.enabled=false --overwrite",
-                       world, r, r, world, port, kBin, kRecipe, dir, world);
+    return fmt::format(
+        "env WORLD_SIZE={} RANK={} LOCAL_RANK={} LOCAL_WORLD_SIZE={} MASTER_ADDR=127.0.0.1 MASTER_PORT={} "
+        "OMP_NUM_THREADS=1 {} run {} logging.output_dir={} parallel.dp={} train.steps=2 eval.interval=0 "
+        "checkpoint.enabled=false --overwrite",
+        world, r, r, world, port, kBin, kRecipe, dir, world);
   };
   const auto check_quiet = [](const Result& r) {
     INFO(r.out);
@@ -672,15 +674,18 @@ TEST_CASE("run: ranks started with torchrun's variables and no launcher (rank 0 
   for (int attempt = 0; attempt < 8; ++attempt) {
     CAPTURE(attempt);
     const int port = 29752 + attempt;
-    check_quiet(sh(rank(0, 2, port) + " & a=$!; " + rank(1, 2, port) + " & b=$!; wait $a; ra=$?; wait $b; rb=$?; exit $((ra + rb))"));
+    check_quiet(sh(rank(0, 2, port) + " & a=$!; " + rank(1, 2, port) +
+                   " & b=$!; wait $a; ra=$?; wait $b; rb=$?; exit $((ra + rb))"));
   }
   fs::remove_all(dir);
 }
 
 TEST_CASE("run: outputs (metrics, plot, summary, trace) and capacity routing's dropped-token rate") {
   const auto dir = fresh_dir("outputs");
-  const auto out = train_run(dir, "train.steps=6 logging.interval=2 eval.interval=3 parallel.dp=2 "
-                                  "model.routing=capacity model.capacity_factor=0.5 checkpoint.enabled=false --trace --trace-steps 2");
+  const auto out = train_run(
+      dir,
+      "train.steps=6 logging.interval=2 eval.interval=3 parallel.dp=2 "
+      "model.routing=capacity model.capacity_factor=0.5 checkpoint.enabled=false --trace --trace-steps 2");
   CHECK(out.find("validation loss") != std::string::npos);
   std::ifstream svg(dir + "/loss.svg");
   std::string s((std::istreambuf_iterator<char>(svg)), {});
@@ -717,9 +722,12 @@ TEST_CASE("run: outputs (metrics, plot, summary, trace) and capacity routing's d
   CHECK(steps == std::map<int, int>{{0, 2}, {1, 2}});  // --trace-steps 2
   // Each rank's entry gives the system clock less the monotonic clock, as read here now (the
   // machine's clocks do not step within a test).
-  const double now_offset_us =
-      double(std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch()).count() -
-             std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+  const double now_offset_us = double(std::chrono::duration_cast<std::chrono::microseconds>(
+                                          std::chrono::system_clock::now().time_since_epoch())
+                                          .count() -
+                                      std::chrono::duration_cast<std::chrono::microseconds>(
+                                          std::chrono::steady_clock::now().time_since_epoch())
+                                          .count());
   int offsets = 0;
   for (const auto& e : trace["traceEvents"])
     if (e["ph"] == "M" && e["name"] == "process_name") {
@@ -748,8 +756,11 @@ int processes_mentioning(const std::string& needle) {
 
 }  // namespace
 
-TEST_CASE("run: every traced step issues the same collectives in the same order and makes its tensors on its device (capture-ready), dp and pp") {
-  for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=2", "parallel.dp=2 parallel.ep=2"}) {
+TEST_CASE(
+    "run: every traced step issues the same collectives in the same order and makes its tensors on its "
+    "device (capture-ready), dp and pp") {
+  for (const std::string layout :
+       {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=2", "parallel.dp=2 parallel.ep=2"}) {
     CAPTURE(layout);
     const auto dir = fresh_dir("same-steps");
     // The first step also runs under DefaultDeviceCheck: every tensor it makes is on its device.
@@ -762,9 +773,9 @@ TEST_CASE("run: every traced step issues the same collectives in the same order 
     std::map<std::pair<int, int>, std::string> track;  // (pid, tid) -> track name
     for (const auto& e : trace["traceEvents"])
       if (e["ph"] == "M" && e["name"] == "thread_name") track[{e["pid"], e["tid"]}] = e["args"]["name"];
-    std::map<int, std::vector<std::pair<double, double>>> steps;                       // pid -> step spans
-    std::map<int, std::vector<std::tuple<double, std::string>>> comms;                // pid -> (start, what)
-    std::map<int, std::set<std::string>> computed;                                    // pid -> compute span names
+    std::map<int, std::vector<std::pair<double, double>>> steps;        // pid -> step spans
+    std::map<int, std::vector<std::tuple<double, std::string>>> comms;  // pid -> (start, what)
+    std::map<int, std::set<std::string>> computed;                      // pid -> compute span names
     for (const auto& e : trace["traceEvents"]) {
       if (e["ph"] != "X") continue;
       const int pid = e["pid"];
@@ -777,8 +788,10 @@ TEST_CASE("run: every traced step issues the same collectives in the same order 
     REQUIRE(steps.size() == 2);
     // Pipelined, each stage's computations are on its rank's compute track (PyTorch's notation).
     if (layout.find("parallel.pp=2") != std::string::npos) {
-      CHECK(computed[0] == std::set<std::string>{"pipeline step", "clip", "optimizer", "0F0", "0F1", "0B0", "0B1"});
-      CHECK(computed[1] == std::set<std::string>{"pipeline step", "clip", "optimizer", "1F0", "1F1", "1B0", "1B1"});
+      CHECK(computed[0] ==
+            std::set<std::string>{"pipeline step", "clip", "optimizer", "0F0", "0F1", "0B0", "0B1"});
+      CHECK(computed[1] ==
+            std::set<std::string>{"pipeline step", "clip", "optimizer", "1F0", "1F1", "1B0", "1B1"});
     }
     for (auto& [pid, spans] : steps) {
       CAPTURE(pid);
@@ -793,9 +806,9 @@ TEST_CASE("run: every traced step issues the same collectives in the same order 
       CHECK(!per_step[0].empty());
       for (size_t s = 1; s < per_step.size(); ++s) CHECK(per_step[s] == per_step[0]);
       // Expert parallelism's exchanges are traced: both ways in forward and in backward.
-      const auto exchanges = std::count_if(per_step[0].begin(), per_step[0].end(), [](const std::string& what) {
-        return what.find("moe all_to_all") != std::string::npos;
-      });
+      const auto exchanges = std::count_if(
+          per_step[0].begin(), per_step[0].end(),
+          [](const std::string& what) { return what.find("moe all_to_all") != std::string::npos; });
       CHECK((exchanges > 0) == (layout.find("parallel.ep") != std::string::npos));
       if (exchanges > 0) {  // as many of each: forward and backward, dispatch and combine
         auto count = [&](const std::string& label) {
@@ -806,7 +819,8 @@ TEST_CASE("run: every traced step issues the same collectives in the same order 
         };
         const auto dispatch = count("moe all_to_all dispatch");
         CHECK(dispatch > 0);
-        for (const char* label : {"moe all_to_all combine", "moe all_to_all dispatch (backward)", "moe all_to_all combine (backward)"}) {
+        for (const char* label : {"moe all_to_all combine", "moe all_to_all dispatch (backward)",
+                                  "moe all_to_all combine (backward)"}) {
           CAPTURE(label);
           CHECK(count(label) == dispatch);
         }
@@ -820,7 +834,8 @@ TEST_CASE("run: a rank killed mid-step stops the run, is named, and --resume con
   const std::string args = "train.steps=12 checkpoint.interval=4 logging.interval=1 parallel.dp=2";
   train_run(ref, args);
   const auto t0 = std::chrono::steady_clock::now();
-  const auto r = sh("FSDPP_FAULT=kill:rank=1:step=7 " + kBin + " run " + kRecipe + " logging.output_dir=" + dir + " " + args);
+  const auto r = sh("FSDPP_FAULT=kill:rank=1:step=7 " + kBin + " run " + kRecipe +
+                    " logging.output_dir=" + dir + " " + args);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   INFO(r.out);
   CHECK(r.rc == 137);
@@ -839,7 +854,8 @@ TEST_CASE("run: a rank killed mid-step stops the run, is named, and --resume con
   fs::remove_all(ref);
 }
 
-TEST_CASE("run: SIGKILL during a checkpoint write leaves the previous checkpoint, and --resume continues from it") {
+TEST_CASE(
+    "run: SIGKILL during a checkpoint write leaves the previous checkpoint, and --resume continues from it") {
   const auto dir = fresh_dir("ckpt-fire"), ref = fresh_dir("ckpt-fire-ref");
   const std::string args = "train.steps=12 checkpoint.interval=4 logging.interval=1 parallel.dp=2";
   train_run(ref, args);
@@ -860,9 +876,12 @@ TEST_CASE("run: SIGKILL during a checkpoint write leaves the previous checkpoint
   fs::remove_all(ref);
 }
 
-TEST_CASE("run: damaged checkpoints are named by `ckpt verify`, and --resume falls back to the newest that verifies") {
+TEST_CASE(
+    "run: damaged checkpoints are named by `ckpt verify`, and --resume falls back to the newest that "
+    "verifies") {
   const auto dir = fresh_dir("damaged"), ref = fresh_dir("damaged-ref");
-  const std::string args = "train.steps=12 checkpoint.interval=4 checkpoint.keep=3 logging.interval=1 parallel.dp=2";
+  const std::string args =
+      "train.steps=12 checkpoint.interval=4 checkpoint.keep=3 logging.interval=1 parallel.dp=2";
   train_run(ref, args);
   train_run(dir, args + " --stop-after 8");
   const auto ok = sh(kBin + " ckpt verify " + dir);
@@ -885,12 +904,23 @@ TEST_CASE("run: damaged checkpoints are named by `ckpt verify`, and --resume fal
     std::function<std::string(std::string)> change;
   };
   const std::vector<Damage> damage = {
-      {"rank1.safetensors", "rank1.safetensors is damaged: its CRC-32C is", [](std::string b) { b[b.size() / 2] ^= 0x40; return b; }},
-      {"rank0.safetensors", "rank0.safetensors is ", [](std::string b) { return b.substr(0, b.size() - 100); }},
+      {"rank1.safetensors", "rank1.safetensors is damaged: its CRC-32C is",
+       [](std::string b) {
+         b[b.size() / 2] ^= 0x40;
+         return b;
+       }},
+      {"rank0.safetensors", "rank0.safetensors is ",
+       [](std::string b) { return b.substr(0, b.size() - 100); }},
       {"rank1.json", "rank1.json is damaged: its CRC-32C is",
-       [](std::string b) { b[b.find("\"row_offset\": ") + 14] ^= 0x01; return b; }},  // a digit: still valid JSON
+       [](std::string b) {
+         b[b.find("\"row_offset\": ") + 14] ^= 0x01;
+         return b;
+       }},  // a digit: still valid JSON
       {"trainer.json", "trainer.json is damaged: its contents do not match",
-       [](std::string b) { b[b.find("\"step\": 4") + 8] = '5'; return b; }},
+       [](std::string b) {
+         b[b.find("\"step\": 4") + 8] = '5';
+         return b;
+       }},
   };
   for (const auto& d : damage) {
     CAPTURE(d.file);
@@ -912,24 +942,28 @@ TEST_CASE("run: damaged checkpoints are named by `ckpt verify`, and --resume fal
   write(file, bytes);
   const auto bad = sh(kBin + " ckpt verify " + dir);
   CHECK(bad.rc == 1);
-  CHECK(bad.out.find(checkpoint(dir, 8) + ": DAMAGED: checkpoint: " + file + " is damaged") != std::string::npos);
+  CHECK(bad.out.find(checkpoint(dir, 8) + ": DAMAGED: checkpoint: " + file + " is damaged") !=
+        std::string::npos);
   CHECK(bad.out.find(checkpoint(dir, 4) + ": ok (") != std::string::npos);
   const auto out = train_run(dir, args + " --resume");
-  CHECK(out.find("--resume: skipping " + checkpoint(dir, 8) + ": checkpoint: " + file + " is damaged") != std::string::npos);
+  CHECK(out.find("--resume: skipping " + checkpoint(dir, 8) + ": checkpoint: " + file + " is damaged") !=
+        std::string::npos);
   CHECK(out.find("resumed from " + checkpoint(dir, 4)) != std::string::npos);
   check_same_parameters(checkpoint(ref, 12), checkpoint(dir, 12));
   fs::remove_all(dir);
   fs::remove_all(ref);
 }
 
-TEST_CASE("run: --max-restarts starts the group again from its latest checkpoint, and gives up on a failure that repeats") {
+TEST_CASE(
+    "run: --max-restarts starts the group again from its latest checkpoint, and gives up on a failure that "
+    "repeats") {
   const auto dir = fresh_dir("restart"), ref = fresh_dir("restart-ref");
   const std::string args = "train.steps=12 checkpoint.interval=4 logging.interval=1 parallel.dp=2";
   train_run(ref, args);
   // Rank 1 killed as step 7 begins, on the first start only: one restart finishes the run, bitwise
   // equal to the run that never failed.
-  auto r = sh("FSDPP_FAULT=kill:rank=1:step=7 " + kBin + " run " + kRecipe + " logging.output_dir=" + dir + " " + args +
-              " --max-restarts 1");
+  auto r = sh("FSDPP_FAULT=kill:rank=1:step=7 " + kBin + " run " + kRecipe + " logging.output_dir=" + dir +
+              " " + args + " --max-restarts 1");
   INFO(r.out);
   CHECK(r.rc == 0);
   CHECK(r.out.find("fsdpp launch: restart 1 of 1: starting every rank again (the run resumes from its latest "
@@ -952,29 +986,35 @@ TEST_CASE("run: --max-restarts starts the group again from its latest checkpoint
   CHECK(json::parse(std::ifstream(fs::path(dir) / "summary.json"))["restarts"] == 1);
 
   // Without restarts the run fails as before.
-  r = sh("FSDPP_FAULT=kill:rank=1:step=7 " + kBin + " run " + kRecipe + " logging.output_dir=" + dir + " " + args +
-         " --overwrite --max-restarts 0");
+  r = sh("FSDPP_FAULT=kill:rank=1:step=7 " + kBin + " run " + kRecipe + " logging.output_dir=" + dir + " " +
+         args + " --overwrite --max-restarts 0");
   CHECK(r.rc == 137);
   CHECK(r.out.find("fsdpp launch: restart") == std::string::npos);
   // A failure on every start: two restarts, then the cause.
-  r = sh("FSDPP_FAULT=kill:rank=1:step=7:attempt=any " + kBin + " run " + kRecipe + " logging.output_dir=" + dir + " " +
-         args + " --overwrite --max-restarts 2");
+  r = sh("FSDPP_FAULT=kill:rank=1:step=7:attempt=any " + kBin + " run " + kRecipe +
+         " logging.output_dir=" + dir + " " + args + " --overwrite --max-restarts 2");
   INFO(r.out);
   CHECK(r.rc == 137);
   CHECK(r.out.find("restart 2 of 2:") != std::string::npos);
   CHECK(r.out.find("fsdpp launch: restart 3") == std::string::npos);
-  CHECK(r.out.find("fsdpp launch: giving up after 2 restarts; the last failure: rank 1 (pid") != std::string::npos);
+  CHECK(r.out.find("fsdpp launch: giving up after 2 restarts; the last failure: rank 1 (pid") !=
+        std::string::npos);
   fs::remove_all(dir);
   fs::remove_all(ref);
 }
 
-TEST_CASE("run: model.init_from starts from full weights written by fsdpp or by safetensors.torch, and names bad tensors") {
-  const auto a = fresh_dir("init-a"), fresh = fresh_dir("init-fresh"), b = fresh_dir("init-b"), c = fresh_dir("init-c");
-  const std::string args = "train.steps=3 logging.interval=1 parallel.dp=2 eval.interval=0 checkpoint.enabled=false";
+TEST_CASE(
+    "run: model.init_from starts from full weights written by fsdpp or by safetensors.torch, and names bad "
+    "tensors") {
+  const auto a = fresh_dir("init-a"), fresh = fresh_dir("init-fresh"), b = fresh_dir("init-b"),
+             c = fresh_dir("init-c");
+  const std::string args =
+      "train.steps=3 logging.interval=1 parallel.dp=2 eval.interval=0 checkpoint.enabled=false";
   train_run(a, "train.steps=8 logging.interval=1 parallel.dp=2 eval.interval=0");
   const auto weights = a + "/model.safetensors", resaved = a + "/resaved.safetensors";
   REQUIRE(sh(kBin + " ckpt consolidate " + a + " -o " + weights).rc == 0);
-  const std::string resave = kPython + " " + std::string(FSDPP_SOURCE_DIR) + "/tests/train/resave_safetensors.py " + weights;
+  const std::string resave =
+      kPython + " " + std::string(FSDPP_SOURCE_DIR) + "/tests/train/resave_safetensors.py " + weights;
   const auto r = sh(resave + " " + resaved);
   INFO(r.out);
   REQUIRE(r.rc == 0);
@@ -999,14 +1039,16 @@ TEST_CASE("run: model.init_from starts from full weights written by fsdpp or by 
     CHECK(e.out.find(how == "drop" ? bad + ": parameter '" + tensor + "' is missing"
                                    : bad + ": '" + tensor + "' has shape [") != std::string::npos);
   }
-  const auto missing = sh(kBin + " run " + kRecipe + " logging.output_dir=" + fresh_dir("init-none") + " " + args +
-                          " model.init_from=/nonexistent/w.safetensors");
+  const auto missing = sh(kBin + " run " + kRecipe + " logging.output_dir=" + fresh_dir("init-none") + " " +
+                          args + " model.init_from=/nonexistent/w.safetensors");
   CHECK(missing.rc == 2);
   CHECK(missing.out.find("model.init_from: /nonexistent/w.safetensors is not a file") != std::string::npos);
   for (const auto& d : {a, fresh, b, c}) fs::remove_all(d);
 }
 
-TEST_CASE("run: a PyTorch model written from the README's description gives fsdpp's logits from a consolidated file") {
+TEST_CASE(
+    "run: a PyTorch model written from the README's description gives fsdpp's logits from a consolidated "
+    "file") {
   const auto dir = fresh_dir("torch-logits");
   train_run(dir, "train.steps=4 logging.interval=1 parallel.dp=2 eval.interval=0");
   const auto weights = dir + "/model.safetensors", case_file = dir + "/case.safetensors";
@@ -1019,7 +1061,8 @@ TEST_CASE("run: a PyTorch model written from the README's description gives fsdp
     logits = model->forward(tokens);
   }
   write_safetensors(case_file, {{"tokens", tokens}, {"logits", logits}});
-  const std::string ref = kPython + " " + std::string(FSDPP_SOURCE_DIR) + "/tests/train/torch_reference_model.py ";
+  const std::string ref =
+      kPython + " " + std::string(FSDPP_SOURCE_DIR) + "/tests/train/torch_reference_model.py ";
   const auto r = sh(ref + weights + " " + case_file);
   INFO(r.out);
   CHECK(r.rc == 0);
@@ -1055,8 +1098,9 @@ TEST_CASE("run: a PyTorch model written from the README's description gives fsdp
 TEST_CASE("run: a rank that skips one all_gather: every rank dumps, the run ends, the analysis names it") {
   const auto dir = fresh_dir("hang");
   const auto t0 = std::chrono::steady_clock::now();
-  const auto r = sh("FSDPP_FAULT=skip_all_gather:rank=1:count=5 " + kBin + " run " + kRecipe + " logging.output_dir=" +
-                    dir + " parallel.dp=4 train.global_batch=8 dist.watchdog_timeout_s=2");
+  const auto r =
+      sh("FSDPP_FAULT=skip_all_gather:rank=1:count=5 " + kBin + " run " + kRecipe +
+         " logging.output_dir=" + dir + " parallel.dp=4 train.global_batch=8 dist.watchdog_timeout_s=2");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   INFO(r.out);
   CHECK(r.rc == 124);
@@ -1076,8 +1120,9 @@ TEST_CASE("run: a rank that skips one all_gather: every rank dumps, the run ends
 
 TEST_CASE("run: with dist.check_collectives, ranks that disagree fail at once, naming both sides") {
   const auto dir = fresh_dir("mismatch");
-  const auto r = sh("FSDPP_FAULT=skip_all_gather:rank=1:count=5 " + kBin + " run " + kRecipe + " logging.output_dir=" +
-                    dir + " parallel.dp=2 dist.check_collectives=true dist.watchdog_timeout_s=60");
+  const auto r = sh("FSDPP_FAULT=skip_all_gather:rank=1:count=5 " + kBin + " run " + kRecipe +
+                    " logging.output_dir=" + dir +
+                    " parallel.dp=2 dist.check_collectives=true dist.watchdog_timeout_s=60");
   INFO(r.out);
   CHECK(r.rc != 0);
   CHECK(r.rc != 124);  // the check, not the watchdog
@@ -1088,7 +1133,8 @@ TEST_CASE("run: with dist.check_collectives, ranks that disagree fail at once, n
 TEST_CASE("run: bfloat16 compute with float32 router gates and norms trains, at dp=2 and at pp=2") {
   const std::string mp =
       "precision.param_dtype=bfloat16 'precision.overrides=[{\"match\": \"*.router.gate.weight\", "
-      "\"param_dtype\": \"float32\", \"grad_dtype\": \"float32\"}, {\"match\": \"*norm*\", \"param_dtype\": \"float32\"}]' "
+      "\"param_dtype\": \"float32\", \"grad_dtype\": \"float32\"}, {\"match\": \"*norm*\", \"param_dtype\": "
+      "\"float32\"}]' "
       "train.steps=20 logging.interval=1 eval.interval=0";
   for (const std::string layout : {"parallel.dp=2", "parallel.pp=2 parallel.microbatches=2"}) {
     CAPTURE(layout);

@@ -84,11 +84,14 @@ TEST_CASE("tokenizer: the bundled BPE round-trips every fortune file exactly, in
     bytes += static_cast<int64_t>(text.size());
     tokens += static_cast<int64_t>(ids.size());
   }
-  MESSAGE(fmt::format("fortunes: {} bytes in {} tokens, {:.3f} bytes/token", bytes, tokens, double(bytes) / double(tokens)));
+  MESSAGE(fmt::format("fortunes: {} bytes in {} tokens, {:.3f} bytes/token", bytes, tokens,
+                      double(bytes) / double(tokens)));
   CHECK(double(bytes) / double(tokens) > 2.0);
 }
 
-TEST_CASE("tokenizer: bytes that SentencePiece cannot see still round-trip (invalid UTF-8, NUL, U+2581, CR, tabs)") {
+TEST_CASE(
+    "tokenizer: bytes that SentencePiece cannot see still round-trip (invalid UTF-8, NUL, U+2581, CR, "
+    "tabs)") {
   const auto tok = train::Tokenizer::load(kBundled);
   const std::vector<std::string> hostile = {
       "",
@@ -148,22 +151,26 @@ TEST_CASE("tokenizer: training BPE and unigram on text files, the report, and er
   CHECK_THROWS_WITH_AS(train::train_tokenizer(bad), has((dir / "missing").string()), std::runtime_error);
   bad.inputs = {dir.string()};
   bad.vocab_size = 100;
-  CHECK_THROWS_WITH_AS(train::train_tokenizer(bad), doctest::Contains("--vocab 100 is too small"), std::runtime_error);
-  CHECK_THROWS_WITH_AS(train::Tokenizer::load((dir / "doc0").string()), doctest::Contains("not a SentencePiece model"),
+  CHECK_THROWS_WITH_AS(train::train_tokenizer(bad), doctest::Contains("--vocab 100 is too small"),
                        std::runtime_error);
-  CHECK_THROWS_WITH_AS(train::Tokenizer::load((dir / "nope.model").string()), doctest::Contains("no such file"),
-                       std::runtime_error);
+  CHECK_THROWS_WITH_AS(train::Tokenizer::load((dir / "doc0").string()),
+                       doctest::Contains("not a SentencePiece model"), std::runtime_error);
+  CHECK_THROWS_WITH_AS(train::Tokenizer::load((dir / "nope.model").string()),
+                       doctest::Contains("no such file"), std::runtime_error);
   fs::remove_all(dir);
 }
 
-TEST_CASE("shards: files numpy writes in llm.c's layout (uint16 and uint32) and nanoGPT's read back token for token") {
+TEST_CASE(
+    "shards: files numpy writes in llm.c's layout (uint16 and uint32) and nanoGPT's read back token for "
+    "token") {
   const auto dir = fresh_dir("numpy");
   for (const auto& sub : {"llmc16", "llmc32", "nanogpt"}) fs::create_directories(dir / sub);
   // llm.c's write_datafile, as its dev/data scripts call it: a 256 x int32 header (magic, version,
   // token count), then the tokens; two train shards and a val shard per directory.
   python(R"(
 import numpy as np, sys
-root = ")" + dir.string() + R"("
+root = ")" +
+         dir.string() + R"("
 rng = np.random.default_rng(7)
 def write_datafile(path, toks, magic, version, dtype):
     header = np.zeros(256, dtype=np.int32)
@@ -190,12 +197,15 @@ for name, n in [("train", 900), ("val", 100)]:
     }
     return out;
   };
-  for (const auto& [sub, vocab] : std::vector<std::pair<std::string, int64_t>>{{"llmc16", 50257}, {"llmc32", 128256}}) {
+  for (const auto& [sub, vocab] :
+       std::vector<std::pair<std::string, int64_t>>{{"llmc16", 50257}, {"llmc32", 128256}}) {
     CAPTURE(sub);
-    const train::ShardSet train(( dir / sub).string(), "train", vocab), val((dir / sub).string(), "val", vocab);
+    const train::ShardSet train((dir / sub).string(), "train", vocab),
+        val((dir / sub).string(), "val", vocab);
     CHECK(train.segments() == 2);
     CHECK(train.tokens() == 1777);
-    CHECK(all_tokens(train) == expected({dir / sub / "data_train_000001.bin.txt", dir / sub / "data_train_000002.bin.txt"}));
+    CHECK(all_tokens(train) ==
+          expected({dir / sub / "data_train_000001.bin.txt", dir / sub / "data_train_000002.bin.txt"}));
     CHECK(all_tokens(val) == expected({dir / sub / "data_val_000000.bin.txt"}));
     CHECK(train.index().is_null());
   }
@@ -214,7 +224,8 @@ for name, n in [("train", 900), ("val", 100)]:
     const int64_t w = stream.window_of(i);
     const auto& src = w < in_first ? first : second;
     const int64_t offset = (w < in_first ? w : w - in_first) * 64;
-    const auto want = at::tensor(std::vector<int64_t>(src.begin() + offset, src.begin() + offset + 65), at::kLong);
+    const auto want =
+        at::tensor(std::vector<int64_t>(src.begin() + offset, src.begin() + offset + 65), at::kLong);
     CHECK(x[i].equal(want));
   }
   fs::remove_all(dir);
@@ -238,8 +249,9 @@ TEST_CASE("shards: a cut-short, mislabelled or out-of-vocabulary shard is named 
   };
   const auto fds = open_files();
   auto file = make(20240520, 1, 10, std::vector<uint16_t>(7, 5));
-  CHECK_THROWS_WITH_AS(open(), has(file + ": the header (offset 8) says 10 tokens, 1044 bytes in all, but the "
-                                                 "file has 1038 bytes (cut short at offset 1038)"),
+  CHECK_THROWS_WITH_AS(open(),
+                       has(file + ": the header (offset 8) says 10 tokens, 1044 bytes in all, but the "
+                                  "file has 1038 bytes (cut short at offset 1038)"),
                        std::runtime_error);
   file = make(20240521, 1, 3, std::vector<uint16_t>(3, 5));
   CHECK_THROWS_WITH_AS(open(), has(file + ": magic 20240521 at offset 0 is not llm.c's"), std::runtime_error);
@@ -248,14 +260,17 @@ TEST_CASE("shards: a cut-short, mislabelled or out-of-vocabulary shard is named 
   fs::remove_all(dir);
   fs::create_directories(dir);
   write(dir / "x_train_000001.bin", std::string(100, 'x'));
-  CHECK_THROWS_WITH_AS(open(), doctest::Contains("100 bytes, shorter than llm.c's 1024-byte header"), std::runtime_error);
+  CHECK_THROWS_WITH_AS(open(), doctest::Contains("100 bytes, shorter than llm.c's 1024-byte header"),
+                       std::runtime_error);
   file = make(20240520, 1, 4, {1, 2, 1234, 3});
   const auto set = open();
   int64_t out[4];
-  CHECK_THROWS_WITH_AS(set.read(0, 0, 4, out),
-                       has(file + ": token 1234 at byte offset 1028 is outside the model's vocabulary of 1000"),
+  CHECK_THROWS_WITH_AS(
+      set.read(0, 0, 4, out),
+      has(file + ": token 1234 at byte offset 1028 is outside the model's vocabulary of 1000"),
+      std::runtime_error);
+  CHECK_THROWS_WITH_AS(train::ShardSet(dir.string(), "val", 1000), doctest::Contains("holds no val shards"),
                        std::runtime_error);
-  CHECK_THROWS_WITH_AS(train::ShardSet(dir.string(), "val", 1000), doctest::Contains("holds no val shards"), std::runtime_error);
   CHECK(open_files() == fds);  // no descriptor stays open, for refused shards or mapped ones
   fs::remove_all(dir);
 }
@@ -307,8 +322,8 @@ TEST_CASE("shards: tokenize_to_shards writes what the tokenizer gives, eot-separ
   // A second run replaces the first; a directory holding anything else is refused.
   CHECK_NOTHROW(train::tokenize_to_shards(*tok, o));
   write(dir / "out" / "notes.txt", "mine");
-  CHECK_THROWS_WITH_AS(train::tokenize_to_shards(*tok, o), doctest::Contains("notes.txt, which is not a shard"),
-                       std::runtime_error);
+  CHECK_THROWS_WITH_AS(train::tokenize_to_shards(*tok, o),
+                       doctest::Contains("notes.txt, which is not a shard"), std::runtime_error);
   fs::remove_all(dir);
 }
 
@@ -316,7 +331,8 @@ TEST_CASE("tokenizer: encoding on several threads, in pieces cut at newlines, gi
   const auto tok = train::Tokenizer::load(kBundled);
   std::vector<std::string> texts;
   for (const auto& f : fortune_files()) texts.push_back(read(f));
-  texts.push_back(std::string(3 << 20, 'a') + "\n" + std::string(100, 'b'));  // a piece boundary inside a long line
+  texts.push_back(std::string(3 << 20, 'a') + "\n" +
+                  std::string(100, 'b'));  // a piece boundary inside a long line
   texts.push_back("");
   const auto all = train::encode_all(*tok, texts, 3);
   REQUIRE(all.size() == texts.size());

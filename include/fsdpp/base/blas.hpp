@@ -8,8 +8,8 @@
 namespace fsdpp {
 
 struct BlasInfo {
-  std::string library;  // resolved path of the loaded BLAS, or "inside libtorch_cpu.so"
-  std::string kind;     // "OpenBLAS (pthread)", "reference BLAS", "mkl", ...
+  std::string library;       // resolved path of the loaded BLAS, or "inside libtorch_cpu.so"
+  std::string kind;          // "OpenBLAS (pthread)", "reference BLAS", "mkl", ...
   double matmul_gflops = 0;  // float32 1024x1024 matmul on this process's threads
 };
 

@@ -87,6 +87,7 @@ std::string crc_hex(uint32_t crc);
 // Checks `path` against the size and CRC-32C (as crc_hex writes it) that `recorded_in` holds for
 // it. Throws std::runtime_error "checkpoint: <path> is missing", "... is N bytes, but <recorded_in>
 // records M (cut short or overwritten)" or "... is damaged: its CRC-32C is X, <recorded_in> records Y".
-void check_file_digest(const std::string& path, uint64_t bytes, const std::string& crc32c, const std::string& recorded_in);
+void check_file_digest(const std::string& path, uint64_t bytes, const std::string& crc32c,
+                       const std::string& recorded_in);
 
 }  // namespace fsdpp

@@ -4,7 +4,7 @@
 // ...) to MKL's vector math (vmsCos, vmdExp, ...; ATen/cpu/vml.h), and MKL picks each function's
 // kernel at that function's first call in the process. Two threads making that first call at once
 // can leave one of them on a less accurate kernel for that one call (pytorch/pytorch#188792, seen
-// with the oneMKL 2024.2 that PyTorch's x86 wheels carry). parallel.microbatch_threads=2 met it:
+// with the oneMKL 2024.2 that PyTorch's x86 wheels carry). cpu.microbatch_threads=2 met it:
 // both threads' first forwards compute their rotary tables' cosines at about the same moment, and
 // in about one run in sixty one thread's table came out different in its last bits, and with it
 // the run's parameters. ATen's own intra-op threads meet it the same way on a first operator large

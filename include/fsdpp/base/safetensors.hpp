@@ -23,7 +23,8 @@ struct SafetensorsFile {
 // Writes `path` directly (callers that need atomicity write a temporary name and rename). CPU
 // tensors of any dtype safetensors names (F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL); names must be
 // unique and must not be "__metadata__".
-void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+void write_safetensors(const std::string& path,
+                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
 // Reads a whole file. Every inconsistency (truncated file, header past the end, bad JSON, unknown

@@ -34,14 +34,12 @@ class CommImpl {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const char* backend() const = 0;
-  virtual Work all_gather(const at::Tensor& out, const at::Tensor& in,
-                          const AllGatherOptions& opts) = 0;
+  virtual Work all_gather(const at::Tensor& out, const at::Tensor& in, const AllGatherOptions& opts) = 0;
   virtual Work reduce_scatter(const at::Tensor& out, const at::Tensor& in,
                               const ReduceScatterOptions& opts) = 0;
   virtual Work all_reduce(const at::Tensor& t, const AllReduceOptions& opts) = 0;
   virtual Work broadcast(const at::Tensor& t, const BroadcastOptions& opts) = 0;
-  virtual Work all_to_all(const at::Tensor& out, const at::Tensor& in,
-                          const AllToAllOptions& opts) = 0;
+  virtual Work all_to_all(const at::Tensor& out, const at::Tensor& in, const AllToAllOptions& opts) = 0;
   virtual Work send(const at::Tensor& t, int dst, uint32_t tag) = 0;
   virtual Work recv(const at::Tensor& t, int src, uint32_t tag) = 0;
   virtual Work barrier() = 0;
@@ -69,8 +67,7 @@ class Comm {
   const char* backend() const;
 
   Work all_gather(const at::Tensor& out, const at::Tensor& in, AllGatherOptions opts = {});
-  Work reduce_scatter(const at::Tensor& out, const at::Tensor& in,
-                      ReduceScatterOptions opts = {});
+  Work reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceScatterOptions opts = {});
   Work all_reduce(const at::Tensor& t, AllReduceOptions opts = {});
   Work broadcast(const at::Tensor& t, BroadcastOptions opts = {});
   Work all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptions opts = {});

@@ -18,8 +18,8 @@ namespace fsdpp::comm {
 struct Fault {
   std::string kind;  // empty: none
   int rank = -1;
-  int64_t at = -1;  // count or step
-  int attempt = 0;  // the start of the group it fires on; -1: every start
+  int64_t at = -1;        // count or step
+  int attempt = 0;        // the start of the group it fires on; -1: every start
   bool disarmed = false;  // not this start
   // Whether `kind` is due on this rank at `at` (the trainer's kinds).
   bool due(const std::string& k, int rank_now, int64_t at_now) const {

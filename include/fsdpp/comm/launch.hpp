@@ -13,11 +13,11 @@
 namespace fsdpp::comm {
 
 struct LaunchOptions {
-  int nproc = 1;      // ranks on this node
+  int nproc = 1;  // ranks on this node
   int nnodes = 1;
   int node_rank = 0;
-  std::string master_addr;  // empty: 127.0.0.1 (single node only)
-  uint16_t master_port = 0;  // 0: a free port (single node only)
+  std::string master_addr;           // empty: 127.0.0.1 (single node only)
+  uint16_t master_port = 0;          // 0: a free port (single node only)
   std::vector<std::string> command;  // program and its arguments
   // NAME=value entries for every rank's environment, each replacing the launcher's own NAME.
   std::vector<std::string> env;
@@ -38,10 +38,10 @@ struct LaunchOptions {
 };
 
 struct LaunchResult {
-  int exit_code = 0;      // 0, the first failing rank's exit code, or 128 + its signal
-  int failed_rank = -1;   // global rank; -1 when all succeeded or the failure was on another node
-  std::string reason;     // "rank 1 (pid 123) was killed by signal 9 (SIGKILL)"
-  int restarts = 0;       // how many times the group was started again
+  int exit_code = 0;     // 0, the first failing rank's exit code, or 128 + its signal
+  int failed_rank = -1;  // global rank; -1 when all succeeded or the failure was on another node
+  std::string reason;    // "rank 1 (pid 123) was killed by signal 9 (SIGKILL)"
+  int restarts = 0;      // how many times the group was started again
 };
 
 // Runs the ranks to completion. Throws std::invalid_argument for inconsistent options. Installs

@@ -36,7 +36,9 @@ struct OpSummary {
 };
 
 struct WorkState {
-  explicit WorkState(std::string what) : what_(std::move(what)), summary_{} { std::call_once(described_, [] {}); }
+  explicit WorkState(std::string what) : what_(std::move(what)), summary_{} {
+    std::call_once(described_, [] {});
+  }
   explicit WorkState(const OpSummary& summary) : summary_(summary) {}
 
   // "rank 1/4 all_gather Float in=10 out=40"; made on first use, from any thread.

@@ -30,12 +30,12 @@ void load_sharded(UnitHolder& root, const std::string& dir, AdamW* optimizer = n
 // The same for a model made of several sharded roots (pipeline stages): `shards` are this rank's,
 // from all of its roots; `rank` of `world` names the files. Neither synchronises.
 void write_shard_files(const std::vector<Shard>& shards, int rank, int world, const std::string& dir,
-                 AdamW* optimizer = nullptr);
+                       AdamW* optimizer = nullptr);
 // The roots must be resharded (their sharded parameters are written).
 // `present_only`: read only the ranks' files present in `dir` (one node's directory of a checkpoint
 // on local storage); the rows this rank owns must be among them.
-void read_shard_files(const std::vector<Shard>& shards, const std::string& dir,
-                 AdamW* optimizer = nullptr, bool present_only = false);
+void read_shard_files(const std::vector<Shard>& shards, const std::string& dir, AdamW* optimizer = nullptr,
+                      bool present_only = false);
 
 // Checks every rank's files of a checkpoint (sizes and checksums, each index against its tensors)
 // without a model, one rank's file in memory at a time. Throws naming the file and the damage.

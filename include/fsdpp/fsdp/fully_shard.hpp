@@ -53,7 +53,7 @@ struct ImplOf {
   using type = M;
 };
 template <class M>
-  requires requires { typename M::ContainedType; }
+requires requires { typename M::ContainedType; }
 struct ImplOf<M> {
   using type = typename M::ContainedType;
 };
@@ -71,7 +71,9 @@ struct ForwardAs<Derived, R (C::*)(A...) const> : ForwardAs<Derived, R (C::*)(A.
 
 // A forward that is neither a template nor overloaded: its address can be taken.
 template <class Impl>
-concept HasPlainForward = requires { &Impl::forward; };
+concept HasPlainForward = requires {
+  &Impl::forward;
+};
 
 // A module whose forward is a template or overloaded (torch::nn::Sequential) gets a template
 // forward instead.
@@ -132,10 +134,9 @@ void shard_tree(UnitHolder& top, const comm::Comm& comm, const FullyShardOptions
 }  // namespace detail
 
 template <class M>
-class FullyShardImpl
-    : public torch::nn::Module,
-      public UnitHolder,
-      public detail::ForwardFor<FullyShardImpl<M>, typename detail::ImplOf<M>::type> {
+class FullyShardImpl : public torch::nn::Module,
+                       public UnitHolder,
+                       public detail::ForwardFor<FullyShardImpl<M>, typename detail::ImplOf<M>::type> {
  public:
   using Impl = typename detail::ImplOf<M>::type;
   static_assert(std::is_base_of_v<torch::nn::Module, Impl>,
@@ -147,7 +148,7 @@ class FullyShardImpl
     adopt_members(*this, *inner_);
   }
   template <class H>
-    requires std::is_base_of_v<torch::nn::ModuleHolder<Impl>, H>
+  requires std::is_base_of_v<torch::nn::ModuleHolder<Impl>, H>
   explicit FullyShardImpl(const H& holder) : FullyShardImpl(holder.ptr()) {}
 
   template <class... A>
@@ -222,9 +223,8 @@ FullyShard<M>& fully_shard(FullyShard<M>& unit, const comm::Comm& comm,
 
 // Wraps `module` and shards it as the root (see the top of this file).
 template <class Impl>
-  requires std::is_base_of_v<torch::nn::Module, Impl>
-FullyShard<Impl> fully_shard(std::shared_ptr<Impl> module, const comm::Comm& comm,
-                             const FullyShardOptions& options = {}) {
+requires std::is_base_of_v<torch::nn::Module, Impl> FullyShard<Impl> fully_shard(
+    std::shared_ptr<Impl> module, const comm::Comm& comm, const FullyShardOptions& options = {}) {
   FullyShard<Impl> root(std::make_shared<FullyShardImpl<Impl>>(std::move(module)));
   root->fsdp_unit().set_label("root");
   detail::shard_tree(*root.ptr(), comm, options, "");
@@ -248,8 +248,7 @@ std::vector<Shard> shards(UnitHolder& root);
 std::vector<std::pair<std::string, at::Tensor>> full_state_dict(UnitHolder& root);
 // Sets every parameter's shard from full tensors (for example a full_state_dict() taken at another
 // world size). Not collective. Throws naming missing parameters or shape mismatches.
-void load_full_state_dict(UnitHolder& root,
-                          const std::vector<std::pair<std::string, at::Tensor>>& state);
+void load_full_state_dict(UnitHolder& root, const std::vector<std::pair<std::string, at::Tensor>>& state);
 
 // The gradient norm over every sharded parameter of the tree (one all-reduce); when it exceeds
 // max_norm, the gradients are scaled down to it. Returns the norm before clipping.

@@ -110,23 +110,23 @@ class ParamGroup {
  private:
   struct Param {
     std::vector<std::string> names;
-    at::Tensor param;      // the module's parameter (identity kept)
-    at::Tensor unsharded;  // full-size compute-dtype view of the unit's unsharded buffer, as param is
+    at::Tensor param;              // the module's parameter (identity kept)
+    at::Tensor unsharded;          // full-size compute-dtype view of the unit's unsharded buffer, as param is
     int64_t unsharded_offset = 0;  // bytes into the unsharded buffer
-    at::Tensor padded;     // this rank's rows, zero-padded to padded_rows, original dtype
+    at::Tensor padded;             // this rank's rows, zero-padded to padded_rows, original dtype
     // padded's bytes, where Note [raw copies] reads them (on the CPU, in the compute dtype); null
     // where they go through the views. padded's storage is made once and never resized.
     const char* padded_raw = nullptr;
-    at::Tensor sharded;    // leaf view of padded's real rows: what the optimizer updates
-    at::Tensor grad_acc;   // unsharded gradient accumulated in grad_dtype
+    at::Tensor sharded;   // leaf view of padded's real rows: what the optimizer updates
+    at::Tensor grad_acc;  // unsharded gradient accumulated in grad_dtype
     std::vector<int64_t> shape;
     int64_t rows = 0, padded_rows = 0, row_offset = 0, local_rows = 0, row_numel = 1;
     at::ScalarType compute_dtype, grad_dtype;
     int64_t gather_offset = 0, gather_bytes = 0;  // within one rank's slot of the all-gather
     int64_t reduce_offset = 0;                    // elements, within one rank's reduce slot
     // Views into the persistent buffers, made once (see Note [persistent views]).
-    at::Tensor copy_in;                                      // in this rank's gather slot
-    std::vector<std::pair<at::Tensor, at::Tensor>> copy_out; // (unsharded rows, gathered rows)
+    at::Tensor copy_in;                                       // in this rank's gather slot
+    std::vector<std::pair<at::Tensor, at::Tensor>> copy_out;  // (unsharded rows, gathered rows)
     struct Pack {
       at::Tensor dst;  // rows of the reduce input
       int64_t offset;  // of dst's first element in the flattened gradient
@@ -162,7 +162,8 @@ class ParamGroup {
   std::vector<int64_t> whole_shape(const Param& q) const;
   int64_t whole_row_offset(const Param& q) const { return block_index() * q.rows + q.row_offset; }
   std::string label_;
-  std::string gather_label_, reduce_label_, replicate_label_;  // flight-recorder labels of this unit's collectives
+  std::string gather_label_, reduce_label_,
+      replicate_label_;  // flight-recorder labels of this unit's collectives
   std::vector<Param> params_;
   int64_t gather_slot_bytes_ = 0;
   int64_t reduce_slot_numel_ = 0;
@@ -184,9 +185,11 @@ class ParamGroup {
   char* allocate(const at::Tensor& t, size_t nbytes) const;
   void release(const at::Tensor& t) const;
   at::Tensor unsharded_buf_;  // bytes behind every unsharded parameter, allocated while unsharded
-  at::Tensor gather_buf_;   // [ranks x slot] bytes, storage allocated only while in use (alone: unsharded_buf_)
+  at::Tensor
+      gather_buf_;  // [ranks x slot] bytes, storage allocated only while in use (alone: unsharded_buf_)
   at::Tensor gather_slot_;  // this rank's slot of gather_buf_
-  at::Tensor reduce_buf_;              // likewise, in reduce_dtype: [ranks x slot] input, then a slot of output (alone: one slot, both)
+  at::Tensor
+      reduce_buf_;  // likewise, in reduce_dtype: [ranks x slot] input, then a slot of output (alone: one slot, both)
   at::Tensor reduce_in_, reduce_out_;  // its two parts
   // The starts of the gather and reduce buffers' bytes while allocated, as allocate returned them
   // (Note [raw copies]).

@@ -47,7 +47,7 @@ struct FullyShardOptions {
   // lifetime, at fixed addresses, as CUDA graph replay needs; resharding then only marks the
   // parameters as not gathered (reading one is no longer an error) and saves no memory, so
   // reshard_after_forward defaults to false: one all-gather per unit per step instead of two
-  // (dp=2 on CPU: 18% more tokens/s without the backward gathers, bench/results/fsdp.md).
+  // (bench/results/fsdp.md times both).
   bool static_buffers = false;
   // HSDP (hybrid sharding): the communicator over the replicas of this rank's shard group. The
   // parameters are sharded over the `comm` given to fully_shard as usual; gradients are
@@ -158,7 +158,7 @@ class Unit {
   std::unique_ptr<ParamGroup> group_;
   std::shared_ptr<detail::Tree> tree_;
   std::vector<Unit*> forward_prefetch_, backward_prefetch_;
-  std::vector<const void*> owned_;  // TensorImpls of the parameters this unit manages
+  std::vector<const void*> owned_;                // TensorImpls of the parameters this unit manages
   int64_t order_pos_ = -1, last_order_pos_ = -1;  // in the tree's forward_order, last_forward_order
   bool pre_backward_done_ = false;
   bool post_backward_done_ = false;

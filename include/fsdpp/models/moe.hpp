@@ -53,9 +53,9 @@
 #include <utility>
 #include <vector>
 
-#include "fsdpp/comm/comm.hpp"
+#include "fsdpp/models/token_exchange.hpp"
 #include "fsdpp/models/config.hpp"
-#include "fsdpp/models/kernels.hpp"
+#include "fsdpp/models/cpu/kernels.hpp"
 
 namespace fsdpp::models {
 
@@ -77,7 +77,7 @@ struct RouterStats {
   double dropped_fraction() const;
 };
 
-// `fused`: models::rms_norm's single-pass kernel, else the composition (see models/kernels.hpp).
+// `fused`: models::rms_norm's single-pass kernel, else the composition (see models/cpu/kernels.hpp).
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t dim, double eps, bool fused = true);
   at::Tensor forward(const at::Tensor& x);
@@ -95,7 +95,7 @@ struct AttentionImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   int64_t heads;
   double rope_theta;
-  bool own_products;  // models::linear's own routes where they beat ATen's (MoEConfig::onednn_matmul)
+  bool own_products;  // models::linear's own routes where they beat ATen's (MoEConfig::own_products)
   bool fused;         // models::rotary_causal_attention's kernel, else scaled_dot_product_attention
   torch::nn::Linear qkv{nullptr}, out{nullptr};
 
@@ -112,7 +112,7 @@ struct SwiGLUImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear w1{nullptr}, w3{nullptr}, w2{nullptr};
   bool fused;         // silu(w1 x) * w3 x by models::swiglu's kernel, else the composition
-  bool own_products;  // models::linear's own routes where they beat ATen's (MoEConfig::onednn_matmul)
+  bool own_products;  // models::linear's own routes where they beat ATen's (MoEConfig::own_products)
 };
 TORCH_MODULE(SwiGLU);
 
@@ -133,7 +133,7 @@ struct ExpertsImpl : torch::nn::Module {
   int64_t count() const { return w1.size(0); }
   at::Tensor w1, w3, w2;
   bool fused;         // the fused kernels (models::expert_swiglu, models::swiglu), else the composition
-  bool own_products;  // models::grouped_linear's own routes where they beat ATen's (MoEConfig::onednn_matmul)
+  bool own_products;  // models::grouped_linear's own routes where they beat ATen's (MoEConfig::own_products)
 };
 TORCH_MODULE(Experts);
 
@@ -146,12 +146,12 @@ TORCH_MODULE(Router);
 
 // What the router decided for a [tokens, dim] input.
 struct Routing {
-  at::Tensor logits;   // [T, E], float32
-  at::Tensor scores;   // [T, E], float32 (softmax or sigmoid of logits)
-  at::Tensor weights;  // [T, k], float32, the combine weights
-  at::Tensor experts;  // [T, k], int64
-  at::Tensor aux_loss; // scalar: E * sum_e f_e * P_e
-  at::Tensor z_loss;   // scalar: mean over tokens of logsumexp(logits)^2
+  at::Tensor logits;    // [T, E], float32
+  at::Tensor scores;    // [T, E], float32 (softmax or sigmoid of logits)
+  at::Tensor weights;   // [T, k], float32, the combine weights
+  at::Tensor experts;   // [T, k], int64
+  at::Tensor aux_loss;  // scalar: E * sum_e f_e * P_e
+  at::Tensor z_loss;    // scalar: mean over tokens of logsumexp(logits)^2
 };
 
 struct MoEImpl : torch::nn::Module {
@@ -159,8 +159,8 @@ struct MoEImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   Routing route(const at::Tensor& flat) const;
   // Keeps this rank's E / ep experts and exchanges rows over `ep` (the top of this file).
-  void set_expert_parallel(const comm::Comm& ep);
-  const comm::Comm& expert_parallel() const { return ep_; }
+  void set_expert_parallel(std::shared_ptr<TokenExchange> ep);
+  const std::shared_ptr<TokenExchange>& expert_parallel() const { return ep_; }
   // Calls the experts through `wrapper` (a module around them whose forward takes and returns what
   // ExpertsImpl::forward does, such as an fsdp::FullyShard unit), also under the name "experts".
   void wrap_experts(torch::nn::AnyModule wrapper);
@@ -177,7 +177,7 @@ struct MoEImpl : torch::nn::Module {
   at::Tensor run_experts(const at::Tensor& rows, const at::Tensor& counts);
   at::Tensor call_experts(const at::Tensor& x, const at::Tensor& offsets);
   torch::nn::AnyModule experts_call_;  // empty: experts itself
-  comm::Comm ep_;
+  std::shared_ptr<TokenExchange> ep_;  // null: every expert here
 };
 TORCH_MODULE(MoE);
 
@@ -223,7 +223,7 @@ class MoETransformerImpl : public torch::nn::Module {
   void wrap_blocks(const std::function<torch::nn::AnyModule(const Block&, int64_t layer)>& wrap);
   // Expert parallelism for every MoE layer (MoEImpl::set_expert_parallel); call on a full model
   // before cutting stages or wrapping. Throws when ep does not divide the experts.
-  void set_expert_parallel(const comm::Comm& ep);
+  void set_expert_parallel(const std::shared_ptr<TokenExchange>& ep);
 
   torch::nn::Embedding embed{nullptr};
   std::shared_ptr<torch::nn::Module> layers;  // children named by global layer index

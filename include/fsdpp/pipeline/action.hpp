@@ -50,28 +50,40 @@ class ScheduleError : public std::runtime_error {
 
 inline const char* type_token(ActionType t) {
   switch (t) {
-    case ActionType::kForward: return "F";
-    case ActionType::kBackward: return "B";
-    case ActionType::kBackwardInput: return "I";
-    case ActionType::kBackwardWeight: return "W";
-    case ActionType::kSendF: return "SEND_F";
-    case ActionType::kRecvF: return "RECV_F";
-    case ActionType::kSendB: return "SEND_B";
-    case ActionType::kRecvB: return "RECV_B";
-    case ActionType::kUnshard: return "UNSHARD";
-    case ActionType::kReshard: return "RESHARD";
-    case ActionType::kReduceGrad: return "REDUCE_GRAD";
+    case ActionType::kForward:
+      return "F";
+    case ActionType::kBackward:
+      return "B";
+    case ActionType::kBackwardInput:
+      return "I";
+    case ActionType::kBackwardWeight:
+      return "W";
+    case ActionType::kSendF:
+      return "SEND_F";
+    case ActionType::kRecvF:
+      return "RECV_F";
+    case ActionType::kSendB:
+      return "SEND_B";
+    case ActionType::kRecvB:
+      return "RECV_B";
+    case ActionType::kUnshard:
+      return "UNSHARD";
+    case ActionType::kReshard:
+      return "RESHARD";
+    case ActionType::kReduceGrad:
+      return "REDUCE_GRAD";
   }
   return "?";
 }
 
 inline bool is_compute(ActionType t) {
-  return t == ActionType::kForward || t == ActionType::kBackward ||
-         t == ActionType::kBackwardInput || t == ActionType::kBackwardWeight;
+  return t == ActionType::kForward || t == ActionType::kBackward || t == ActionType::kBackwardInput ||
+         t == ActionType::kBackwardWeight;
 }
 
 inline bool is_send_recv(ActionType t) {
-  return t == ActionType::kSendF || t == ActionType::kRecvF || t == ActionType::kSendB || t == ActionType::kRecvB;
+  return t == ActionType::kSendF || t == ActionType::kRecvF || t == ActionType::kSendB ||
+         t == ActionType::kRecvB;
 }
 
 inline bool has_microbatch(ActionType t) {
@@ -108,8 +120,8 @@ inline Action parse_action(const std::string& text, int line = 0, int column = 0
   while (j < text.size() && !std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
   const std::string token = text.substr(i, j - i);
   static const ActionType kTypes[] = {
-      ActionType::kSendF, ActionType::kRecvF,   ActionType::kSendB,   ActionType::kRecvB,
-      ActionType::kUnshard, ActionType::kReshard, ActionType::kReduceGrad, ActionType::kForward,
+      ActionType::kSendF,    ActionType::kRecvF,         ActionType::kSendB,         ActionType::kRecvB,
+      ActionType::kUnshard,  ActionType::kReshard,       ActionType::kReduceGrad,    ActionType::kForward,
       ActionType::kBackward, ActionType::kBackwardInput, ActionType::kBackwardWeight};
   bool found = false;
   for (auto t : kTypes)

@@ -73,7 +73,8 @@ class LoopedBFS : public Schedule {
       for (int c = 0; c < v; ++c)
         for (int mb = 0; mb < m; ++mb) p[r].push_back(detail::act(c * s.pp + r, ActionType::kForward, mb));
       for (int c = v - 1; c >= 0; --c)
-        for (int mb = m - 1; mb >= 0; --mb) p[r].push_back(detail::act(c * s.pp + r, ActionType::kBackward, mb));
+        for (int mb = m - 1; mb >= 0; --mb)
+          p[r].push_back(detail::act(c * s.pp + r, ActionType::kBackward, mb));
     }
     return p;
   }
@@ -215,7 +216,8 @@ class DualPipeV : public Schedule {
       for (int k = 0; k < 2 * below; ++k) forward(0);
       for (int k = 0; k <= r; ++k) forward(0), forward(1);
       for (int k = 0; k < below; ++k) backward(1, true), deferred_weight(), forward(1);
-      for (int k = 0; k < m - 2 * pp + r + 1; ++k) forward(0), backward(1, false), forward(1), backward(0, false);
+      for (int k = 0; k < m - 2 * pp + r + 1; ++k)
+        forward(0), backward(1, false), forward(1), backward(0, false);
       for (int k = 0; k < below; ++k) backward(1, false), forward(1), backward(0, false);
       // Drain: full backwards, then I's from the middle on (odd ranks switch one action earlier).
       bool split = false;

@@ -99,8 +99,10 @@ inline Program add_send_recv(const Program& compute, const std::vector<int>& own
     return std::nullopt;
   };
   auto ready = [&](int r, const Action& a) {
-    if (auto recv = needed_recv(r, a)) return inbox[r].count(k(recv->stage, recv->type, recv->microbatch)) > 0;
-    if (a.type == T::kForward && a.stage > 0) return done[r].count(k(a.stage - 1, T::kForward, a.microbatch)) > 0;
+    if (auto recv = needed_recv(r, a))
+      return inbox[r].count(k(recv->stage, recv->type, recv->microbatch)) > 0;
+    if (a.type == T::kForward && a.stage > 0)
+      return done[r].count(k(a.stage - 1, T::kForward, a.microbatch)) > 0;
     if ((a.type == T::kBackward || a.type == T::kBackwardInput) && a.stage < stages - 1)
       return done[r].count(k(a.stage + 1, T::kBackward, a.microbatch)) > 0 ||
              done[r].count(k(a.stage + 1, T::kBackwardInput, a.microbatch)) > 0;
@@ -210,13 +212,14 @@ inline void check_point_to_point_order(const Program& lowered, const std::vector
         if (k < out.size() && k < in.size() && out[k].send == in[k].send) continue;
         const std::string send = k < out.size() ? detail::action_at(lowered, a, out[k].index, where)
                                                 : "rank " + std::to_string(a) + " sends nothing";
-        const std::string recv = k < in.size() ? detail::action_at(lowered, b, in[k].index, where) + " (the message of " +
-                                                     to_string(in[k].send) + ")"
+        const std::string recv = k < in.size() ? detail::action_at(lowered, b, in[k].index, where) +
+                                                     " (the message of " + to_string(in[k].send) + ")"
                                                : "rank " + std::to_string(b) + " receives nothing";
-        throw ScheduleError("rank " + std::to_string(a) + " -> rank " + std::to_string(b) + ": message " +
-                            std::to_string(k + 1) + " is " + send + " but " + recv +
-                            "; sends and receives between two ranks must come in the same order (NCCL matches "
-                            "them by order, not tag)");
+        throw ScheduleError(
+            "rank " + std::to_string(a) + " -> rank " + std::to_string(b) + ": message " +
+            std::to_string(k + 1) + " is " + send + " but " + recv +
+            "; sends and receives between two ranks must come in the same order (NCCL matches "
+            "them by order, not tag)");
       }
     }
 }
@@ -236,7 +239,8 @@ inline void order_receives(Program& lowered, const std::vector<int>& owner) {
       // Backwards: once the receives of later messages are in order, the receive of message k
       // goes right before that of message k + 1 when it came after it.
       for (size_t k = seq.size(); k-- > 1;) {
-        const auto here = std::find(p.begin(), p.end(), seq[k - 1]), next = std::find(p.begin(), p.end(), seq[k]);
+        const auto here = std::find(p.begin(), p.end(), seq[k - 1]),
+                   next = std::find(p.begin(), p.end(), seq[k]);
         if (here == p.end() || next == p.end() || here < next) continue;
         const auto at = next - p.begin();
         const Action recv = *here;
@@ -251,7 +255,8 @@ inline void order_receives(Program& lowered, const std::vector<int>& owner) {
 // its computations need, each once: a SEND_F after each forward whose next stage is on another
 // rank, a RECV_F on that rank, and likewise SEND_B/RECV_B for input gradients. Where they sit is
 // checked by the simulator; their order between two ranks by check_point_to_point_order.
-inline void validate_send_recv(const Program& lowered, const std::vector<int>& owner, const Positions* where = nullptr) {
+inline void validate_send_recv(const Program& lowered, const std::vector<int>& owner,
+                               const Positions* where = nullptr) {
   using T = ActionType;
   const int ranks = static_cast<int>(lowered.size()), stages = static_cast<int>(owner.size());
   Program compute(ranks);
@@ -271,7 +276,8 @@ inline void validate_send_recv(const Program& lowered, const std::vector<int>& o
       const std::string at = detail::action_at(lowered, r, i, where);
       if (peer->stage < 0 || peer->stage >= stages)
         throw ScheduleError(at + ": stage " + std::to_string(a.stage) + " has no " +
-                            (a.type == T::kSendF || a.type == T::kRecvB ? "next" : "previous") + " stage to talk to");
+                            (a.type == T::kSendF || a.type == T::kRecvB ? "next" : "previous") +
+                            " stage to talk to");
       if (std::find(seen.begin(), seen.end(), a) != seen.end()) throw ScheduleError(at + " appears twice");
       seen.push_back(a);
       if (std::find(need.begin(), need.end(), a) == need.end())
@@ -283,38 +289,105 @@ inline void validate_send_recv(const Program& lowered, const std::vector<int>& o
       if (std::find(seen.begin(), seen.end(), a) == seen.end()) {
         const bool send = matching_recv(a).has_value();
         const bool forward = a.type == T::kSendF || a.type == T::kRecvF;
-        const std::string data =
-            std::to_string(a.stage) + (forward ? "F" : "B") + std::to_string(a.microbatch) + (forward ? "" : " (or I)");
+        const std::string data = std::to_string(a.stage) + (forward ? "F" : "B") +
+                                 std::to_string(a.microbatch) + (forward ? "" : " (or I)");
         const int peer = owner[(send ? *matching_recv(a) : *matching_send(a)).stage];
         throw ScheduleError("rank " + std::to_string(r) + " has no " + to_string(a) + ": " +
-                            (send ? "the output of " + data + " goes to rank " : "the input of " + data + " comes from rank ") +
+                            (send ? "the output of " + data + " goes to rank "
+                                  : "the input of " + data + " comes from rank ") +
                             std::to_string(peer));
       }
   }
 }
 
-// For FSDP stages: before each compute action, the stages of the next `max_active_stages`
-// distinct stages this rank computes are unsharded (UNSHARD issued ahead of use, so a rank's
-// unshards are spread over its start-up bubble), and stages that fell out of that window are
-// resharded; everything still unsharded is resharded at the end.
-inline Program add_unshard_reshard(const Program& compute, int max_active_stages = 3) {
+// How far ahead each pipeline rank gathers its FSDP stages, as PyTorch 2.15's `unshard_lookahead`:
+// "full" gathers every stage it keeps resident as soon as it enters the residency window
+// (`max_active_stages` ahead); "auto" gathers min(rank + 2, max_active_stages) stages ahead, so
+// that rank 0 starts with its current and next stage and each later rank, which waits longer in the
+// start-up bubble, one more; per_rank gives each rank its own distance.
+struct UnshardLookahead {
+  enum class Policy { kFull, kAuto, kPerRank };
+  Policy policy = Policy::kFull;
+  std::vector<int> per_rank;  // kPerRank: one value per pipeline rank
+
+  // "full", "auto" or comma-separated integers ("1,2,3"); throws ScheduleError otherwise.
+  static UnshardLookahead parse(const std::string& text) {
+    if (text == "full") return {};
+    if (text == "auto") return {Policy::kAuto, {}};
+    UnshardLookahead l{Policy::kPerRank, {}};
+    size_t pos = 0;
+    while (pos <= text.size()) {
+      const size_t comma = std::min(text.find(',', pos), text.size());
+      const std::string item = text.substr(pos, comma - pos);
+      if (item.empty() || item.size() > 4 || item.find_first_not_of("0123456789") != std::string::npos)
+        throw ScheduleError("unshard lookahead must be full, auto or integers separated by commas, got '" +
+                            text + "'");
+      l.per_rank.push_back(std::stoi(item));
+      pos = comma + 1;
+    }
+    return l;
+  }
+};
+
+inline std::string to_string(const UnshardLookahead& l) {
+  if (l.policy == UnshardLookahead::Policy::kFull) return "full";
+  if (l.policy == UnshardLookahead::Policy::kAuto) return "auto";
+  std::string out;
+  for (int v : l.per_rank) out += (out.empty() ? "" : ",") + std::to_string(v);
+  return out;
+}
+
+// One lookahead per pipeline rank, each in [1, max_active_stages] (PyTorch's
+// `_resolve_unshard_lookahead`). Throws ScheduleError naming the rank and value.
+inline std::vector<int> resolve_unshard_lookahead(const UnshardLookahead& l, int pp, int max_active_stages) {
+  if (max_active_stages < 1)
+    throw ScheduleError("max_active_stages must be at least 1 (the stage being computed), got " +
+                        std::to_string(max_active_stages));
+  std::vector<int> out(static_cast<size_t>(pp), max_active_stages);
+  if (l.policy == UnshardLookahead::Policy::kAuto)
+    for (int r = 0; r < pp; ++r) out[r] = std::min(r + 2, max_active_stages);
+  if (l.policy != UnshardLookahead::Policy::kPerRank) return out;
+  if (static_cast<int>(l.per_rank.size()) != pp)
+    throw ScheduleError("unshard lookahead needs one value per pipeline rank (" + std::to_string(pp) +
+                        "), got " + std::to_string(l.per_rank.size()));
+  for (int r = 0; r < pp; ++r)
+    if (l.per_rank[r] < 1 || l.per_rank[r] > max_active_stages)
+      throw ScheduleError("unshard lookahead of rank " + std::to_string(r) +
+                          " must be in [1, max_active_stages=" + std::to_string(max_active_stages) +
+                          "], got " + std::to_string(l.per_rank[r]));
+  return l.per_rank;
+}
+
+// For FSDP stages, as PyTorch 2.15's lowering does (`_add_unshard_reshard`): before each compute
+// action, the next `max_active_stages` distinct stages this rank computes (the current one first)
+// stay gathered and stages outside them are resharded; of those, the next `lookahead[rank]` are
+// gathered if they are not yet (UNSHARD issued ahead of use, so a rank's gathers spread over its
+// start-up bubble). Everything still gathered is resharded at the end. An empty `lookahead` is
+// `max_active_stages` on every rank; resolve_unshard_lookahead makes one from a policy.
+inline Program add_unshard_reshard(const Program& compute, int max_active_stages = 3,
+                                   const std::vector<int>& lookahead = {}) {
+  const auto next_stages = [](const std::vector<Action>& p, size_t from, int count) {
+    std::vector<int> stages;
+    for (size_t j = from; j < p.size() && static_cast<int>(stages.size()) < count; ++j)
+      if (std::find(stages.begin(), stages.end(), p[j].stage) == stages.end()) stages.push_back(p[j].stage);
+    return stages;
+  };
   Program out(compute.size());
   for (size_t r = 0; r < compute.size(); ++r) {
     const auto& p = compute[r];
-    std::vector<int> active;
+    const int ahead = r < lookahead.size() ? lookahead[r] : max_active_stages;
+    std::vector<int> active;  // in the order gathered, which is the order resharded at the end
     for (size_t i = 0; i < p.size(); ++i) {
-      std::vector<int> window;
-      for (size_t j = i; j < p.size() && static_cast<int>(window.size()) < max_active_stages; ++j)
-        if (std::find(window.begin(), window.end(), p[j].stage) == window.end()) window.push_back(p[j].stage);
+      const auto resident = next_stages(p, i, max_active_stages);
       for (auto it = active.begin(); it != active.end();) {
-        if (std::find(window.begin(), window.end(), *it) == window.end()) {
+        if (std::find(resident.begin(), resident.end(), *it) == resident.end()) {
           out[r].push_back({*it, ActionType::kReshard, -1});
           it = active.erase(it);
         } else {
           ++it;
         }
       }
-      for (int s : window)
+      for (int s : next_stages(p, i, ahead))
         if (std::find(active.begin(), active.end(), s) == active.end()) {
           out[r].push_back({s, ActionType::kUnshard, -1});
           active.push_back(s);

@@ -13,9 +13,9 @@ namespace fsdpp::pipeline {
 
 struct Plan {
   ScheduleSpec spec;
-  Program compute;        // each rank's compute actions
-  std::vector<int> owner;  // stage -> rank
-  Program lowered;        // with sends and receives (and REDUCE_GRAD when asked)
+  Program compute;                // each rank's compute actions
+  std::vector<int> owner;         // stage -> rank
+  Program lowered;                // with sends and receives (and REDUCE_GRAD when asked)
   int max_outstanding_sends = 0;  // 0: unlimited
 };
 
@@ -26,11 +26,13 @@ struct PlanOptions {
   // A rank never has more sends in flight (0: unlimited); the simulation proves the budget cannot
   // deadlock the schedule, hoisting receives where it must, or the plan is refused saying so.
   int max_outstanding_sends = 0;
-  // With fsdp_stages: how many of a rank's stages are unsharded at once, counted in the distinct
-  // stages of its next compute actions (the current one first). 1 gathers only the stage being
-  // computed (least memory, a gather at every change of stage); larger windows gather ahead of use
-  // and keep stages gathered across interleaved microbatches.
-  int unshard_window = 3;
+  // With fsdp_stages: how many of a rank's stages stay gathered at once, counted in the distinct
+  // stages of its next compute actions (the current one first). 1 keeps only the stage being
+  // computed (least memory, a gather at every change of stage); more keep stages gathered across
+  // interleaved microbatches. PyTorch 2.15's `max_active_stages`.
+  int max_active_stages = 3;
+  // With fsdp_stages: how far ahead of use each rank gathers (UnshardLookahead).
+  UnshardLookahead unshard_lookahead;
 };
 
 // Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.
@@ -39,9 +41,8 @@ struct PlanOptions {
 inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const PlanOptions& options = {}) {
   const bool fsdp_stages = options.fsdp_stages;
   const int max_outstanding_sends = options.max_outstanding_sends;
-  if (options.unshard_window < 1)
-    throw ScheduleError("unshard window must be at least 1 (the stage being computed), got " +
-                        std::to_string(options.unshard_window));
+  const auto lookahead =
+      resolve_unshard_lookahead(options.unshard_lookahead, spec.pp, options.max_active_stages);
   schedule.check(spec);
   Plan p;
   p.spec = spec;
@@ -58,9 +59,12 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const 
   if (auto own = schedule.lowered_actions(spec)) {
     validate_send_recv(*own, p.owner);
     check_point_to_point_order(*own, p.owner);
-    p.lowered = fsdp_stages ? add_unshard_reshard(*own, options.unshard_window) : std::move(*own);
+    p.lowered =
+        fsdp_stages ? add_unshard_reshard(*own, options.max_active_stages, lookahead) : std::move(*own);
   } else {
-    p.lowered = add_send_recv(fsdp_stages ? add_unshard_reshard(p.compute, options.unshard_window) : p.compute, p.owner);
+    p.lowered = add_send_recv(
+        fsdp_stages ? add_unshard_reshard(p.compute, options.max_active_stages, lookahead) : p.compute,
+        p.owner);
     order_receives(p.lowered, p.owner);
   }
   if (fsdp_stages) p.lowered = add_reduce_grad(p.lowered, spec.microbatches);

@@ -30,11 +30,16 @@ struct Costs {
     if (auto it = per_stage.find({stage, t}); it != per_stage.end()) return it->second;
     const bool skip = first_stage_skips_input_grad && stage == 0;
     switch (t) {
-      case ActionType::kForward: return forward;
-      case ActionType::kBackward: return skip ? backward - backward_input : backward;
-      case ActionType::kBackwardInput: return skip ? 0 : backward_input;
-      case ActionType::kBackwardWeight: return backward_weight;
-      default: return 0;
+      case ActionType::kForward:
+        return forward;
+      case ActionType::kBackward:
+        return skip ? backward - backward_input : backward;
+      case ActionType::kBackwardInput:
+        return skip ? 0 : backward_input;
+      case ActionType::kBackwardWeight:
+        return backward_weight;
+      default:
+        return 0;
     }
   }
 };
@@ -81,8 +86,8 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
   std::vector<size_t> next(ranks, 0);
   std::vector<double> clock(ranks, 0);
   std::vector<int> live_act(ranks, 0), live_buf(ranks, 0);
-  std::map<Key, double> sent, posted;          // send key -> time; receive key -> time posted
-  std::vector<std::set<Key>> have(ranks);      // what a rank has computed or posted
+  std::map<Key, double> sent, posted;              // send key -> time; receive key -> time posted
+  std::vector<std::set<Key>> have(ranks);          // what a rank has computed or posted
   std::vector<std::vector<Key>> in_flight(ranks);  // receive keys of this rank's unmatched sends
   auto key = [](int s, T t, int mb) { return Key{s, static_cast<int>(t), mb}; };
   auto name = [](int s, T t, int mb) { return std::to_string(s) + type_token(t) + std::to_string(mb); };
@@ -114,11 +119,13 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
       case T::kForward:
       case T::kBackward:
       case T::kBackwardInput: {
-        if (a.type != T::kForward && !have[r].count(key(s, T::kForward, mb))) return {true, "runs before its forward"};
+        if (a.type != T::kForward && !have[r].count(key(s, T::kForward, mb)))
+          return {true, "runs before its forward"};
         if (auto in = input_of(r, a)) {
           const auto& [recv, send] = *in;
           if (!have[r].count(recv))
-            return {true, std::string("has no input (no ") + name(s, static_cast<T>(std::get<1>(recv)), mb) + " before it)"};
+            return {true, std::string("has no input (no ") + name(s, static_cast<T>(std::get<1>(recv)), mb) +
+                              " before it)"};
           if (!sent.count(send))
             return {false, "waits for " + name(std::get<0>(send), static_cast<T>(std::get<1>(send)), mb)};
         }
@@ -128,14 +135,16 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
         return have[r].count(key(s, T::kBackwardInput, mb)) ? Block{} : Block{true, "runs before its I"};
       case T::kSendF:
       case T::kSendB: {
-        if (a.type == T::kSendF ? !have[r].count(key(s, T::kForward, mb))
-                                : !have[r].count(key(s, T::kBackward, mb)) && !have[r].count(key(s, T::kBackwardInput, mb)))
+        if (a.type == T::kSendF
+                ? !have[r].count(key(s, T::kForward, mb))
+                : !have[r].count(key(s, T::kBackward, mb)) && !have[r].count(key(s, T::kBackwardInput, mb)))
           return {true, "sends before computing what it sends"};
         drop_matched(r);
         if (max_outstanding_sends > 0 && static_cast<int>(in_flight[r].size()) >= max_outstanding_sends) {
           const auto& k = in_flight[r].front();
           return {false, "waits for " + name(std::get<0>(k), static_cast<T>(std::get<1>(k)), std::get<2>(k)) +
-                             " to be posted (max_outstanding_sends=" + std::to_string(max_outstanding_sends) + ")"};
+                             " to be posted (max_outstanding_sends=" + std::to_string(max_outstanding_sends) +
+                             ")"};
         }
         return {};
       }
@@ -167,7 +176,8 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
           sent[key(s, a.type, mb)] = t;
           const bool fwd = a.type == T::kSendF;
           in_flight[r].push_back(key(fwd ? s + 1 : s - 1, fwd ? T::kRecvF : T::kRecvB, mb));
-          res.peak_sends_in_flight[r] = std::max(res.peak_sends_in_flight[r], static_cast<int>(in_flight[r].size()));
+          res.peak_sends_in_flight[r] =
+              std::max(res.peak_sends_in_flight[r], static_cast<int>(in_flight[r].size()));
         } else if (is_compute(a.type)) {
           if (auto in = input_of(r, a)) {
             t = std::max(t, sent.at(in->second) + costs.comm);
@@ -179,7 +189,8 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
           res.busy[r] += d;
           have[r].insert(key(s, a.type, mb));
           // Activations live from F until the last backward that needs them (B, or W after I).
-          if (a.type == T::kForward) res.peak_activations[r] = std::max(res.peak_activations[r], ++live_act[r]);
+          if (a.type == T::kForward)
+            res.peak_activations[r] = std::max(res.peak_activations[r], ++live_act[r]);
           if (a.type == T::kBackward || a.type == T::kBackwardWeight) --live_act[r];
         }
         ++next[r];
@@ -197,15 +208,15 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
           if (blockers && (a.type == T::kSendF || a.type == T::kSendB) && !in_flight[r].empty()) {
             const auto& k = in_flight[r].front();
             const int q = owner[std::get<0>(k)];
-            blockers->push_back({q, {std::get<0>(k), static_cast<T>(std::get<1>(k)), std::get<2>(k)}, next[q]});
+            blockers->push_back(
+                {q, {std::get<0>(k), static_cast<T>(std::get<1>(k)), std::get<2>(k)}, next[q]});
           }
         }
       throw ScheduleError("the schedule deadlocks: " + stuck);
     }
   }
   res.makespan = *std::max_element(clock.begin(), clock.end());
-  for (int r = 0; r < ranks; ++r)
-    res.bubble.push_back(res.makespan > 0 ? 1 - res.busy[r] / res.makespan : 0);
+  for (int r = 0; r < ranks; ++r) res.bubble.push_back(res.makespan > 0 ? 1 - res.busy[r] / res.makespan : 0);
   return res;
 }
 

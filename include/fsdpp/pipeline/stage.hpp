@@ -19,8 +19,8 @@ class StageSharding {
   // the parameters stay gathered after each backward, and after each forward too when
   // `keep_unsharded` (otherwise nested units gather again for each microbatch).
   virtual void begin_step(bool keep_unsharded) = 0;
-  virtual void unshard_async() = 0;  // UNSHARD: issue the all-gathers; the stage's forward waits
-  virtual void reshard() = 0;        // RESHARD: free the gathered parameters
+  virtual void unshard_async() = 0;       // UNSHARD: issue the all-gathers; the stage's forward waits
+  virtual void reshard() = 0;             // RESHARD: free the gathered parameters
   virtual void reduce_grads_async() = 0;  // REDUCE_GRAD: issue the reduce-scatters
   virtual void wait_reduce_grads() = 0;   // the reduced gradients are on the sharded parameters
 };

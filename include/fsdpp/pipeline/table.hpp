@@ -30,18 +30,20 @@ class TableSchedule : public Schedule {
                                    ? where_[r][i]
                                    : "rank " + std::to_string(r) + ", action " + std::to_string(i);
         if (a.stage >= s.num_stages())
-          throw ScheduleError(name_ + ": " + at + ": '" + to_string(a) + "' names stage " + std::to_string(a.stage) +
-                              ", but there are " + std::to_string(s.num_stages()) + " stages");
+          throw ScheduleError(name_ + ": " + at + ": '" + to_string(a) + "' names stage " +
+                              std::to_string(a.stage) + ", but there are " + std::to_string(s.num_stages()) +
+                              " stages");
         if (has_microbatch(a.type) && a.microbatch >= s.microbatches)
           throw ScheduleError(name_ + ": " + at + ": '" + to_string(a) + "' names microbatch " +
-                              std::to_string(a.microbatch) + ", but there are " + std::to_string(s.microbatches));
+                              std::to_string(a.microbatch) + ", but there are " +
+                              std::to_string(s.microbatches));
       }
   }
   // Without its SEND/RECV actions, if it has any.
   Program compute_actions(const ScheduleSpec& s) const override {
     if (static_cast<int>(program_.size()) != s.pp)
-      throw ScheduleError(name_ + ": the table has " + std::to_string(program_.size()) +
-                          " rows but pp is " + std::to_string(s.pp));
+      throw ScheduleError(name_ + ": the table has " + std::to_string(program_.size()) + " rows but pp is " +
+                          std::to_string(s.pp));
     Program compute(program_.size());
     for (size_t r = 0; r < program_.size(); ++r)
       for (const auto& a : program_[r])

@@ -19,11 +19,16 @@ inline std::string label(const Action& a) {
 
 inline const char* colour(ActionType t) {
   switch (t) {
-    case ActionType::kForward: return "#4e79a7";
-    case ActionType::kBackward: return "#e15759";
-    case ActionType::kBackwardInput: return "#f28e2b";
-    case ActionType::kBackwardWeight: return "#59a14f";
-    default: return "#999999";
+    case ActionType::kForward:
+      return "#4e79a7";
+    case ActionType::kBackward:
+      return "#e15759";
+    case ActionType::kBackwardInput:
+      return "#f28e2b";
+    case ActionType::kBackwardWeight:
+      return "#59a14f";
+    default:
+      return "#999999";
   }
 }
 

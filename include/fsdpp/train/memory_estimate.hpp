@@ -20,8 +20,11 @@ namespace fsdpp::train {
 struct Recipe;
 
 struct MemoryEstimate {
-  double parameters = 0, gradients = 0, optimizer = 0, gathered = 0, activations = 0, logits = 0, overhead = 0;  // bytes
-  double total() const { return parameters + gradients + optimizer + gathered + activations + logits + overhead; }
+  double parameters = 0, gradients = 0, optimizer = 0, gathered = 0, activations = 0, logits = 0,
+         overhead = 0;  // bytes
+  double total() const {
+    return parameters + gradients + optimizer + gathered + activations + logits + overhead;
+  }
   // "3.2 GiB per rank (sharded parameters 0.1 GiB, gradients ..., ...)"
   std::string describe() const;
 };

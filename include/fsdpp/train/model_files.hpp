@@ -16,7 +16,8 @@ namespace fsdpp::train {
 // Copies full weights (name, tensor) into the model's parameters, converting dtype. Throws naming
 // `source` and the tensor when one is not a parameter, has another shape or is not floating point,
 // or when a parameter is missing.
-void load_full_weights(models::MoETransformerImpl& model, const std::vector<std::pair<std::string, at::Tensor>>& state,
+void load_full_weights(models::MoETransformerImpl& model,
+                       const std::vector<std::pair<std::string, at::Tensor>>& state,
                        const std::string& source);
 
 // An unsharded model with the weights of a checkpoint directory, an output directory or a

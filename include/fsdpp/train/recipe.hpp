@@ -8,7 +8,7 @@
 //     "data": {"source": "fortunes", "seq_len": 128, "val_fraction": 0.05},
 //     "parallel": {"dp": 2, "pp": 1, "schedule": "1F1B", "microbatches": 1, "stages_per_rank": 1,
 //                  "max_outstanding_sends": 0, "keep_stages_unsharded": true,
-//                  "unshard_window": 3, "reshard_after_forward": true, "microbatch_threads": 1},
+//                  "max_active_stages": 3, "unshard_lookahead": "full", "reshard_after_forward": true},
 //     "precision": {"param_dtype": "float32", "reduce_dtype": "float32",
 //                   "overrides": [{"match": "*.router.gate.weight", "param_dtype": "float32"}]},
 //     "optim": {"lr": 3e-3, "min_lr_ratio": 0.1, "warmup_steps": 50, "weight_decay": 0.1,
@@ -18,9 +18,8 @@
 //     "eval": {"interval": 100, "batches": 8},
 //     "checkpoint": {"interval": 0, "keep": 2, "storage": "shared"},
 //     "logging": {"interval": 10, "metrics": "rank0", "plot": true, "output_dir": "runs/{name}"},
-//     "dist": {"watchdog_timeout_s": 300, "check_collectives": false, "cpu_binding": "none",
-//              "compute_nice": 0, "compute_policy": "normal", "cpu_rotation_ms": 0,
-//              "keep_freed_memory": true}
+//     "dist": {"watchdog_timeout_s": 300, "check_collectives": false},
+//     "cpu": {"microbatch_threads": 1}
 //   }
 //
 // Every key has a default (the values above, from the option structs below). Validation reports
@@ -38,6 +37,7 @@
 
 #include "fsdpp/fsdp/mixed_precision.hpp"
 #include "fsdpp/models/config.hpp"
+#include "fsdpp/pipeline/lowering.hpp"
 
 namespace fsdpp::pipeline {
 struct Plan;
@@ -57,8 +57,23 @@ class RecipeError : public std::invalid_argument {
   std::vector<std::string> problems_;
 };
 
+// Settings that take one of a few names in a recipe are enums here, named back by name_of.
+enum class DataSource {
+  kFortunes,
+  kFiles,
+  kSynthetic,
+  kShards
+};                                                 // "fortunes" | "files" | "synthetic" | "shards"
+enum class Device { kCpu, kCuda };                 // "cpu" (Gloo) | "cuda" (NCCL)
+enum class CheckpointStorage { kShared, kLocal };  // "shared" | "local"
+enum class MetricsRanks { kRank0, kAll, kNone };   // "rank0" | "all" | "none"
+const char* name_of(DataSource v);
+const char* name_of(Device v);
+const char* name_of(CheckpointStorage v);
+const char* name_of(MetricsRanks v);
+
 struct DataOptions {
-  std::string source = "fortunes";  // fortunes | files | synthetic | shards
+  DataSource source = DataSource::kFortunes;
   std::vector<std::string> paths;   // files or directories (source "files")
   std::string path;                 // a directory of token shards (source "shards")
   std::string tokenizer = "bytes";  // "bytes" or a SentencePiece .model file
@@ -88,22 +103,16 @@ struct ParallelOptions {
   // pp > 1: each stage's blocks stay gathered from the plan's UNSHARD to its RESHARD (one
   // all-gather per block per step); false gathers them again for every microbatch (less memory).
   bool keep_stages_unsharded = true;
-  // pp > 1: how many of a rank's stages are gathered at once (pipeline::PlanOptions::unshard_window).
-  int unshard_window = 3;
+  // pp > 1: how many of a rank's stages stay gathered at once, and how far ahead of use each rank
+  // gathers them (pipeline::PlanOptions; PyTorch 2.15's max_active_stages and unshard_lookahead).
+  int max_active_stages = 3;
+  pipeline::UnshardLookahead unshard_lookahead;
   // pp = 1: true frees each block's gathered parameters after its forward and gathers them again
   // for backward (least memory; 2 all-gathers per block and microbatch). false gathers each block
   // once per step and keeps it until the step's last backward (the whole model's parameters held,
   // as under DDP; one all-gather and one reduce-scatter per block and step). With pp > 1 the plan
   // decides (keep_stages_unsharded, which false contradicts when that is false).
   bool reshard_after_forward = true;
-  // pp = 1: how many of a step's microbatches (train.grad_accum) run at once, each on its own
-  // thread with one intra-op thread, instead of one after the other with every operator on the
-  // rank's threads (bench/results/microbatch_threads.md). Every block is gathered once per step and
-  // kept to the step's end, each thread but the first runs a copy of the model over the gathered
-  // parameters with gradients of its own, and the gradients are reduced once after the last
-  // microbatch: memory for as many microbatches' activations and gradients as threads. CPU only.
-  // `fsdpp run` shortens OpenMP's idle spin for such runs (fsdpp/base/openmp_wait.hpp).
-  int microbatch_threads = 1;
 };
 
 struct DtypeOverride {
@@ -128,7 +137,7 @@ struct OptimOptions {
 
 struct TrainOptions {
   int64_t steps = 600, global_batch = 32, grad_accum = 1, seed = 1234;
-  std::string device = "cpu";  // cpu (Gloo) | cuda (one GPU per local rank, NCCL)
+  Device device = Device::kCpu;  // cuda: one GPU per local rank
   // cuda only: capture one whole step (every microbatch, clipping, the optimizer) as a CUDA graph
   // after warm-up steps, and replay it; needs capacity routing (static shapes) and pp = 1.
   bool cuda_graph = false;
@@ -148,12 +157,12 @@ struct CheckpointOptions {
   // "shared": one directory every rank sees. "local": each node writes its own ranks' files to its
   // own disk (the same path on every node); the commit is agreed by all ranks, and resuming takes
   // the newest step every node committed (at the same dp x pp).
-  std::string storage = "shared";
+  CheckpointStorage storage = CheckpointStorage::kShared;
 };
 
 struct LoggingOptions {
   int64_t interval = 10;
-  std::string metrics = "rank0";  // rank0 | all | none
+  MetricsRanks metrics = MetricsRanks::kRank0;  // which ranks write metrics/rank<r>.jsonl
   bool plot = true;
   std::string output_dir = "runs/{name}";
 };
@@ -161,28 +170,19 @@ struct LoggingOptions {
 struct DistOptions {
   double watchdog_timeout_s = 300;  // an operation in flight longer: dump flight records, end the run; 0: off
   bool check_collectives = false;   // compare every collective across ranks before issuing it
-  // Where each local rank's threads run (fsdpp/base/cpu_binding.hpp): "none" (the system places
-  // them), "rank" (all of a rank's threads on its share of the CPUs) or "compute" (only the
-  // computing thread there; communication threads run wherever a CPU is idle).
-  std::string cpu_binding = "none";
-  // Added to the computing threads' nice value, 0 to 19 (fsdpp/base/cpu_binding.hpp): above 0, a
-  // rank's communication threads, which keep the process's priority, run as soon as they have work
-  // instead of waiting for the computing threads' time slices to end.
-  int compute_nice = 0;
-  // The computing threads' scheduling class (fsdpp/base/cpu_binding.hpp): "normal", or "idle"
-  // (Linux's SCHED_IDLE: any other thread that wakes on their CPU runs at once, so a rank's
-  // communication threads never wait for a time slice to end). "idle" takes no compute_nice.
-  std::string compute_policy = "normal";
-  // Every this many milliseconds the local ranks' computing threads change CPU shares, so that a
-  // CPU the host slows for a while slows every rank alike (fsdpp/base/cpu_binding.hpp, Note
-  // [rotating CPUs]); 0: off. Needs cpu_binding "rank" or "compute".
-  int cpu_rotation_ms = 0;
-  // `fsdpp run` starts its ranks with malloc's thresholds and top pad fixed high
-  // (fsdpp/base/host_memory.hpp), so that a step's large blocks, and a microbatch thread's heaps,
-  // stay from step to step instead of being mapped afresh, at the cost of each rank keeping its
-  // largest heap use until it exits. Ranks started another way (torchrun, fsdpp launch) keep
-  // whatever their environment sets.
-  bool keep_freed_memory = true;
+};
+
+// Settings of CPU runs, each kept because it measurably helps on some recipe (docs/performance.md,
+// bench/results/knobs.md).
+struct CpuOptions {
+  // pp = 1: how many of a step's microbatches (train.grad_accum) run at once, each on its own
+  // thread with one intra-op thread, instead of one after the other with every operator on the
+  // rank's threads. Every block is gathered once per step and kept to the step's end, each thread
+  // but the first runs a copy of the model over the gathered parameters with gradients of its own,
+  // and the gradients are reduced once after the last microbatch: memory for as many
+  // microbatches' activations and gradients as threads. `fsdpp run` shortens OpenMP's idle spin
+  // for such runs (fsdpp/base/openmp_wait.hpp).
+  int microbatch_threads = 1;
 };
 
 struct Recipe {
@@ -198,6 +198,7 @@ struct Recipe {
   CheckpointOptions checkpoint;
   LoggingOptions logging;
   DistOptions dist;
+  CpuOptions cpu;
   // model.init_from: a safetensors file of full weights under the model's parameter names (as
   // `fsdpp ckpt consolidate` or safetensors.torch.save_file write them) to start from instead of
   // the seeded initialisation; empty for none. Ignored on --resume (the checkpoint wins).
@@ -227,7 +228,8 @@ std::vector<std::string> unmatched_overrides(const Recipe& recipe);
 
 // The same for a JSON value; relative model paths resolve against `base_dir`.
 Recipe parse_recipe(nlohmann::json j, const std::string& source, const std::string& base_dir,
-                    const std::vector<std::string>& overrides = {}, std::optional<int> world_size = std::nullopt);
+                    const std::vector<std::string>& overrides = {},
+                    std::optional<int> world_size = std::nullopt);
 
 // A model config file or object; throws RecipeError.
 models::MoEConfig parse_model_config(const nlohmann::json& j, const std::string& source);

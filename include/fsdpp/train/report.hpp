@@ -35,7 +35,8 @@ using Series = std::vector<std::pair<int64_t, double>>;  // (step, value)
 
 // A self-contained SVG line plot: training loss (line) and validation loss (line with dots) against
 // steps, with labelled axes.
-void write_loss_svg(const std::string& path, const Series& train, const Series& val, const std::string& title);
+void write_loss_svg(const std::string& path, const Series& train, const Series& val,
+                    const std::string& title);
 
 // Spans of one rank's work, written as Chrome trace events ("X" events; pid = rank). Times are the
 // system clock's; the rank's process_name entry also carries `monotonic_offset_us`, the system clock
@@ -47,7 +48,8 @@ class Tracer {
   explicit Tracer(int rank) : rank_(rank) {}
   bool active() const { return active_; }
   void set_active(bool on);
-  void span(const std::string& name, const std::string& track, Clock::time_point begin, Clock::time_point end);
+  void span(const std::string& name, const std::string& track, Clock::time_point begin,
+            Clock::time_point end);
   // Adds the communication operations the flight recorders saw between `from` and `to`.
   void add_communication(Clock::time_point from, Clock::time_point to);
   void write(const std::string& path) const;

@@ -14,11 +14,22 @@ namespace fsdpp::train {
 using ShardedModel = fsdp::FullyShard<models::MoETransformerImpl>;
 
 // Expert parallelism as torchtitan lays it out: the experts of an MoE layer are spread over `ep`
-// (models::MoETransformerImpl::set_expert_parallel) and sharded over `shard`, the data-parallel
-// ranks that hold the same experts; everything else is sharded over all data-parallel ranks.
+// (apply_expert_parallel) and sharded over `shard`, the data-parallel ranks that hold the same
+// experts; everything else is sharded over all data-parallel ranks.
 struct ExpertSharding {
   comm::Comm ep, shard;
 };
+
+// The model's token exchange over `ep` (models/token_exchange.hpp): all-to-alls on the
+// communicator, named in flight records and traces ("moe all_to_all dispatch", ...).
+std::shared_ptr<models::TokenExchange> token_exchange(comm::Comm ep);
+
+// Spreads every MoE layer's experts of a full `model` over the ranks of `ep`, each keeping E / ep of
+// them and exchanging routed rows with the others; collective. Call before cutting stages or
+// wrapping. Throws when ep does not divide the experts.
+inline void apply_expert_parallel(models::MoETransformerImpl& model, const comm::Comm& ep) {
+  model.set_expert_parallel(token_exchange(ep));
+}
 
 // Wraps each block of `model` (the whole model or a pipeline stage) in an fsdp::FullyShard unit and
 // shards the model over `comm`; collective. Parameter names stay those of the unwrapped model.

@@ -50,7 +50,9 @@ class ShardSet final : public TokenSource {
   ShardSet& operator=(const ShardSet&) = delete;
 
   int64_t segments() const override { return static_cast<int64_t>(files_.size()); }
-  int64_t segment_tokens(int64_t segment) const override { return files_[static_cast<size_t>(segment)].tokens; }
+  int64_t segment_tokens(int64_t segment) const override {
+    return files_[static_cast<size_t>(segment)].tokens;
+  }
   void read(int64_t segment, int64_t offset, int64_t count, int64_t* out) const override;
 
   int64_t tokens() const;
@@ -99,9 +101,9 @@ struct TokenizeOptions {
   std::string output;               // the directory
   std::string name = "tokens";      // shard names: <name>_train_000001.bin
   int64_t tokens_per_shard = 100'000'000;
-  double val_fraction = 0.005;      // of documents, drawn with the seed; at least one
+  double val_fraction = 0.005;  // of documents, drawn with the seed; at least one
   uint64_t seed = 0;
-  int threads = 0;                  // encoding threads (0: all cores)
+  int threads = 0;  // encoding threads (0: all cores)
 };
 
 struct TokenizeReport {

@@ -60,18 +60,20 @@ struct TokenizerTrainOptions {
   std::vector<std::string> inputs;  // text files or directories (read recursively)
   std::string output;               // the .model file
   int64_t vocab_size = 2048;
-  std::string type = "bpe";         // bpe | unigram
-  double held_out = 0.05;           // fraction of documents kept out of training, for bytes/token
+  std::string type = "bpe";                  // bpe | unigram
+  double held_out = 0.05;                    // fraction of documents kept out of training, for bytes/token
   int64_t max_training_bytes = 200'000'000;  // sample at most this much text for training
-  int threads = 0;                  // 0: all cores
-  uint64_t seed = 0;                // the held-out draw
+  int threads = 0;                           // 0: all cores
+  uint64_t seed = 0;                         // the held-out draw
 };
 
 struct TokenizerReport {
   int64_t vocab_size = 0;
   int64_t documents = 0, training_bytes = 0, held_out_bytes = 0, held_out_tokens = 0;
   double seconds = 0;
-  double bytes_per_token() const { return held_out_tokens ? double(held_out_bytes) / double(held_out_tokens) : 0; }
+  double bytes_per_token() const {
+    return held_out_tokens ? double(held_out_bytes) / double(held_out_tokens) : 0;
+  }
 };
 
 // Trains a SentencePiece model on the inputs and writes it atomically to options.output. Progress

@@ -17,8 +17,9 @@
 //   checkpoints/latest        name of the newest complete checkpoint
 // A checkpoint is written under checkpoints/.tmp-step-<N> and renamed into place once every rank
 // has finished, so an interrupted write leaves the previous checkpoint as the latest
-// (train/checkpoints.hpp). Sources: trainer.cpp (setup, the step, evaluation, the loop),
-// checkpoints.cpp, model_files.cpp, generate.cpp.
+// (train/checkpoints.hpp). Sources: trainer.cpp (the loop), trainer_setup.cpp (output directory,
+// data, the sharded model), trainer_step.cpp (the step, evaluation), trainer_checkpoints.cpp,
+// checkpoints.cpp, model_files.cpp.
 
 #include <optional>
 #include <string>
@@ -30,7 +31,7 @@
 namespace fsdpp::train {
 
 struct RunOptions {
-  bool resume = false;     // continue from the latest checkpoint of the output directory
+  bool resume = false;  // continue from the latest checkpoint of the output directory
   // With resume: continue even where the recipe changed what the checkpoint's data order or
   // optimizer depend on (resume_changes in checkpoints.hpp), saying what changed.
   bool resume_with_changes = false;

@@ -57,8 +57,7 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
     return {v.begin(), v.end()};
   }
   void wait(const std::vector<std::string>& keys) override { wait(keys, kDefaultTimeout); }
-  void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
     store_.wait(keys, timeout);
   }
 
@@ -98,10 +97,12 @@ void combine(ReduceOp op, Z* z, const X* x, const Y* y, size_t n, int divisor = 
       }
       return;
     case ReduceOp::kMax:
-      for (size_t i = 0; i < n; ++i) z[i] = static_cast<Z>(std::max(static_cast<Acc>(x[i]), static_cast<Acc>(y[i])));
+      for (size_t i = 0; i < n; ++i)
+        z[i] = static_cast<Z>(std::max(static_cast<Acc>(x[i]), static_cast<Acc>(y[i])));
       return;
     case ReduceOp::kMin:
-      for (size_t i = 0; i < n; ++i) z[i] = static_cast<Z>(std::min(static_cast<Acc>(x[i]), static_cast<Acc>(y[i])));
+      for (size_t i = 0; i < n; ++i)
+        z[i] = static_cast<Z>(std::min(static_cast<Acc>(x[i]), static_cast<Acc>(y[i])));
       return;
   }
 }
@@ -110,14 +111,22 @@ void combine(ReduceOp op, Z* z, const X* x, const Y* y, size_t n, int divisor = 
 template <typename F>
 void dispatch(at::ScalarType t, F&& f) {
   switch (t) {
-    case at::kFloat: return f.template operator()<float>();
-    case at::kDouble: return f.template operator()<double>();
-    case at::kBFloat16: return f.template operator()<c10::BFloat16>();
-    case at::kHalf: return f.template operator()<c10::Half>();
-    case at::kInt: return f.template operator()<int32_t>();
-    case at::kLong: return f.template operator()<int64_t>();
-    case at::kByte: return f.template operator()<uint8_t>();
-    default: throw CommError(fmt::format("internal: no reduction for {}", c10::toString(t)));
+    case at::kFloat:
+      return f.template operator()<float>();
+    case at::kDouble:
+      return f.template operator()<double>();
+    case at::kBFloat16:
+      return f.template operator()<c10::BFloat16>();
+    case at::kHalf:
+      return f.template operator()<c10::Half>();
+    case at::kInt:
+      return f.template operator()<int32_t>();
+    case at::kLong:
+      return f.template operator()<int64_t>();
+    case at::kByte:
+      return f.template operator()<uint8_t>();
+    default:
+      throw CommError(fmt::format("internal: no reduction for {}", c10::toString(t)));
   }
 }
 
@@ -146,9 +155,10 @@ class GlooComm : public CommImpl {
         gloo::barrier(barrier);
       }
     } catch (const std::exception& e) {
-      throw CommError(fmt::format("rank {}/{}: connecting the Gloo transport (listening on {}) "
-                                  "failed: {}",
-                                  rank, size, config.bind_address, e.what()));
+      throw CommError(
+          fmt::format("rank {}/{}: connecting the Gloo transport (listening on {}) "
+                      "failed: {}",
+                      rank, size, config.bind_address, e.what()));
     }
     worker_ = std::thread([this] { run_worker(); });
   }
@@ -168,8 +178,7 @@ class GlooComm : public CommImpl {
   int size() const override { return size_; }
   const char* backend() const override { return "gloo"; }
 
-  Work all_gather(const at::Tensor& out, const at::Tensor& in,
-                  const AllGatherOptions& opts) override {
+  Work all_gather(const at::Tensor& out, const at::Tensor& in, const AllGatherOptions& opts) override {
     auto what = summary("all_gather", in);
     what.in = in.numel(), what.out = out.numel();
     if (size_ == 1) return alone(what, [&] { copy_alone(out, in); });
@@ -245,8 +254,7 @@ class GlooComm : public CommImpl {
     });
   }
 
-  Work all_to_all(const at::Tensor& out, const at::Tensor& in,
-                  const AllToAllOptions& opts) override {
+  Work all_to_all(const at::Tensor& out, const at::Tensor& in, const AllToAllOptions& opts) override {
     auto what = summary("all_to_all", in);
     what.in = in.numel(), what.out = out.numel();
     return enqueue(what, {out, in}, [this, out, in, opts](uint32_t tag) {
@@ -280,12 +288,8 @@ class GlooComm : public CommImpl {
     });
   }
 
-  Work send(const at::Tensor& t, int dst, uint32_t tag) override {
-    return post_p2p(true, t, dst, tag);
-  }
-  Work recv(const at::Tensor& t, int src, uint32_t tag) override {
-    return post_p2p(false, t, src, tag);
-  }
+  Work send(const at::Tensor& t, int dst, uint32_t tag) override { return post_p2p(true, t, dst, tag); }
+  Work recv(const at::Tensor& t, int src, uint32_t tag) override { return post_p2p(false, t, src, tag); }
 
   Work barrier() override {
     return enqueue(OpSummary{.op = "barrier", .rank = rank_, .size = size_}, {}, [this](uint32_t tag) {
@@ -403,10 +407,9 @@ class GlooComm : public CommImpl {
   }
 
   Work post_p2p(bool is_send, const at::Tensor& t, int peer, uint32_t tag) {
-    auto state = std::make_shared<WorkState>(
-        fmt::format("rank {}/{} {} rank {} tag {} {} n={}", rank_, size_,
-                    is_send ? "send to" : "recv from", peer, tag, c10::toString(t.scalar_type()),
-                    t.numel()));
+    auto state = std::make_shared<WorkState>(fmt::format("rank {}/{} {} rank {} tag {} {} n={}", rank_, size_,
+                                                         is_send ? "send to" : "recv from", peer, tag,
+                                                         c10::toString(t.scalar_type()), t.numel()));
     if (t.numel() == 0) {
       state->finish();
       return Work(state);
@@ -478,8 +481,7 @@ class GlooComm : public CommImpl {
   // 16-bit dtypes accumulate in float32, and their partial sums travel in float32. The first hop
   // carries a rank's own values, which the input's dtype holds exactly, so it travels in that
   // dtype: half the bytes, the same result (at 2 ranks, the only hop).
-  void ring_reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op,
-                           uint32_t tag) {
+  void ring_reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op, uint32_t tag) {
     const int64_t n = out.numel();
     if (n == 0) return;  // one rank never comes here (reduce_scatter and all_reduce take it apart)
     const bool widened = is_half(in.scalar_type());
@@ -489,7 +491,8 @@ class GlooComm : public CommImpl {
     const auto chunk = [&](int c) { return in.narrow(0, ring_pos(c) * n, n); };
     // Two partial-sum buffers: one is being sent while the other receives.
     const size_t bytes = n * c10::elementSize(acc_type);
-    at::Tensor bufs[2] = {at::empty({n}, in.options().dtype(acc_type)), at::empty({n}, in.options().dtype(acc_type))};
+    at::Tensor bufs[2] = {at::empty({n}, in.options().dtype(acc_type)),
+                          at::empty({n}, in.options().dtype(acc_type))};
     std::unique_ptr<gloo::transport::UnboundBuffer> ub[2] = {
         context_->createUnboundBuffer(bufs[0].data_ptr(), bytes),
         context_->createUnboundBuffer(bufs[1].data_ptr(), bytes)};
@@ -502,7 +505,8 @@ class GlooComm : public CommImpl {
     first_ub->send(right, slot, 0, first_bytes);
     bool send_pending[2] = {false, false};
     dispatch(in.scalar_type(), [&]<typename In>() {
-      using Acc = std::conditional_t<std::is_same_v<In, c10::BFloat16> || std::is_same_v<In, c10::Half>, float, In>;
+      using Acc =
+          std::conditional_t<std::is_same_v<In, c10::BFloat16> || std::is_same_v<In, c10::Half>, float, In>;
       for (int s = 0; s < size_ - 1; ++s) {
         const int b = s % 2;
         auto* sum = bufs[b].data_ptr<Acc>();
@@ -514,8 +518,10 @@ class GlooComm : public CommImpl {
         // rank's own chunk of `in` (all_reduce): each element is read before it is written.
         const bool last = s == size_ - 2;
         auto add = [&](const auto* arrived) {
-          if (last) combine<Acc>(op, out.data_ptr<In>(), arrived, mine, n, op == ReduceOp::kAvg ? size_ : 0);
-          else combine<Acc>(op, sum, arrived, mine, n);
+          if (last)
+            combine<Acc>(op, out.data_ptr<In>(), arrived, mine, n, op == ReduceOp::kAvg ? size_ : 0);
+          else
+            combine<Acc>(op, sum, arrived, mine, n);
         };
         if (s == 0 && widened) {
           first_in_ub->recv(left, slot, 0, first_bytes);
@@ -566,7 +572,7 @@ const char* bound_gloo_library() {
     Dl_info info{};
     const auto fn = static_cast<void (*)(const gloo::AllreduceOptions&)>(&gloo::allreduce);
     return dladdr(reinterpret_cast<void*>(fn), &info) && info.dli_fname ? std::string(info.dli_fname)
-                                                                         : std::string("unknown");
+                                                                        : std::string("unknown");
   }();
   return path.c_str();
 }
@@ -575,8 +581,7 @@ const char* bound_gloo_library() {
 
 }  // namespace fsdpp::comm::detail
 
-extern "C" __attribute__((visibility("default"))) const fsdpp::comm::detail::GlooPlugin*
-fsdpp_gloo_plugin() {
+extern "C" __attribute__((visibility("default"))) const fsdpp::comm::detail::GlooPlugin* fsdpp_gloo_plugin() {
   static const fsdpp::comm::detail::GlooPlugin plugin{fsdpp::comm::detail::make_comm,
                                                       fsdpp::comm::detail::bound_gloo_library};
   return &plugin;

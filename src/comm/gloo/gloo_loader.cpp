@@ -38,12 +38,10 @@ struct Loaded {
 // The plugin sits beside libfsdpp.so, in the build tree and where both are installed.
 std::string plugin_path() {
   Dl_info info{};
-  if (!dladdr(reinterpret_cast<void*>(&plugin_path), &info) || !info.dli_fname)
-    return FSDPP_GLOO_PLUGIN;
+  if (!dladdr(reinterpret_cast<void*>(&plugin_path), &info) || !info.dli_fname) return FSDPP_GLOO_PLUGIN;
   std::string self = info.dli_fname;
   const auto slash = self.rfind('/');
-  return slash == std::string::npos ? FSDPP_GLOO_PLUGIN
-                                    : self.substr(0, slash + 1) + FSDPP_GLOO_PLUGIN;
+  return slash == std::string::npos ? FSDPP_GLOO_PLUGIN : self.substr(0, slash + 1) + FSDPP_GLOO_PLUGIN;
 }
 
 const Loaded& load() {
@@ -89,11 +87,11 @@ bool gloo_available() { return false; }
 
 std::string gloo_library() { return ""; }
 
-std::shared_ptr<CommImpl> make_gloo_comm(std::shared_ptr<Store>, int rank, int size,
-                                         const BackendConfig&) {
-  throw CommError(fmt::format("rank {}/{}: the Gloo backend was requested, but this fsdpp was built "
-                              "without Gloo (install libgloo-dev and configure with -DFSDPP_WITH_GLOO=ON)",
-                              rank, size));
+std::shared_ptr<CommImpl> make_gloo_comm(std::shared_ptr<Store>, int rank, int size, const BackendConfig&) {
+  throw CommError(
+      fmt::format("rank {}/{}: the Gloo backend was requested, but this fsdpp was built "
+                  "without Gloo (install libgloo-dev and configure with -DFSDPP_WITH_GLOO=ON)",
+                  rank, size));
 }
 
 #endif

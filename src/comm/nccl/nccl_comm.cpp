@@ -42,23 +42,35 @@ using nccl::EventPtr;
 
 ncclDataType_t nccl_type(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return ncclFloat32;
-    case at::kDouble: return ncclFloat64;
-    case at::kBFloat16: return ncclBfloat16;
-    case at::kHalf: return ncclFloat16;
-    case at::kInt: return ncclInt32;
-    case at::kLong: return ncclInt64;
-    case at::kByte: return ncclUint8;
-    default: throw CommError(fmt::format("nccl: unsupported dtype {}", c10::toString(t)));
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kInt:
+      return ncclInt32;
+    case at::kLong:
+      return ncclInt64;
+    case at::kByte:
+      return ncclUint8;
+    default:
+      throw CommError(fmt::format("nccl: unsupported dtype {}", c10::toString(t)));
   }
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return ncclSum;
-    case ReduceOp::kAvg: return ncclAvg;
-    case ReduceOp::kMax: return ncclMax;
-    case ReduceOp::kMin: return ncclMin;
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kAvg:
+      return ncclAvg;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kMin:
+      return ncclMin;
   }
   throw CommError("nccl: unknown reduce op");
 }
@@ -103,7 +115,8 @@ class NcclComm final : public CommImpl {
  public:
   explicit NcclComm(std::unique_ptr<Core> core)
       : core_(std::move(core)),
-        comm_stream_(c10::cuda::getStreamFromExternal(core_->stream(), static_cast<c10::DeviceIndex>(core_->device()))) {
+        comm_stream_(c10::cuda::getStreamFromExternal(core_->stream(),
+                                                      static_cast<c10::DeviceIndex>(core_->device()))) {
     cudaEvent_t e = nullptr;
     check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
     ready_ = EventPtr(e, [](cudaEvent_t ev) { cudaEventDestroy(ev); });
@@ -118,8 +131,8 @@ class NcclComm final : public CommImpl {
     const auto type = nccl_type(in.scalar_type());
     auto what = summary("all_gather", in);
     what.in = in.numel(), what.out = out.numel();
-    const bool even = opts.counts.empty() ||
-                      std::all_of(opts.counts.begin(), opts.counts.end(), [&](int64_t c) { return c == opts.counts[0]; });
+    const bool even = opts.counts.empty() || std::all_of(opts.counts.begin(), opts.counts.end(),
+                                                         [&](int64_t c) { return c == opts.counts[0]; });
     if (even)
       return run(what, {in, out}, [&](cudaEvent_t ready) {
         return core_->all_gather(in.data_ptr(), out.data_ptr(), size_t(in.numel()), type, ready);
@@ -128,16 +141,18 @@ class NcclComm final : public CommImpl {
     const auto recv = to_sizes(opts.counts);
     const std::vector<size_t> send(size(), size_t(in.numel())), send_off(size(), 0);
     return run(what, {in, out}, [&](cudaEvent_t ready) {
-      return core_->all_to_all(in.data_ptr(), out.data_ptr(), send, send_off, recv, offsets_of(recv), type, ready);
+      return core_->all_to_all(in.data_ptr(), out.data_ptr(), send, send_off, recv, offsets_of(recv), type,
+                               ready);
     });
   }
 
-  Work reduce_scatter(const at::Tensor& out, const at::Tensor& in, const ReduceScatterOptions& opts) override {
+  Work reduce_scatter(const at::Tensor& out, const at::Tensor& in,
+                      const ReduceScatterOptions& opts) override {
     auto what = summary("reduce_scatter", in);
     what.reduce = to_string(opts.op), what.in = in.numel(), what.out = out.numel();
     return run(what, {in, out}, [&](cudaEvent_t ready) {
-      return core_->reduce_scatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()), nccl_type(in.scalar_type()),
-                                   nccl_op(opts.op), ready);
+      return core_->reduce_scatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()),
+                                   nccl_type(in.scalar_type()), nccl_op(opts.op), ready);
     });
   }
 
@@ -162,8 +177,10 @@ class NcclComm final : public CommImpl {
     auto what = summary("all_to_all", in);
     what.in = in.numel(), what.out = out.numel();
     const size_t n = size_t(size());
-    auto send = opts.in_splits.empty() ? std::vector<size_t>(n, size_t(in.numel()) / n) : to_sizes(opts.in_splits);
-    auto recv = opts.out_splits.empty() ? std::vector<size_t>(n, size_t(out.numel()) / n) : to_sizes(opts.out_splits);
+    auto send =
+        opts.in_splits.empty() ? std::vector<size_t>(n, size_t(in.numel()) / n) : to_sizes(opts.in_splits);
+    auto recv =
+        opts.out_splits.empty() ? std::vector<size_t>(n, size_t(out.numel()) / n) : to_sizes(opts.out_splits);
     return run(what, {in, out}, [&](cudaEvent_t ready) {
       return core_->all_to_all(in.data_ptr(), out.data_ptr(), send, offsets_of(send), recv, offsets_of(recv),
                                nccl_type(in.scalar_type()), ready);
@@ -195,7 +212,9 @@ class NcclComm final : public CommImpl {
       return done;
     });
     if (done)
-      work.state()->device_wait = [done, r = rank(), n = size()] { check_cuda(cudaEventSynchronize(done.get()), r, n, "barrier"); };
+      work.state()->device_wait = [done, r = rank(), n = size()] {
+        check_cuda(cudaEventSynchronize(done.get()), r, n, "barrier");
+      };
     return work;
   }
 
@@ -230,7 +249,8 @@ class NcclComm final : public CommImpl {
       check(cudaEventRecord(ready_.get(), caller), "cudaEventRecord");
       EventPtr done = enqueue(ready_.get());
       for (const auto& t : tensors)
-        if (t.defined() && t.numel() > 0) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm_stream_);
+        if (t.defined() && t.numel() > 0)
+          c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm_stream_);
       state->device_wait = [done, device, r = rank(), n = size()] {
         check_cuda(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device).stream(), done.get(), 0), r, n,
                    "cudaStreamWaitEvent");
@@ -250,7 +270,8 @@ class NcclComm final : public CommImpl {
 
   // Whether the operation whose completion `done` records has finished on the device (it was not
   // captured: those have no query).
-  static bool device_done(cudaEvent_t done, const std::weak_ptr<Core>& core, const std::weak_ptr<WorkState>& op) {
+  static bool device_done(cudaEvent_t done, const std::weak_ptr<Core>& core,
+                          const std::weak_ptr<WorkState>& op) {
     const auto c = core.lock();
     if (!c) return true;  // the communicator is gone, and destroying it drained its stream
     // The watchdog's thread asks too: in the default (global) capture mode its query would
@@ -261,14 +282,15 @@ class NcclComm final : public CommImpl {
       ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&previous); }
     } relaxed;
     const cudaError_t q = cudaEventQuery(done);
-    if (q != cudaSuccess && q != cudaErrorNotReady) (void)cudaGetLastError();  // not sticky; leave none behind
+    if (q != cudaSuccess && q != cudaErrorNotReady)
+      (void)cudaGetLastError();  // not sticky; leave none behind
     const auto completion = nccl::completion_of(q, c->aborted(), c->async_error());
     if (completion != nccl::Completion::kFailed) return completion == nccl::Completion::kDone;
     // The device failed, or NCCL did (a peer gone): the operation will never complete. Abort the
     // communicator so that nothing waits on it forever, and fail the operation.
     const std::string why = q != cudaErrorNotReady ? fmt::format("CUDA error '{}'", cudaGetErrorString(q))
-                            : c->aborted()        ? std::string("the communicator was aborted")
-                                                  : c->async_error_message();
+                            : c->aborted()         ? std::string("the communicator was aborted")
+                                                   : c->async_error_message();
     c->abort();
     if (const auto state = op.lock()) {
       auto error = std::make_exception_ptr(CommError(why));
@@ -308,17 +330,21 @@ int cuda_device_count(std::string* why) {
   return n;
 }
 
-std::shared_ptr<CommImpl> make_nccl_comm(std::shared_ptr<Store> store, int rank, int size, const BackendConfig& config) {
+std::shared_ptr<CommImpl> make_nccl_comm(std::shared_ptr<Store> store, int rank, int size,
+                                         const BackendConfig& config) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
-    throw CommError(fmt::format("rank {}/{}: the NCCL backend needs a CUDA device, and none is visible", rank, size));
+    throw CommError(
+        fmt::format("rank {}/{}: the NCCL backend needs a CUDA device, and none is visible", rank, size));
   const char* host_id = std::getenv("NCCL_HOSTID");
   if (config.device >= count && !(host_id && *host_id))
-    throw CommError(fmt::format(
-        "rank {}/{}: local rank {} but {} GPU{} visible: NCCL refuses two ranks of one communicator on one GPU. "
-        "Start fewer ranks per node, or, for a correctness check only, let ranks share GPUs with "
-        "`fsdpp launch --share-gpu` (or `fsdpp run --share-gpu`), which gives each rank an NCCL_HOSTID of its own",
-        rank, size, config.device, count, count == 1 ? " is" : "s are"));
+    throw CommError(
+        fmt::format("rank {}/{}: local rank {} but {} GPU{} visible: NCCL refuses two ranks of one "
+                    "communicator on one GPU. "
+                    "Start fewer ranks per node, or, for a correctness check only, let ranks share GPUs with "
+                    "`fsdpp launch --share-gpu` (or `fsdpp run --share-gpu`), which gives each rank an "
+                    "NCCL_HOSTID of its own",
+                    rank, size, config.device, count, count == 1 ? " is" : "s are"));
   const int device = config.device >= 0 ? config.device % count : c10::cuda::current_device();
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
   nccl::Rendezvous rendezvous{[&](const std::string& k, const std::vector<uint8_t>& v) { store->set(k, v); },

@@ -43,7 +43,8 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
       }
     }
     if (!e)
-      if (const auto err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming); err != cudaSuccess) return err;
+      if (const auto err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming); err != cudaSuccess)
+        return err;
     // The pool outlives every event it handed out: each holds it.
     out = EventPtr(e, [pool = shared_from_this()](cudaEvent_t ev) { pool->give_back(ev); });
     return cudaSuccess;
@@ -100,7 +101,8 @@ Core::Core(int rank, int size, int device, const Rendezvous& rendezvous, const s
   ncclUniqueId id;
   if (rank == 0) {
     check_init(ncclGetUniqueId(&id), rank, size, "ncclGetUniqueId");
-    rendezvous.set(key, std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
+    rendezvous.set(key, std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id),
+                                             reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
   } else {
     const auto bytes = rendezvous.get(key);
     if (bytes.size() != sizeof(id))
@@ -143,7 +145,8 @@ ncclResult_t Core::async_error() const {
 std::string Core::async_error_message() const {
   const auto r = async_error();
   std::string msg = prefix(rank_, size_, "communicator") + "NCCL error '" + ncclGetErrorString(r) + "'";
-  if (const char* last = comm_ ? ncclGetLastError(comm_) : nullptr; last && *last) msg += " (" + std::string(last) + ")";
+  if (const char* last = comm_ ? ncclGetLastError(comm_) : nullptr; last && *last)
+    msg += " (" + std::string(last) + ")";
   return msg;
 }
 
@@ -153,7 +156,8 @@ void Core::abort() {
 }
 
 void Core::check(cudaError_t e, const char* what) const {
-  if (e != cudaSuccess) throw NcclError(prefix(rank_, size_, what) + "CUDA error '" + cudaGetErrorString(e) + "'");
+  if (e != cudaSuccess)
+    throw NcclError(prefix(rank_, size_, what) + "CUDA error '" + cudaGetErrorString(e) + "'");
 }
 
 void Core::check(ncclResult_t r, const char* what) const {
@@ -165,7 +169,8 @@ void Core::check(ncclResult_t r, const char* what) const {
 }
 
 void Core::wait_for(cudaEvent_t ready, const char* what) {
-  if (aborted_.load()) throw NcclError(prefix(rank_, size_, what) + "the communicator was aborted after an earlier failure");
+  if (aborted_.load())
+    throw NcclError(prefix(rank_, size_, what) + "the communicator was aborted after an earlier failure");
   check(cudaSetDevice(device_), what);
   if (ready) check(cudaStreamWaitEvent(stream_, ready, 0), what);
 }

@@ -13,8 +13,7 @@ int cuda_device_count(std::string* why) {
   return 0;
 }
 
-std::shared_ptr<CommImpl> make_nccl_comm(std::shared_ptr<Store>, int rank, int size,
-                                         const BackendConfig&) {
+std::shared_ptr<CommImpl> make_nccl_comm(std::shared_ptr<Store>, int rank, int size, const BackendConfig&) {
   throw CommError("rank " + std::to_string(rank) + "/" + std::to_string(size) +
                   ": the NCCL backend was requested, but this fsdpp was built without NCCL "
                   "(configure with a CUDA-enabled LibTorch and -DFSDPP_WITH_NCCL=ON)");

@@ -1,4 +1,4 @@
-// Causal self-attention on the CPU in row blocks of whole heads (models/kernels.hpp).
+// Causal self-attention on the CPU in row blocks of whole heads (models/cpu/kernels.hpp).
 //
 // For each head, and each block of kBlockRows query rows [r0, r1), the keys the block can see are
 // [0, r1). Forward:
@@ -25,7 +25,7 @@
 
 #include "fsdpp/base/parallel.hpp"
 #include "blas_gemm.hpp"
-#include "fsdpp/models/kernels.hpp"
+#include "fsdpp/models/cpu/kernels.hpp"
 #include "float_loops.hpp"
 #include "rotary_rows.hpp"
 #include "vector_clones.hpp"
@@ -150,8 +150,8 @@ void forward_head(Head q, Head k, Head v, Head o, float* lse, int64_t T, int64_t
   }
 }
 
-void backward_head(Head q, Head k, Head v, Head o, Head dout, const float* lse, Head dq, Head dk, Head dv, int64_t T,
-                   int64_t D, float scale) {
+void backward_head(Head q, Head k, Head v, Head o, Head dout, const float* lse, Head dq, Head dk, Head dv,
+                   int64_t T, int64_t D, float scale) {
   const BlasOnThisThread one_thread;
   float* buf = scratch(size_t(2 * kBlockRows * T + T)).data();
   float *p = buf, *dp = buf + kBlockRows * T, *delta = buf + 2 * kBlockRows * T;
@@ -178,8 +178,8 @@ at::Tensor rows_dense(const at::Tensor& x) {
 }
 
 struct CausalAttention : torch::autograd::Function<CausalAttention> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
-                            const at::Tensor& v_in) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q_in,
+                            const at::Tensor& k_in, const at::Tensor& v_in) {
     const auto q = rows_dense(q_in), k = rows_dense(k_in), v = rows_dense(v_in);
     const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
     const float scale = 1.0f / std::sqrt(float(D));
@@ -206,8 +206,8 @@ struct CausalAttention : torch::autograd::Function<CausalAttention> {
     const float* lp = lse.const_data_ptr<float>();
     parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
       for (int64_t bh = h0; bh < h1; ++bh)
-        backward_head(head(q, bh), head(k, bh), head(v, bh), head(o, bh), head(dout, bh), lp + bh * T, head(dq, bh),
-                      head(dk, bh), head(dv, bh), T, D, scale);
+        backward_head(head(q, bh), head(k, bh), head(v, bh), head(o, bh), head(dout, bh), lp + bh * T,
+                      head(dq, bh), head(dk, bh), head(dv, bh), T, D, scale);
     });
     return {dq, dk, dv};
   }
@@ -236,8 +236,8 @@ void rotate_qk(const at::Tensor& qkv, int64_t bh, Head q, Head k, const float* c
 // by the products, dq and dk from the scratch through the rotation's gradient. No [B, H, T, D]
 // tensor of q, k, v or their gradients is written, and the projection is what is saved.
 struct RotaryCausalAttention : torch::autograd::Function<RotaryCausalAttention> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, const at::Tensor& cos,
-                            const at::Tensor& sin) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv,
+                            const at::Tensor& cos, const at::Tensor& sin) {
     const int64_t B = qkv.size(0), T = qkv.size(1), H = qkv.size(3), D = qkv.size(4);
     const float scale = 1.0f / std::sqrt(float(D));
     auto o = at::empty({B, T, H, D}, qkv.options()).permute({0, 2, 1, 3});
@@ -265,7 +265,8 @@ struct RotaryCausalAttention : torch::autograd::Function<RotaryCausalAttention> 
     const int64_t B = qkv.size(0), T = qkv.size(1), H = qkv.size(3), D = qkv.size(4);
     const float scale = 1.0f / std::sqrt(float(D));
     auto g = at::empty_like(qkv, at::MemoryFormat::Contiguous);
-    const float *lp = lse.const_data_ptr<float>(), *cp = cos.const_data_ptr<float>(), *sp = sin.const_data_ptr<float>();
+    const float *lp = lse.const_data_ptr<float>(), *cp = cos.const_data_ptr<float>(),
+                *sp = sin.const_data_ptr<float>();
     parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
       float* rows = scratch(size_t(4 * T * D), 1).data();
       const Head q{rows, D}, k{rows + T * D, D}, dq{rows + 2 * T * D, D}, dk{rows + 3 * T * D, D};
@@ -292,8 +293,8 @@ at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, 
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
-              "causal_attention: expected q, k and v of one shape [B, H, T, D], got ", q.sizes(), ", ", k.sizes(),
-              " and ", v.sizes());
+              "causal_attention: expected q, k and v of one shape [B, H, T, D], got ", q.sizes(), ", ",
+              k.sizes(), " and ", v.sizes());
   const bool own = q.is_cpu() && k.is_cpu() && v.is_cpu() && q.scalar_type() == at::kFloat &&
                    k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && q.numel() > 0 &&
                    q.size(2) <= std::numeric_limits<int>::max() / kBlockRows && causal_attention_available();
@@ -303,15 +304,16 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
   detail::check_rotary_shapes(qkv, cos, sin);
-  if (qkv.is_cpu() && at::isReducedFloatingType(qkv.scalar_type()) && qkv.scalar_type() == cos.scalar_type() &&
-      qkv.scalar_type() == sin.scalar_type() && causal_attention_available()) {
+  if (qkv.is_cpu() && at::isReducedFloatingType(qkv.scalar_type()) &&
+      qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type() &&
+      causal_attention_available()) {
     // 16-bit: the kernel on the values widened to float32, the result rounded once (Note [16-bit
     // attention on the CPU]).
     const auto wide = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
     return rotary_causal_attention(wide(qkv), wide(cos), wide(sin)).to(qkv.scalar_type());
   }
-  const bool own = qkv.is_cpu() && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && qkv.numel() > 0 &&
-                   qkv.size(1) <= std::numeric_limits<int>::max() / kBlockRows &&
+  const bool own = qkv.is_cpu() && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() &&
+                   qkv.numel() > 0 && qkv.size(1) <= std::numeric_limits<int>::max() / kBlockRows &&
                    qkv.stride(1) <= std::numeric_limits<int>::max() && cos.scalar_type() == at::kFloat &&
                    sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
                    !cos.requires_grad() && !sin.requires_grad() && causal_attention_available();

@@ -23,8 +23,8 @@ F torch_symbol(const char* name) {
 }
 
 // The Fortran BLAS's sgemm_ (null where LibTorch has none).
-using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                       const int*, const float*, const int*, const float*, float*, const int*);
+using Sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*,
+                       const float*, const int*, const float*, const int*, const float*, float*, const int*);
 
 Sgemm blas_sgemm() {
   static const auto f = torch_symbol<Sgemm>("sgemm_");
@@ -33,8 +33,8 @@ Sgemm blas_sgemm() {
 
 // MKL's bfloat16 product, C interface (row-major layout 101, no transpose 111, transpose 112; LP64
 // integers, as PyTorch's MKL is linked).
-using GemmBf16 = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
-                          float*, int);
+using GemmBf16 = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int,
+                          float, float*, int);
 
 GemmBf16 blas_gemm_bf16() {
   static const auto f = torch_symbol<GemmBf16>("cblas_gemm_bf16bf16f32");
@@ -55,8 +55,8 @@ bool blas_available() { return blas_sgemm() != nullptr; }
 
 // A row-major matrix is its transpose in the BLAS's column-major terms, so this is
 // C^T = op(B)^T op(A)^T there.
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
   const int M = int(n), N = int(m), K = int(k), la = int(ldb), lb = int(lda), lc = int(ldc);
   blas_sgemm()(&ta, &tb, &M, &N, &K, &alpha, b, &la, a, &lb, &beta, c, &lc);
@@ -67,8 +67,8 @@ bool blas_bf16_available() { return blas_gemm_bf16() != nullptr; }
 void gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a,
                int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-  blas_gemm_bf16()(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans, int(m), int(n), int(k), alpha,
-                   a, int(lda), b, int(ldb), beta, c, int(ldc));
+  blas_gemm_bf16()(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans, int(m), int(n),
+                   int(k), alpha, a, int(lda), b, int(ldb), beta, c, int(ldc));
 }
 
 BlasOnThisThread::BlasOnThisThread() {

@@ -11,8 +11,8 @@ bool blas_available();
 
 // Row-major C[m, n] = alpha op(A) op(B) + beta C, op(X) = X^T where asked; each matrix row-major
 // with its leading dimension. Needs blas_available().
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 // Whether LibTorch's MKL has its bfloat16 product (cblas_gemm_bf16bf16f32) in this process.
 bool blas_bf16_available();

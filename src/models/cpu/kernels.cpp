@@ -1,4 +1,4 @@
-#include "fsdpp/models/kernels.hpp"
+#include "fsdpp/models/cpu/kernels.hpp"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -15,7 +15,7 @@
 
 #include "blas_gemm.hpp"
 #include "fsdpp/base/parallel.hpp"
-#include "fsdpp/models/matmul.hpp"
+#include "fsdpp/models/cpu/matmul.hpp"
 #include "float_loops.hpp"
 #include "vector_clones.hpp"
 
@@ -33,7 +33,8 @@ using loops::rows_per_task;
 inline float sigmoid(float a) { return 1.0f / (1.0f + exp_poly(-a)); }
 
 // One row of RMSNorm: y = x * rstd * w, returns rstd.
-FSDPP_VECTOR_CLONES float rms_row(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t n, float eps) {
+FSDPP_VECTOR_CLONES float rms_row(const float* __restrict x, const float* __restrict w, float* __restrict y,
+                                  int64_t n, float eps) {
   const float rstd = 1.0f / std::sqrt(dot(x, x, n) / float(n) + eps);
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * rstd * w[i];
   return rstd;
@@ -44,8 +45,8 @@ FSDPP_VECTOR_CLONES float rms_row(const float* __restrict x, const float* __rest
 // skip: the gradient x has from elsewhere (the residual path), or null for none.
 FSDPP_VECTOR_CLONES void rms_row_backward(const float* __restrict g, const float* __restrict x,
                                           const float* __restrict w, float rstd, const float* __restrict skip,
-                                          float* __restrict dx, float* __restrict dw_acc, float* __restrict gw,
-                                          int64_t n) {
+                                          float* __restrict dx, float* __restrict dw_acc,
+                                          float* __restrict gw, int64_t n) {
   for (int64_t i = 0; i < n; ++i) gw[i] = g[i] * w[i];
   const float c = rstd * rstd * rstd * dot(gw, x, n) / float(n);
   if (skip) {
@@ -67,21 +68,22 @@ FSDPP_VECTOR_CLONES void add_span(const float* __restrict a, const float* __rest
 }
 
 // out[j] = sum over i of m[i][j] (m: rows x cols, row-major), rows added in order.
-FSDPP_VECTOR_CLONES void sum_rows(const float* __restrict m, int64_t rows, int64_t cols, float* __restrict out) {
+FSDPP_VECTOR_CLONES void sum_rows(const float* __restrict m, int64_t rows, int64_t cols,
+                                  float* __restrict out) {
   for (int64_t j = 0; j < cols; ++j) out[j] = 0.0f;
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) out[j] += m[i * cols + j];
 }
 
-FSDPP_VECTOR_CLONES void swiglu_span(const float* __restrict a, const float* __restrict b, float* __restrict out,
-                                     int64_t n) {
+FSDPP_VECTOR_CLONES void swiglu_span(const float* __restrict a, const float* __restrict b,
+                                     float* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = a[i] * sigmoid(a[i]) * b[i];
 }
 
 // d/da silu(a) = s (1 + a (1 - s)) with s = sigmoid(a).
 FSDPP_VECTOR_CLONES void swiglu_span_backward(const float* __restrict g, const float* __restrict a,
-                                              const float* __restrict b, float* __restrict da, float* __restrict db,
-                                              int64_t n) {
+                                              const float* __restrict b, float* __restrict da,
+                                              float* __restrict db, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float s = sigmoid(a[i]);
     db[i] = g[i] * (a[i] * s);
@@ -93,7 +95,8 @@ FSDPP_VECTOR_CLONES void swiglu_span_backward(const float* __restrict g, const f
 // sigmoid an element where recomputing the gate and then its backward take two.
 FSDPP_VECTOR_CLONES void swiglu_span_backward_and_gate(const float* __restrict g, const float* __restrict a,
                                                        const float* __restrict b, float* __restrict gate,
-                                                       float* __restrict da, float* __restrict db, int64_t n) {
+                                                       float* __restrict da, float* __restrict db,
+                                                       int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float s = sigmoid(a[i]);
     gate[i] = a[i] * s * b[i];
@@ -168,8 +171,8 @@ constexpr int64_t kRowsPerBlock = 32;
 struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
   // r as an optional: autograd's apply takes an undefined Tensor argument for a missing one.
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in,
-                                                const std::optional<at::Tensor>& r_in, const at::Tensor& weight,
-                                                double eps) {
+                                                const std::optional<at::Tensor>& r_in,
+                                                const at::Tensor& weight, double eps) {
     const bool residual = r_in.has_value();
     const auto x = x_in.contiguous(), r = residual ? r_in->contiguous() : at::Tensor();
     const int64_t D = x.size(-1), N = D ? x.numel() / D : 0;
@@ -223,28 +226,29 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
     const int64_t D = x.size(-1), N = D ? x.numel() / D : 0, blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
     auto dx = at::empty_like(x);
     auto dw_blocks = at::zeros({blocks, D}, x.options().dtype(at::kFloat));
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fsdpp_rms_norm_backward", [&] {
-      const auto* xp = x.const_data_ptr<scalar_t>();
-      const auto* gp = g.const_data_ptr<scalar_t>();
-      const auto* kp = skip.defined() ? skip.const_data_ptr<scalar_t>() : nullptr;
-      auto* dxp = dx.mutable_data_ptr<scalar_t>();
-      const float* rp = rstd.const_data_ptr<float>();
-      const float* wp = w.const_data_ptr<float>();
-      float* dwp = dw_blocks.mutable_data_ptr<float>();
-      const int64_t grain = rows_per_task(D * kRowsPerBlock);
-      parallel_ranges(blocks, grain, [&](int64_t b0, int64_t b1) {
-        std::vector<float> xs, gs, ks, dxs, gw(static_cast<size_t>(D));
-        for (int64_t b = b0; b < b1; ++b)
-          for (int64_t r = b * kRowsPerBlock; r < std::min(N, (b + 1) * kRowsPerBlock); ++r) {
-            const float* xf = as_float(xp + r * D, D, xs);
-            const float* gf = as_float(gp + r * D, D, gs);
-            const float* kf = kp ? as_float(kp + r * D, D, ks) : nullptr;
-            float* dxf = float_out(dxp + r * D, D, dxs);
-            rms_row_backward(gf, xf, wp, rp[r], kf, dxf, dwp + b * D, gw.data(), D);
-            store(dxp + r * D, dxf, D);
-          }
-      });
-    });
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kBFloat16, at::kHalf, x.scalar_type(), "fsdpp_rms_norm_backward", [&] {
+          const auto* xp = x.const_data_ptr<scalar_t>();
+          const auto* gp = g.const_data_ptr<scalar_t>();
+          const auto* kp = skip.defined() ? skip.const_data_ptr<scalar_t>() : nullptr;
+          auto* dxp = dx.mutable_data_ptr<scalar_t>();
+          const float* rp = rstd.const_data_ptr<float>();
+          const float* wp = w.const_data_ptr<float>();
+          float* dwp = dw_blocks.mutable_data_ptr<float>();
+          const int64_t grain = rows_per_task(D * kRowsPerBlock);
+          parallel_ranges(blocks, grain, [&](int64_t b0, int64_t b1) {
+            std::vector<float> xs, gs, ks, dxs, gw(static_cast<size_t>(D));
+            for (int64_t b = b0; b < b1; ++b)
+              for (int64_t r = b * kRowsPerBlock; r < std::min(N, (b + 1) * kRowsPerBlock); ++r) {
+                const float* xf = as_float(xp + r * D, D, xs);
+                const float* gf = as_float(gp + r * D, D, gs);
+                const float* kf = kp ? as_float(kp + r * D, D, ks) : nullptr;
+                float* dxf = float_out(dxp + r * D, D, dxs);
+                rms_row_backward(gf, xf, wp, rp[r], kf, dxf, dwp + b * D, gw.data(), D);
+                store(dxp + r * D, dxf, D);
+              }
+          });
+        });
     auto dw = at::empty({D}, dw_blocks.options());
     sum_rows(dw_blocks.const_data_ptr<float>(), blocks, D, dw.mutable_data_ptr<float>());
     // x and r are summed with weight one: the same gradient for both.
@@ -254,7 +258,8 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
 
 // float32 only (swiglu() sends every other dtype to the composition).
 struct SwiGLUFunction : torch::autograd::Function<SwiGLUFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a_in, const at::Tensor& b_in) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a_in,
+                            const at::Tensor& b_in) {
     const auto a = a_in.contiguous(), b = b_in.contiguous();
     auto out = at::empty_like(a);
     const float *ap = a.const_data_ptr<float>(), *bp = b.const_data_ptr<float>();
@@ -271,7 +276,8 @@ struct SwiGLUFunction : torch::autograd::Function<SwiGLUFunction> {
     const auto &a = saved[0], &b = saved[1];
     const auto g = grads[0].contiguous();
     auto da = at::empty_like(a), db = at::empty_like(b);
-    const float *ap = a.const_data_ptr<float>(), *bp = b.const_data_ptr<float>(), *gp = g.const_data_ptr<float>();
+    const float *ap = a.const_data_ptr<float>(), *bp = b.const_data_ptr<float>(),
+                *gp = g.const_data_ptr<float>();
     float *dap = da.mutable_data_ptr<float>(), *dbp = db.mutable_data_ptr<float>();
     parallel_ranges(a.numel(), kElementsPerTask, [&](int64_t i0, int64_t i1) {
       swiglu_span_backward(gp + i0, ap + i0, bp + i0, dap + i0, dbp + i0, i1 - i0);
@@ -298,9 +304,11 @@ struct ExpertShape {
 };
 
 struct ExpertSwiGLUFunction : torch::autograd::Function<ExpertSwiGLUFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& w1_in,
-                            const at::Tensor& w3_in, const at::Tensor& w2_in, std::vector<int64_t> ends, int64_t chunk) {
-    const auto x = x_in.contiguous(), w1 = w1_in.contiguous(), w3 = w3_in.contiguous(), w2 = w2_in.contiguous();
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in,
+                            const at::Tensor& w1_in, const at::Tensor& w3_in, const at::Tensor& w2_in,
+                            std::vector<int64_t> ends, int64_t chunk) {
+    const auto x = x_in.contiguous(), w1 = w1_in.contiguous(), w3 = w3_in.contiguous(),
+               w2 = w2_in.contiguous();
     const ExpertShape s{w1.size(0), w1.size(1), w1.size(2), chunk, std::move(ends)};
     const int64_t H = s.H, D = s.D, C = s.chunk, grouped = s.ends.empty() ? 0 : s.ends.back();
     auto a = at::empty({x.size(0), H}, x.options()), b = at::empty_like(a), y = at::empty_like(x);
@@ -309,9 +317,10 @@ struct ExpertSwiGLUFunction : torch::autograd::Function<ExpertSwiGLUFunction> {
     std::vector<std::pair<int64_t, int64_t>> chunks;  // (expert, first row)
     for (int64_t e = 0; e < s.E; ++e)
       for (int64_t r = s.begin(e); r < s.ends[size_t(e)]; r += C) chunks.emplace_back(e, r);
-    const float *X = x.const_data_ptr<float>(), *W1 = w1.const_data_ptr<float>(), *W3 = w3.const_data_ptr<float>(),
-                *W2 = w2.const_data_ptr<float>();
-    float *A = a.mutable_data_ptr<float>(), *B = b.mutable_data_ptr<float>(), *Y = y.mutable_data_ptr<float>();
+    const float *X = x.const_data_ptr<float>(), *W1 = w1.const_data_ptr<float>(),
+                *W3 = w3.const_data_ptr<float>(), *W2 = w2.const_data_ptr<float>();
+    float *A = a.mutable_data_ptr<float>(), *B = b.mutable_data_ptr<float>(),
+          *Y = y.mutable_data_ptr<float>();
     parallel_ranges(int64_t(chunks.size()), 1, [&](int64_t c0, int64_t c1) {
       const detail::BlasOnThisThread one_thread;
       float* g = expert_scratch(C, H);
@@ -340,11 +349,12 @@ struct ExpertSwiGLUFunction : torch::autograd::Function<ExpertSwiGLUFunction> {
     const auto dy = grads[0].contiguous();
     auto dx = at::empty_like(x), dw1 = at::empty_like(w1), dw3 = at::empty_like(w3), dw2 = at::empty_like(w2);
     dx.narrow(0, grouped, x.size(0) - grouped).zero_();
-    const float *X = x.const_data_ptr<float>(), *W1 = w1.const_data_ptr<float>(), *W3 = w3.const_data_ptr<float>(),
-                *W2 = w2.const_data_ptr<float>(), *A = a.const_data_ptr<float>(), *B = b.const_data_ptr<float>(),
+    const float *X = x.const_data_ptr<float>(), *W1 = w1.const_data_ptr<float>(),
+                *W3 = w3.const_data_ptr<float>(), *W2 = w2.const_data_ptr<float>(),
+                *A = a.const_data_ptr<float>(), *B = b.const_data_ptr<float>(),
                 *dY = dy.const_data_ptr<float>();
-    float *dX = dx.mutable_data_ptr<float>(), *dW1 = dw1.mutable_data_ptr<float>(), *dW3 = dw3.mutable_data_ptr<float>(),
-          *dW2 = dw2.mutable_data_ptr<float>();
+    float *dX = dx.mutable_data_ptr<float>(), *dW1 = dw1.mutable_data_ptr<float>(),
+          *dW3 = dw3.mutable_data_ptr<float>(), *dW2 = dw2.mutable_data_ptr<float>();
     // An expert's chunks in order on one thread: its weights' gradients are the chunks' products
     // summed in that order, whatever the thread count.
     parallel_ranges(s.E, 1, [&](int64_t e0, int64_t e1) {
@@ -367,7 +377,8 @@ struct ExpertSwiGLUFunction : torch::autograd::Function<ExpertSwiGLUFunction> {
           swiglu_span_backward_and_gate(dg, A + r * H, B + r * H, g, da, db, n * H);
           detail::gemm(true, false, D, H, n, 1.0f, dY + r * D, D, g, H, acc, dW2 + w, H);
           detail::gemm(false, false, n, D, H, 1.0f, da, H, W1 + w, D, 0.0f, dX + r * D, D);
-          detail::gemm(false, false, n, D, H, 1.0f, db, H, W3 + w, D, 1.0f, dX + r * D, D);  // x's two parts summed
+          detail::gemm(false, false, n, D, H, 1.0f, db, H, W3 + w, D, 1.0f, dX + r * D,
+                       D);  // x's two parts summed
           detail::gemm(true, false, H, D, n, 1.0f, da, H, X + r * D, D, acc, dW1 + w, D);
           detail::gemm(true, false, H, D, n, 1.0f, db, H, X + r * D, D, acc, dW3 + w, D);
         }
@@ -395,16 +406,17 @@ std::pair<at::Tensor, at::Tensor> residual_rms_norm_reference(const at::Tensor& 
   return {sum, rms_norm_reference(sum, weight, eps)};
 }
 
-std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& weight,
-                                                    double eps) {
+std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                    const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: weight ",
               weight.sizes(), " does not match the last dimension of x ", x.sizes());
   if (r.defined())
-    TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type(), "residual_rms_norm: r ", r.sizes(), " ",
-                r.scalar_type(), " does not match x ", x.sizes(), " ", x.scalar_type());
+    TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type(), "residual_rms_norm: r ",
+                r.sizes(), " ", r.scalar_type(), " does not match x ", x.sizes(), " ", x.scalar_type());
   if (!fusable(x) || !weight.is_cpu() || (r.defined() && !r.is_cpu()))
     return residual_rms_norm_reference(x, r, weight, eps);
-  auto out = RMSNormFunction::apply(x, r.defined() ? std::optional<at::Tensor>(r) : std::nullopt, weight, eps);
+  auto out =
+      RMSNormFunction::apply(x, r.defined() ? std::optional<at::Tensor>(r) : std::nullopt, weight, eps);
   return {out[0], out[1]};
 }
 
@@ -419,23 +431,26 @@ at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) {
   return SwiGLUFunction::apply(a, b);
 }
 
-at::Tensor expert_swiglu_reference(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
-                                   const at::Tensor& ends) {
-  return grouped_linear(swiglu(grouped_linear(x, w1, ends, false), grouped_linear(x, w3, ends, false)), w2, ends, false);
+at::Tensor expert_swiglu_reference(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
+                                   const at::Tensor& w2, const at::Tensor& ends) {
+  return grouped_linear(swiglu(grouped_linear(x, w1, ends, false), grouped_linear(x, w3, ends, false)), w2,
+                        ends, false);
 }
 
-at::Tensor expert_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
-                         const at::Tensor& ends, int64_t chunk_rows) {
-  TORCH_CHECK(x.dim() == 2 && w1.dim() == 3 && w3.sizes() == w1.sizes() && w2.dim() == 3 && w2.size(0) == w1.size(0) &&
-                  w2.size(1) == w1.size(2) && w2.size(2) == w1.size(1) && x.size(1) == w1.size(2),
-              "expert_swiglu: x [rows, dim], w1 and w3 [experts, hidden, dim], w2 [experts, dim, hidden] expected, got x ",
+at::Tensor expert_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
+                         const at::Tensor& w2, const at::Tensor& ends, int64_t chunk_rows) {
+  TORCH_CHECK(x.dim() == 2 && w1.dim() == 3 && w3.sizes() == w1.sizes() && w2.dim() == 3 &&
+                  w2.size(0) == w1.size(0) && w2.size(1) == w1.size(2) && w2.size(2) == w1.size(1) &&
+                  x.size(1) == w1.size(2),
+              "expert_swiglu: x [rows, dim], w1 and w3 [experts, hidden, dim], w2 [experts, dim, hidden] "
+              "expected, got x ",
               x.sizes(), ", w1 ", w1.sizes(), ", w3 ", w3.sizes(), ", w2 ", w2.sizes());
   TORCH_CHECK(chunk_rows >= 1, "expert_swiglu: chunk_rows must be at least 1, got ", chunk_rows);
   bool kernel = detail::blas_available() && ends.is_cpu();
   for (const auto* t : {&x, &w1, &w3, &w2}) kernel = kernel && t->is_cpu() && t->scalar_type() == at::kFloat;
   if (!kernel) return expert_swiglu_reference(x, w1, w3, w2, ends);
-  return ExpertSwiGLUFunction::apply(x, w1, w3, w2, detail::group_ends(ends, x.size(0), w1.size(0), "expert_swiglu"),
-                                     chunk_rows);
+  return ExpertSwiGLUFunction::apply(
+      x, w1, w3, w2, detail::group_ends(ends, x.size(0), w1.size(0), "expert_swiglu"), chunk_rows);
 }
 
 }  // namespace fsdpp::models

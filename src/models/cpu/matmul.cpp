@@ -1,4 +1,4 @@
-#include "fsdpp/models/matmul.hpp"
+#include "fsdpp/models/cpu/matmul.hpp"
 
 #include "fsdpp/base/mkl_dispatch.hpp"
 #include "blas_gemm.hpp"
@@ -9,14 +9,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
-
-// LibTorch exports oneDNN's matrix product for dense tensors (result = beta result + alpha mat1
-// mat2; 2-D or 3-D operands, contiguous or with the last two dimensions transposed) without
-// declaring it in its installed headers. Weak: a LibTorch without it leaves this null.
-namespace at::native {
-[[gnu::weak]] void mkldnn_matmul(const Tensor& mat1, const Tensor& mat2, const Tensor& result, float beta,
-                                 float alpha);
-}  // namespace at::native
 
 namespace fsdpp::models {
 
@@ -36,83 +28,6 @@ struct TrialProduct {
   bool right() const { return at::equal(out, at::mm(a, w.t())); }
 };
 
-bool onednn_works() {
-  if (&at::native::mkldnn_matmul == nullptr) return false;
-  TrialProduct trial;
-  try {
-    at::native::mkldnn_matmul(trial.a, trial.w.t(), trial.out, 0.0f, 1.0f);
-  } catch (const c10::Error&) {
-    return false;  // float32 refused: this CPU lacks the instructions its check asks for
-  }
-  return trial.right();
-}
-
-// out = a b, all float32 CPU tensors, out contiguous.
-void product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
-  if (a.size(0) == 0 || b.size(1) == 0) return;
-  if (a.size(1) == 0) {
-    out.zero_();
-    return;
-  }
-  at::native::mkldnn_matmul(a, b, out, 0.0f, 1.0f);
-}
-
-// oneDNN compiles a kernel for each new shape it meets (about a millisecond) and keeps the last
-// thousand or so, and each call costs about 25 us before any arithmetic (against about 10 us for
-// ATen's). The experts' row counts change every step, so their products run on row counts that are
-// multiples of kRowStep, in as few calls as that allows: a few dozen shapes per product, all
-// compiled within a run's first steps.
-constexpr int64_t kRowStep = 64;
-
-int64_t rounded_up(int64_t n) { return (n + kRowStep - 1) / kRowStep * kRowStep; }
-
-// out = a b for a row count n that may not be a multiple of kRowStep (a [n, K], out [n, N]), without
-// touching rows outside: the first n rounded down to a multiple of kRowStep rows in one call, and
-// the last kRowStep rows in another, overlapping the first. Fewer than kRowStep rows: one call of
-// their own shape. A row's result does not depend on how many rows the call has, nor on where in
-// the call it is (tests/train/test_matmul.cpp), so the rows computed twice get one value, and every
-// row the value it would have in any other call.
-void product_rows(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
-  const int64_t n = a.size(0), whole = n / kRowStep * kRowStep;
-  if (whole == 0) return product(a, b, out);
-  product(a.narrow(0, 0, whole), b, out.narrow(0, 0, whole));
-  if (whole < n) product(a.narrow(0, n - kRowStep, kRowStep), b, out.narrow(0, n - kRowStep, kRowStep));
-}
-
-// out = a b_g on each group g's rows ([ends[g-1], ends[g]) of a and out; b_g = weight_of(g)), one
-// call per group where it can: the group's row count rounded up to a multiple of kRowStep, in a
-// window that ends where the group ends and so reaches back into earlier groups' rows. The groups
-// go last to first, so each group writes its own rows after any later group's window has passed
-// over them. A group with too few rows before its end for such a window takes product_rows.
-template <typename WeightOf>
-void grouped_products(const at::Tensor& a, WeightOf weight_of, const std::vector<int64_t>& ends, const at::Tensor& out) {
-  for (auto g = static_cast<int64_t>(ends.size()) - 1; g >= 0; --g) {
-    const int64_t begin = g > 0 ? ends[g - 1] : 0, end = ends[g], n = end - begin, window = rounded_up(n);
-    if (n == 0) continue;
-    if (window <= end)
-      product(a.narrow(0, end - window, window), weight_of(g), out.narrow(0, end - window, window));
-    else
-      product_rows(a.narrow(0, begin, n), weight_of(g), out.narrow(0, begin, n));
-  }
-}
-
-// out = a^T x summed over a varying row count n (a [n, M], x [n, N], out [M, N]): the first n
-// rounded down to a multiple of kRowStep rows by oneDNN, the rest (fewer) added by ATen's product.
-void product_over_rows(const at::Tensor& a, const at::Tensor& x, const at::Tensor& out) {
-  const int64_t n = a.size(0), whole = n / kRowStep * kRowStep;
-  if (whole > 0) product(a.narrow(0, 0, whole).t(), x.narrow(0, 0, whole), out);
-  if (whole == n) {
-    if (n == 0) out.zero_();
-    return;
-  }
-  const auto rest_a = a.narrow(0, whole, n - whole).t(), rest_x = x.narrow(0, whole, n - whole);
-  auto o = out;
-  if (whole > 0)
-    o.addmm_(rest_a, rest_x);
-  else
-    at::mm_out(o, rest_a, rest_x);
-}
-
 // bfloat16 products by MKL's bfloat16 kernel, called directly (Note [bfloat16 products on the CPU]).
 
 // A 2-D bfloat16 operand as MKL takes it: its bits, whether it lies transposed in memory, and its
@@ -124,7 +39,9 @@ struct Bf16Operand {
 };
 
 Bf16Operand bf16_operand(const at::Tensor& t, at::Tensor& keep) {
-  const auto bits = [](const at::Tensor& u) { return reinterpret_cast<const uint16_t*>(u.const_data_ptr<at::BFloat16>()); };
+  const auto bits = [](const at::Tensor& u) {
+    return reinterpret_cast<const uint16_t*>(u.const_data_ptr<at::BFloat16>());
+  };
   const int64_t rows = t.size(0), cols = t.size(1);
   if (t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(1, cols)) return {bits(t), false, t.stride(0)};
   if (t.stride(0) == 1 && t.stride(1) >= std::max<int64_t>(1, rows)) return {bits(t), true, t.stride(1)};
@@ -143,30 +60,18 @@ void bf16_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c)
   }
   at::Tensor keep_a, keep_b;
   const auto oa = bf16_operand(a, keep_a), ob = bf16_operand(b, keep_b);
-  detail::gemm_bf16(oa.trans, ob.trans, m, n, k, 1.0f, oa.data, oa.ld, ob.data, ob.ld, 0.0f, c.data_ptr<float>(),
-                    c.stride(0));
+  detail::gemm_bf16(oa.trans, ob.trans, m, n, k, 1.0f, oa.data, oa.ld, ob.data, ob.ld, 0.0f,
+                    c.data_ptr<float>(), c.stride(0));
 }
 
 at::Tensor float32_like(const at::Tensor& t, at::IntArrayRef sizes) {
   return at::empty(sizes, t.options().dtype(at::kFloat));
 }
 
-bool on_onednn(const at::Tensor& x, const at::Tensor& weight, bool onednn) {
-  return onednn && x.is_cpu() && weight.is_cpu() && x.scalar_type() == at::kFloat &&
-         weight.scalar_type() == at::kFloat && onednn_matmul_available();
-}
-
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The routes' 2-D products, a [m, k] times b [k, n] into a new tensor of the operands' dtype.
-struct OneDnnRoute {
-  static at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
-    auto out = at::empty({a.size(0), b.size(1)}, a.options());
-    product(a, b, out);
-    return out;
-  }
-};
+// The route's 2-D product, a [m, k] times b [k, n] into a new bfloat16 tensor.
 struct Bf16Route {  // the products into float32, each result rounded once to bfloat16
   static at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
     auto c = float32_like(a, {a.size(0), b.size(1)});
@@ -201,7 +106,8 @@ struct GroupedInputs {
   std::vector<int64_t> ends;
 };
 
-void save_grouped(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, std::vector<int64_t> ends) {
+void save_grouped(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                  std::vector<int64_t> ends) {
   ctx->save_for_backward({x, weight});
   ctx->saved_data["ends"] = std::move(ends);
 }
@@ -217,38 +123,11 @@ void zero_past_groups(const at::Tensor& t, const std::vector<int64_t>& ends) {
   t.narrow(0, end, t.size(0) - end).zero_();
 }
 
-struct OneDnnGroupedLinear : torch::autograd::Function<OneDnnGroupedLinear> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            std::vector<int64_t> ends) {
-    auto out = at::empty({x.size(0), weight.size(1)}, x.options());
-    grouped_products(x, [&](int64_t g) { return weight.select(0, g).t(); }, ends, out);
-    zero_past_groups(out, ends);
-    save_grouped(ctx, x, weight, std::move(ends));
-    return out;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto [x, weight, ends] = saved_grouped(ctx);
-    const auto g = grads[0];
-    at::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) {
-      dx = at::empty(x.sizes(), g.options());
-      grouped_products(g, [&](int64_t e) { return weight.select(0, e); }, ends, dx);
-      zero_past_groups(dx, ends);
-    }
-    if (ctx->needs_input_grad(1)) {
-      // Every group, empty ones too: product_over_rows writes zeros for no rows.
-      dw = at::empty(weight.sizes(), g.options());
-      for (int64_t e = 0, begin = 0; e < weight.size(0); begin = ends[e], ++e)
-        product_over_rows(g.narrow(0, begin, ends[e] - begin), x.narrow(0, begin, ends[e] - begin), dw.select(0, e));
-    }
-    return {dx, dw, at::Tensor()};
-  }
-};
-
 // One product per group of rows, as Bf16Route computes each; rows past the last group zero.
 struct Bf16GroupedLinear : torch::autograd::Function<Bf16GroupedLinear> {
   template <typename WeightOf>
-  static at::Tensor products(const at::Tensor& a, WeightOf weight_of, int64_t cols, const std::vector<int64_t>& ends) {
+  static at::Tensor products(const at::Tensor& a, WeightOf weight_of, int64_t cols,
+                             const std::vector<int64_t>& ends) {
     auto c = float32_like(a, {a.size(0), cols});
     for (int64_t g = 0, begin = 0; g < int64_t(ends.size()); begin = ends[g], ++g)
       bf16_product(a.narrow(0, begin, ends[g] - begin), weight_of(g), c.narrow(0, begin, ends[g] - begin));
@@ -257,7 +136,8 @@ struct Bf16GroupedLinear : torch::autograd::Function<Bf16GroupedLinear> {
   }
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             std::vector<int64_t> ends) {
-    auto out = products(x, [&](int64_t g) { return weight.select(0, g).t(); }, weight.size(1), ends);
+    auto out = products(
+        x, [&](int64_t g) { return weight.select(0, g).t(); }, weight.size(1), ends);
     save_grouped(ctx, x, weight, std::move(ends));
     return out;
   }
@@ -265,12 +145,15 @@ struct Bf16GroupedLinear : torch::autograd::Function<Bf16GroupedLinear> {
     const auto [x, weight, ends] = saved_grouped(ctx);
     const auto g = grads[0];
     at::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = products(g, [&](int64_t e) { return weight.select(0, e); }, weight.size(2), ends);
+    if (ctx->needs_input_grad(0))
+      dx = products(
+          g, [&](int64_t e) { return weight.select(0, e); }, weight.size(2), ends);
     if (ctx->needs_input_grad(1)) {
       // Every group, empty ones too: bf16_product writes zeros for no rows.
       auto c = float32_like(g, weight.sizes());
       for (int64_t e = 0, begin = 0; e < weight.size(0); begin = ends[e], ++e)
-        bf16_product(g.narrow(0, begin, ends[e] - begin).t(), x.narrow(0, begin, ends[e] - begin), c.select(0, e));
+        bf16_product(g.narrow(0, begin, ends[e] - begin).t(), x.narrow(0, begin, ends[e] - begin),
+                     c.select(0, e));
       dw = c.to(at::kBFloat16);
     }
     return {dx, dw, at::Tensor()};
@@ -300,7 +183,8 @@ bool cpu_has_bf16_instructions() {
 
 }  // namespace
 
-std::vector<int64_t> detail::group_ends(const at::Tensor& ends, int64_t rows, int64_t groups, const char* what) {
+std::vector<int64_t> detail::group_ends(const at::Tensor& ends, int64_t rows, int64_t groups,
+                                        const char* what) {
   TORCH_CHECK(ends.dim() == 1 && ends.size(0) == groups, what, ": ends must be [", groups,
               "] (one per group of the weight), got ", ends.sizes());
   TORCH_CHECK(ends.is_cpu(), what, ": ends must be on the host for CPU inputs, got ", ends.device());
@@ -312,44 +196,36 @@ std::vector<int64_t> detail::group_ends(const at::Tensor& ends, int64_t rows, in
   return out;
 }
 
-bool onednn_matmul_available() {
-  static const bool available = onednn_works();
-  return available;
-}
-
-bool onednn_matmul_preferred() { return onednn_matmul_available() && !mkl_dispatch().by_instruction_set; }
-
 bool bf16_matmul_available() {
   static const bool available = bf16_blas_works();
   return available;
 }
 
 bool bf16_matmul_preferred() {
-  static const bool preferred = bf16_matmul_available() && cpu_has_bf16_instructions() && mkl_dispatch().by_instruction_set;
+  static const bool preferred =
+      bf16_matmul_available() && cpu_has_bf16_instructions() && mkl_dispatch().by_instruction_set;
   return preferred;
 }
 
 bool own_products_preferred(at::ScalarType dtype) {
-  if (dtype == at::kFloat) return onednn_matmul_preferred();
-  if (dtype == at::kBFloat16) return bf16_matmul_preferred();
-  return false;
+  return dtype == at::kBFloat16 && bf16_matmul_preferred();
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, bool own) {
-  TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1), "linear: x [..., in] and weight [out, in] expected, got x ",
-              x.sizes(), " and weight ", weight.sizes());
+  TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
+              "linear: x [..., in] and weight [out, in] expected, got x ", x.sizes(), " and weight ",
+              weight.sizes());
   if (on_bf16_blas(x, weight, own)) return RouteLinear<Bf16Route>::apply(x, weight);
-  if (on_onednn(x, weight, own)) return RouteLinear<OneDnnRoute>::apply(x, weight);
   return at::linear(x, weight);
 }
 
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends, bool own) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && x.size(1) == weight.size(2), "grouped_linear: x [rows, in] and weight [groups, out, in] expected, got x ",
-              x.sizes(), " and weight ", weight.sizes());
-  const bool dnnl = on_onednn(x, weight, own), bf16 = on_bf16_blas(x, weight, own);
-  if (dnnl || bf16 || ends.is_cpu()) {  // (ends on a GPU are not read on the host)
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && x.size(1) == weight.size(2),
+              "grouped_linear: x [rows, in] and weight [groups, out, in] expected, got x ", x.sizes(),
+              " and weight ", weight.sizes());
+  const bool bf16 = on_bf16_blas(x, weight, own);
+  if (bf16 || ends.is_cpu()) {  // (ends on a GPU are not read on the host)
     auto checked = detail::group_ends(ends, x.size(0), weight.size(0), "grouped_linear");
-    if (dnnl) return OneDnnGroupedLinear::apply(x, weight, std::move(checked));
     if (bf16) return Bf16GroupedLinear::apply(x, weight, std::move(checked));
     const int64_t end = checked.empty() ? 0 : checked.back(), past = x.size(0) - end;
     // at::_grouped_mm refuses rows that are not a multiple of 16 bytes apart (x's, the weight's and
@@ -358,7 +234,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight, const a
     if (x.is_cpu() && (x.size(1) * element_bytes % 16 != 0 || weight.size(1) * element_bytes % 16 != 0)) {
       std::vector<at::Tensor> pieces;
       for (int64_t g = 0, begin = 0; g < weight.size(0); begin = checked[g], ++g)
-        if (checked[g] > begin) pieces.push_back(at::mm(x.narrow(0, begin, checked[g] - begin), weight[g].t()));
+        if (checked[g] > begin)
+          pieces.push_back(at::mm(x.narrow(0, begin, checked[g] - begin), weight[g].t()));
       if (past > 0) pieces.push_back(at::zeros({past, weight.size(1)}, x.options()));
       return pieces.empty() ? at::zeros({0, weight.size(1)}, x.options()) : at::cat(pieces);
     }

@@ -5,7 +5,7 @@
 // Built with -ffp-contract=off: every product and sum is rounded on its own, as ATen's
 // elementwise kernels and index_add round them, which the rows' bitwise agreement with the
 // reference rests on.
-#include "fsdpp/models/kernels.hpp"
+#include "fsdpp/models/cpu/kernels.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -86,12 +86,13 @@ float router_row(const float* l, int64_t E, int64_t k, bool normalize, float* sc
 }
 
 struct SoftmaxTopK : torch::autograd::Function<SoftmaxTopK> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits_in,
-                                                int64_t k, bool normalize) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& logits_in, int64_t k, bool normalize) {
     const auto logits = logits_in.contiguous();
     const int64_t T = logits.size(0), E = logits.size(1);
     auto scores = at::empty_like(logits), lse = at::empty({T}, logits.options());
-    auto weights = at::empty({T, k}, logits.options()), experts = at::empty({T, k}, logits.options().dtype(at::kLong));
+    auto weights = at::empty({T, k}, logits.options()),
+         experts = at::empty({T, k}, logits.options().dtype(at::kLong));
     const float* lp = logits.const_data_ptr<float>();
     float *sp = scores.mutable_data_ptr<float>(), *zp = lse.mutable_data_ptr<float>(),
           *wp = weights.mutable_data_ptr<float>();
@@ -154,8 +155,8 @@ struct SoftmaxTopK : torch::autograd::Function<SoftmaxTopK> {
 };
 
 struct DispatchRows : torch::autograd::Function<DispatchRows> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& order,
-                            const at::Tensor& position, int64_t k) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_in,
+                            const at::Tensor& order, const at::Tensor& position, int64_t k) {
     const auto x = x_in.contiguous();
     const int64_t n = order.numel(), D = x.size(1);
     auto rows = at::empty({n, D}, x.options());
@@ -192,8 +193,8 @@ struct DispatchRows : torch::autograd::Function<DispatchRows> {
 };
 
 struct CombineRows : torch::autograd::Function<CombineRows> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y_in, const at::Tensor& w_in,
-                            const at::Tensor& order, const at::Tensor& position) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y_in,
+                            const at::Tensor& w_in, const at::Tensor& order, const at::Tensor& position) {
     const auto y = y_in.contiguous(), w = w_in.contiguous();
     const int64_t T = w.size(0), k = w.size(1), D = y.size(1);
     auto out = at::empty({T, D}, y.options());
@@ -204,7 +205,8 @@ struct CombineRows : torch::autograd::Function<CombineRows> {
       std::vector<int64_t> ps(static_cast<size_t>(k));
       for (int64_t t = t0; t < t1; ++t) {
         positions_of(pos, t, k, ps.data());
-        sum_rows<true>(yp, ps.data(), k, D, [&](int64_t p) { return wp[op[p]]; }, outp + t * D);
+        sum_rows<true>(
+            yp, ps.data(), k, D, [&](int64_t p) { return wp[op[p]]; }, outp + t * D);
       }
     });
     ctx->save_for_backward({y, w, position});
@@ -219,7 +221,8 @@ struct CombineRows : torch::autograd::Function<CombineRows> {
     const auto g = grads[0].contiguous();
     const bool want_y = ctx->needs_input_grad(0), want_w = ctx->needs_input_grad(1);
     at::Tensor dy = want_y ? at::empty_like(y) : at::Tensor(), dw = want_w ? at::empty_like(w) : at::Tensor();
-    const float *yp = y.const_data_ptr<float>(), *wp = w.const_data_ptr<float>(), *gp = g.const_data_ptr<float>();
+    const float *yp = y.const_data_ptr<float>(), *wp = w.const_data_ptr<float>(),
+                *gp = g.const_data_ptr<float>();
     float* dyp = want_y ? dy.mutable_data_ptr<float>() : nullptr;
     float* dwp = want_w ? dw.mutable_data_ptr<float>() : nullptr;
     const int64_t* pos = position.const_data_ptr<int64_t>();
@@ -258,15 +261,16 @@ RouterTopK softmax_top_k_reference(const at::Tensor& logits, int64_t k, bool nor
 RouterTopK softmax_top_k(const at::Tensor& logits, int64_t k, bool normalize) {
   TORCH_CHECK(logits.dim() == 2 && k >= 1 && k <= logits.size(1), "softmax_top_k: top ", k, " of logits ",
               logits.sizes(), "; logits must be [tokens, experts] with 1 <= k <= experts");
-  if (!logits.is_cpu() || logits.scalar_type() != at::kFloat) return softmax_top_k_reference(logits, k, normalize);
+  if (!logits.is_cpu() || logits.scalar_type() != at::kFloat)
+    return softmax_top_k_reference(logits, k, normalize);
   const auto out = SoftmaxTopK::apply(logits, k, normalize);
   return {out[0], out[1], out[2], out[3]};
 }
 
 ExpertOrder sort_by_expert(const at::Tensor& experts, int64_t num_experts) {
   TORCH_CHECK(experts.dim() == 2 && experts.scalar_type() == at::kLong,
-              "sort_by_expert: experts must be an int64 [tokens, top_k] tensor, got ", experts.scalar_type(), " ",
-              experts.sizes());
+              "sort_by_expert: experts must be an int64 [tokens, top_k] tensor, got ", experts.scalar_type(),
+              " ", experts.sizes());
   TORCH_CHECK(num_experts > 0, "sort_by_expert: num_experts must be positive, got ", num_experts);
   ExpertOrder o;
   o.top_k = experts.size(1);
@@ -286,8 +290,9 @@ ExpertOrder sort_by_expert(const at::Tensor& experts, int64_t num_experts) {
   int64_t* cp = o.counts.mutable_data_ptr<int64_t>();
   for (int64_t a = 0; a < n; ++a) {
     if (ep[a] < 0 || ep[a] >= num_experts)
-      throw std::out_of_range(fmt::format("sort_by_expert: token {}'s choice {} is expert {}, outside [0, {})",
-                                          a / o.top_k, a % o.top_k, ep[a], num_experts));
+      throw std::out_of_range(
+          fmt::format("sort_by_expert: token {}'s choice {} is expert {}, outside [0, {})", a / o.top_k,
+                      a % o.top_k, ep[a], num_experts));
     ++cp[ep[a]];
   }
   std::vector<int64_t> next(static_cast<size_t>(num_experts));
@@ -319,8 +324,8 @@ at::Tensor combine_rows_reference(const at::Tensor& y, const at::Tensor& weights
 }
 
 at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& weights, const ExpertOrder& o) {
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == o.order.numel() && weights.dim() == 2 && weights.size(1) == o.top_k &&
-                  weights.numel() == o.order.numel(),
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == o.order.numel() && weights.dim() == 2 &&
+                  weights.size(1) == o.top_k && weights.numel() == o.order.numel(),
               "combine_rows: y ", y.sizes(), " and weights ", weights.sizes(), " do not match the order of ",
               o.order.numel(), " assignments, top-", o.top_k);
   if (!fusable(y, o) || !weights.is_cpu() || weights.scalar_type() != at::kFloat)

@@ -1,4 +1,4 @@
-// The rotary embedding of q and k (models/kernels.hpp): the composition's bits, so this file is
+// The rotary embedding of q and k (models/cpu/kernels.hpp): the composition's bits, so this file is
 // compiled without contraction into fused multiply-adds (-ffp-contract=off, CMakeLists.txt).
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "fsdpp/models/kernels.hpp"
+#include "fsdpp/models/cpu/kernels.hpp"
 #include "rotary_rows.hpp"
 #include "vector_clones.hpp"
 
@@ -81,8 +81,8 @@ C10_ALWAYS_INLINE void prefetch_row(const S* p, int64_t n) {
 
 template <typename E, typename S = typename E::Stored>
 C10_ALWAYS_INLINE void rotate_rows_body(S* __restrict y, const S* __restrict x, const S* __restrict cos,
-                                        const S* __restrict sin, const RowLayout& l, int64_t begin, int64_t end,
-                                        bool backward) {
+                                        const S* __restrict sin, const RowLayout& l, int64_t begin,
+                                        int64_t end, bool backward) {
   using M = typename E::Math;
   // A product or sum as ATen's operation on the dtype gives it: computed in M, rounded.
   const auto r = [](M v) { return E::load(E::store(v)); };
@@ -129,8 +129,8 @@ void rotate_rows(T* y, const T* x, const T* cos, const T* sin, const RowLayout& 
   rotate_rows_body<PlainElement<T>>(y, x, cos, sin, l, begin, end, backward);
 }
 
-FSDPP_VECTOR_CLONES void rotate_rows(float* y, const float* x, const float* cos, const float* sin, const RowLayout& l,
-                                     int64_t begin, int64_t end, bool backward) {
+FSDPP_VECTOR_CLONES void rotate_rows(float* y, const float* x, const float* cos, const float* sin,
+                                     const RowLayout& l, int64_t begin, int64_t end, bool backward) {
   rotate_rows_body<PlainElement<float>>(y, x, cos, sin, l, begin, end, backward);
 }
 
@@ -138,8 +138,8 @@ FSDPP_VECTOR_CLONES void rotate_rows(c10::BFloat16* y, const c10::BFloat16* x, c
                                      const c10::BFloat16* sin, const RowLayout& l, int64_t begin, int64_t end,
                                      bool backward) {
   const auto bits = [](const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
-  rotate_rows_body<BFloat16Element>(reinterpret_cast<uint16_t*>(y), bits(x), bits(cos), bits(sin), l, begin, end,
-                                    backward);
+  rotate_rows_body<BFloat16Element>(reinterpret_cast<uint16_t*>(y), bits(x), bits(cos), bits(sin), l, begin,
+                                    end, backward);
 }
 
 // y's last dimension is contiguous (made so by RotaryQKV), as are cos and sin (rotary_qkv's
@@ -158,8 +158,9 @@ void rotate_into(const at::Tensor& x_in, const at::Tensor& y, const at::Tensor& 
     using T = scalar_t;
     T* yp = y.data_ptr<T>();
     const T *xp = x.const_data_ptr<T>(), *cp = cos.const_data_ptr<T>(), *sp = sin.const_data_ptr<T>();
-    at::parallel_for(0, l.B * l.H, grain,
-                     [&](int64_t begin, int64_t end) { rotate_rows(yp, xp, cp, sp, l, begin, end, backward); });
+    at::parallel_for(0, l.B * l.H, grain, [&](int64_t begin, int64_t end) {
+      rotate_rows(yp, xp, cp, sp, l, begin, end, backward);
+    });
   });
 }
 
@@ -175,7 +176,9 @@ struct RotaryQKV : torch::autograd::Function<RotaryQKV> {
     ctx->saved_data["cos"] = cos;
     ctx->saved_data["sin"] = sin;
     // Laid out [B, T, H, D] in memory, as the attention kernel keeps its own tensors.
-    const auto layout = [&] { return at::empty({qkv.size(0), qkv.size(1), qkv.size(3), qkv.size(4)}, qkv.options()); };
+    const auto layout = [&] {
+      return at::empty({qkv.size(0), qkv.size(1), qkv.size(3), qkv.size(4)}, qkv.options());
+    };
     auto rq = layout().permute({0, 2, 1, 3}), rk = layout().permute({0, 2, 1, 3});
     rotate_into(part(qkv, 0), rq, cos, sin, false);
     rotate_into(part(qkv, 1), rk, cos, sin, false);
@@ -202,13 +205,14 @@ struct RotaryQKV : torch::autograd::Function<RotaryQKV> {
 
 }  // namespace
 
-void detail::rotate_head(float* y, int64_t y_ld, const float* x, int64_t x_ld, const float* cos, const float* sin,
-                         int64_t T, int64_t D, bool backward) {
+void detail::rotate_head(float* y, int64_t y_ld, const float* x, int64_t x_ld, const float* cos,
+                         const float* sin, int64_t T, int64_t D, bool backward) {
   const RowLayout l{1, 1, T, D / 2, 0, 0, y_ld, 0, 0, x_ld};
   rotate_rows(y, x, cos, sin, l, 0, 1, backward);
 }
 
-std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t hd, double theta, at::TensorOptions options) {
+std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t hd, double theta,
+                                                at::TensorOptions options) {
   at::NoGradGuard no_grad;
   const auto f = options.dtype(at::kFloat);
   const auto inv_freq = at::pow(theta, -at::arange(0, hd, 2, f) / double(hd));
@@ -225,8 +229,8 @@ void detail::check_rotary_shapes(const at::Tensor& qkv, const at::Tensor& cos, c
   TORCH_CHECK(qkv.dim() == 5 && qkv.size(2) == 3 && qkv.size(4) % 2 == 0,
               "rotary_qkv: expected [B, T, 3, H, D] with an even D, got ", qkv.sizes());
   const int64_t T = qkv.size(1), D = qkv.size(4);
-  TORCH_CHECK(cos.sizes() == at::IntArrayRef({T, D}) && sin.sizes() == cos.sizes(), "rotary_qkv: cos and sin must be [",
-              T, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(cos.sizes() == at::IntArrayRef({T, D}) && sin.sizes() == cos.sizes(),
+              "rotary_qkv: cos and sin must be [", T, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos,
@@ -235,7 +239,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv,
   const bool fused = qkv.is_cpu() && qkv.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
                      sin.scalar_type() == qkv.scalar_type() && cos.is_contiguous() && sin.is_contiguous() &&
                      !cos.requires_grad() && !sin.requires_grad();
-  if (!fused) return {rotary_reference(part(qkv, 0), cos, sin), rotary_reference(part(qkv, 1), cos, sin), part(qkv, 2)};
+  if (!fused)
+    return {rotary_reference(part(qkv, 0), cos, sin), rotary_reference(part(qkv, 1), cos, sin), part(qkv, 2)};
   auto out = RotaryQKV::apply(qkv, cos, sin);
   return {out[0], out[1], out[2]};
 }

@@ -9,7 +9,7 @@
 // intermediate results for the backward. The kernels read and write each element once per
 // direction and keep only their inputs (and one float per row for RMSNorm). These two are not the
 // compositions' bits: they sum in another order and take exp from a polynomial (within a few
-// float32 ulps of the composition; tests/train/test_model.cpp bounds it), which is why the model
+// float32 ulps of the composition; tests/models/test_model.cpp bounds it), which is why the model
 // can switch them off (MoEConfig::fused_kernels) where bitwise agreement with PyTorch's eager
 // modules is the point. Each is the composition off the CPU, for float64 (which the composition
 // computes as written) and, for swiglu, for anything but float32 (bfloat16's conversions cost more
@@ -41,8 +41,8 @@ at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, dou
 // backward adds the sum's own gradient (the residual path's) into the norm's input gradient as it
 // computes it, where autograd would sum the two in a separate add. In float32 the bits of x + r,
 // rms_norm and autograd's sum; in bfloat16 one rounding of that sum where autograd's has two.
-std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& weight,
-                                                    double eps);
+std::pair<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                    const at::Tensor& weight, double eps);
 std::pair<at::Tensor, at::Tensor> residual_rms_norm_reference(const at::Tensor& x, const at::Tensor& r,
                                                               const at::Tensor& weight, double eps);
 
@@ -66,14 +66,15 @@ at::Tensor swiglu_reference(const at::Tensor& a, const at::Tensor& b);
 // depend on how many there are. Elsewhere the reference: grouped_linear (ATen's grouped product)
 // and swiglu. bench/results/expert_swiglu_kernel.md times both and the chunk sizes.
 inline constexpr int64_t kExpertChunkRows = 128;
-at::Tensor expert_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
-                         const at::Tensor& ends, int64_t chunk_rows = kExpertChunkRows);
+at::Tensor expert_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
+                         const at::Tensor& w2, const at::Tensor& ends, int64_t chunk_rows = kExpertChunkRows);
 at::Tensor expert_swiglu_reference(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
                                    const at::Tensor& w2, const at::Tensor& ends);
 
 // cos and sin of the rotary angles of T positions, each [T, head_dim] (the head_dim / 2 angles
 // position * theta^(-2j / head_dim), repeated twice), computed in float32 and given `options`' dtype.
-std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t head_dim, double theta, at::TensorOptions options);
+std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t head_dim, double theta,
+                                                at::TensorOptions options);
 
 // Rotary position embedding of one tensor: x * cos + rotate_half(x) * sin, written as ATen
 // operations (x: [..., T, head_dim]; cos, sin: [T, head_dim]; rotate_half(x) = cat(-x2, x1)).
@@ -92,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv,
 
 // softmax(q k^T / sqrt(D) + causal mask) v for q, k, v [B, H, T, D] (query i sees keys 0..i), the
 // result [B, H, T, D] laid out [B, T, H, D] in memory. On the CPU in float32 (any strides) a kernel
-// of row blocks of whole heads whose products go to LibTorch's BLAS (src/models/attention.cpp), and
+// of row blocks of whole heads whose products go to LibTorch's BLAS (src/models/cpu/attention.cpp), and
 // differentiable in q, k and v; elsewhere, or where LibTorch has no BLAS, causal_attention_reference:
 // at::scaled_dot_product_attention(q, k, v, is_causal = true).
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
@@ -110,8 +111,8 @@ at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, 
 // Note [16-bit attention on the CPU]
 // ATen's flash attention in bfloat16 multiplies each block of queries and keys through oneDNN,
 // which describes and looks up a primitive and allocates its attributes for every block: with the
-// weight products already on MKL's bfloat16 kernel, widening made a bfloat16 step of moe-small
-// 1.47x to 1.49x as fast (bench/results/bf16_attention.md). Widening qkv and rounding the result
+// weight products already on MKL's bfloat16 kernel, widening makes a bfloat16 step of moe-small
+// markedly faster (bench/results/bf16_attention.md). Widening qkv and rounding the result
 // are two passes over tensors the kernel reads and writes anyway. The
 // kernel sums in float32 as ATen's does, and keeps its probabilities in float32 where ATen rounds
 // them to bfloat16 before multiplying by v: the same function, rounded differently (less).
