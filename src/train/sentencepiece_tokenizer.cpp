@@ -106,6 +106,19 @@ class PieceTokenizer final : public Tokenizer {
             fmt::format("tokenizer {}: has no byte piece <0x{:02X}> (train it with byte fallback, "
                         "as `fsdpp tokenizer train` does)",
                         path, b));
+    // Training data must come back as it went in. A model that normalizes text (NFKC, case), adds a
+    // dummy prefix, drops extra spaces or has byte fallback switched off would change or lose text
+    // without a word; this probe (every printable ASCII character, spaces at the ends and doubled,
+    // letters NFKC maps elsewhere, a private-use character no model holds) finds each of those.
+    std::string probe = "  ";
+    for (char c = 0x21; c < 0x7F; ++c) probe += c;
+    probe += "  a \xEF\xBC\xA1\xEF\xAC\x81 \xC3\xA9\xC3\x9F\xE4\xB8\xAD\xEE\x80\x80 ";
+    if (const auto back = decode(encode(probe)); back != probe)
+      throw std::runtime_error(fmt::format(
+          "tokenizer {}: does not give back the text it encodes (a normalization rule, a dummy "
+          "prefix, removed spaces or byte fallback switched off): \"{}\" came back as \"{}\"; fsdpp "
+          "needs a model that keeps every text, as `fsdpp tokenizer train` makes",
+          path, probe, back));
   }
 
   int64_t vocab_size() const override { return sp_.GetPieceSize(); }
@@ -120,7 +133,17 @@ class PieceTokenizer final : public Tokenizer {
         [&](std::string_view run) {
           if (const auto st = sp_.Encode(run, &ids); !st.ok())
             throw std::runtime_error(fmt::format("tokenizer {}: {}", spec_, st.ToString()));
-          out.insert(out.end(), ids.begin(), ids.end());
+          // SentencePiece writes spaces as U+2581 before it falls back to bytes, so a model without
+          // a piece for U+2581 gives its three bytes for a space: they stand for the space.
+          for (size_t k = 0; k < ids.size(); ++k) {
+            if (k + 2 < ids.size() && ids[k] == byte_id_[0xE2] && ids[k + 1] == byte_id_[0x96] &&
+                ids[k + 2] == byte_id_[0x81]) {
+              out.push_back(byte_id_[' ']);
+              k += 2;
+            } else {
+              out.push_back(ids[k]);
+            }
+          }
         },
         [&](unsigned char b) { out.push_back(byte_id_[b]); });
     return out;

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <regex>
@@ -63,8 +64,14 @@ void ShardSet::open(const std::string& dir, const std::string& split) {
         if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
           throw std::runtime_error(
               fmt::format("shard file name \"{}\" is not a plain file name in the directory", file));
+        const auto& tokens = s.at("tokens");
+        // nlohmann converts a float to an integer unchecked: only integers are read as counts.
+        if (!tokens.is_number_integer() ||
+            (tokens.is_number_unsigned() && tokens.get<uint64_t>() > INT64_MAX) || tokens.get<int64_t>() < 0)
+          throw std::runtime_error(
+              fmt::format("shard {}: tokens must be a count, got {}", file, tokens.dump()));
         if (s.at("split") == split)
-          listed.emplace_back((fs::path(dir) / file).string(), s.at("tokens").get<int64_t>());
+          listed.emplace_back((fs::path(dir) / file).string(), tokens.get<int64_t>());
       }
     } catch (const std::exception& e) {
       throw std::runtime_error(fmt::format("data: {} is malformed: {}", index_path.string(), e.what()));

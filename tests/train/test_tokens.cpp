@@ -160,6 +160,40 @@ TEST_CASE("tokenizer: training BPE and unigram on text files, the report, and er
   fs::remove_all(dir);
 }
 
+TEST_CASE("tokenizer: a model that would change text is refused; one without a space piece keeps spaces") {
+  const auto dir = fresh_dir("changes");
+  const auto files = fortune_files();
+  for (size_t i = 0; i < 4; ++i) fs::copy_file(files[i], dir / ("doc" + std::to_string(i)));
+  train::TokenizerTrainOptions o;
+  o.inputs = {dir.string()};
+  o.output = (dir / "out" / "tok.model").string();
+  o.vocab_size = 400;
+  train::train_tokenizer(o);
+  const std::string model = read(o.output);
+  const auto variant = [&](const std::string& name, const std::string& from, const std::string& to) {
+    const auto at = model.find(from);
+    REQUIRE(at != std::string::npos);
+    std::string m = model;
+    m.replace(at, from.size(), to);
+    write(dir / name, m);
+    return (dir / name).string();
+  };
+  // The normalizer spec fsdpp writes: name "identity", no character map, add_dummy_prefix false,
+  // remove_extra_whitespaces false. With a dummy prefix every encoded run would gain a space.
+  const std::string spec = std::string("identity\x12\x00\x18\x00", 12);
+  const auto prefixed = variant("prefixed.model", spec, std::string("identity\x12\x00\x18\x01", 12));
+  CHECK_THROWS_WITH_AS(train::Tokenizer::load(prefixed), has("prefixed.model: does not give back the text"),
+                       std::runtime_error);
+  // The piece for U+2581 renamed U+2582: SentencePiece then falls back to the bytes of U+2581 for
+  // each space, which stand for the space.
+  const auto no_space = variant("no_space.model", "\x0a\x03\xE2\x96\x81", "\x0a\x03\xE2\x96\x82");
+  const auto tok = train::Tokenizer::load(no_space);
+  for (const std::string& text :
+       std::vector<std::string>{"The quick brown fox", "  two  spaces ", read(files[5])})
+    CHECK(tok->decode(tok->encode(text)) == text);
+  fs::remove_all(dir);
+}
+
 TEST_CASE(
     "shards: files numpy writes in llm.c's layout (uint16 and uint32) and nanoGPT's read back token for "
     "token") {
@@ -319,6 +353,18 @@ TEST_CASE("shards: tokenize_to_shards writes what the tokenizer gives, eot-separ
   for (size_t i = 0; i < 6; ++i) want.push_back(read(files[i]));
   std::sort(want.begin(), want.end());
   CHECK(docs == want);
+  // An index whose token count is not a count (a float, negative, past int64) is named as malformed.
+  for (const json bad : {json(1.5), json(-3), json(6.7e71), json(uint64_t(1) << 63), json("12")}) {
+    CAPTURE(bad.dump());
+    json damaged = index;
+    damaged["shards"][0]["tokens"] = bad;
+    write(dir / "out" / "index.json", damaged.dump());
+    CHECK_THROWS_WITH_AS(
+        train::ShardSet(o.output, "train", tok->vocab_size()),
+        has("index.json is malformed: shard " + damaged["shards"][0]["file"].get<std::string>() +
+            ": tokens must be a count, got " + bad.dump()),
+        std::runtime_error);
+  }
   // A second run replaces the first; a directory holding anything else is refused.
   CHECK_NOTHROW(train::tokenize_to_shards(*tok, o));
   write(dir / "out" / "notes.txt", "mine");
