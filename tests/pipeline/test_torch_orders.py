@@ -170,6 +170,26 @@ def lowered_summary(ranks, pp, layout):
     return sent, received, fsdp
 
 
+def compare_lowered(what, theirs, ours_args, pp, v, m, layout, tmp, failures):
+    """fsdpp's plan (`schedule show` with ours_args) against PyTorch's lowered program `theirs`:
+    the same messages in the same order and the same FSDP actions on every rank. False where fsdpp
+    refuses what PyTorch accepts."""
+    out = os.path.join(tmp, "l")
+    try:
+        fsdpp_show(ours_args, pp, v, m, out)
+    except subprocess.CalledProcessError as e:
+        failures.append(f"{what}: PyTorch accepts it, fsdpp refuses: {e.stdout.decode()}{e.stderr.decode()}")
+        return False
+    with open(out + ".csv") as f:
+        ours = {r: [a for a in row if a] for r, row in enumerate(csv.reader(f))}
+    for part, a, b in zip(("sends", "receives", "FSDP actions"),
+                          lowered_summary(theirs, pp, layout), lowered_summary(ours, pp, layout)):
+        if a != b:
+            key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+            failures.append(f"{what}: {part} differ at {key}:\n  PyTorch {a.get(key)}\n  fsdpp   {b.get(key)}")
+    return True
+
+
 def check_lowered(tmp, failures):
     """Lowered programs (PyTorch's pipeline_order_with_comms against fsdpp's plan with --fsdp), for
     PyTorch's runtime schedules. Not compared: PyTorch's WAIT_SEND_* and WAIT_REDUCE_GRAD (fsdpp
@@ -185,16 +205,9 @@ def check_lowered(tmp, failures):
                               for r, acts in torch_schedule(cls, pp, v, m, layout).pipeline_order_with_comms.items()}
                 except ValueError:
                     continue  # a count PyTorch refuses
-                out = os.path.join(tmp, "l")
-                fsdpp_show(["--schedule", ours_name, "--fsdp"], pp, v, m, out)
-                with open(out + ".csv") as f:
-                    ours = {r: [a for a in row if a] for r, row in enumerate(csv.reader(f))}
-                for part, a, b in zip(("sends", "receives", "FSDP actions"),
-                                      lowered_summary(theirs, pp, layout), lowered_summary(ours, pp, layout)):
-                    if a != b:
-                        key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
-                        failures.append(f"{what}: {part} differ at {key}:\n  PyTorch {a.get(key)}\n  fsdpp   {b.get(key)}")
-                cases += 1
+                if compare_lowered(what, theirs, ["--schedule", ours_name, "--fsdp"], pp, v, m, layout, tmp,
+                                   failures):
+                    cases += 1
                 print(f"{what}: same messages in the same order between every pair of ranks, same FSDP actions")
     return cases
 
@@ -226,21 +239,10 @@ def check_lookahead(tmp, failures):
                             failures.append(f"{what}: PyTorch refuses: {e}")
                             continue
                         text = lookahead if isinstance(lookahead, str) else ",".join(map(str, lookahead))
-                        out = os.path.join(tmp, "k")
-                        try:
-                            fsdpp_show(["--schedule", ours_name, "--fsdp", "--max-active-stages", str(active),
-                                        "--unshard-lookahead", text], pp, v, m, out)
-                        except subprocess.CalledProcessError as e:
-                            failures.append(f"{what}: PyTorch accepts it, fsdpp refuses: {e.stdout.decode()}{e.stderr.decode()}")
-                            continue
-                        with open(out + ".csv") as f:
-                            ours = {r: [a for a in row if a] for r, row in enumerate(csv.reader(f))}
-                        for part, a, b in zip(("sends", "receives", "FSDP actions"),
-                                              lowered_summary(theirs, pp, layout), lowered_summary(ours, pp, layout)):
-                            if a != b:
-                                key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
-                                failures.append(f"{what}: {part} differ at {key}:\n  PyTorch {a.get(key)}\n  fsdpp   {b.get(key)}")
-                        cases += 1
+                        args = ["--schedule", ours_name, "--fsdp", "--max-active-stages", str(active),
+                                "--unshard-lookahead", text]
+                        if compare_lowered(what, theirs, args, pp, v, m, layout, tmp, failures):
+                            cases += 1
     print(f"{cases} lowerings with max_active_stages and unshard_lookahead compared")
     return cases
 

@@ -366,19 +366,18 @@ inline std::vector<int> resolve_unshard_lookahead(const UnshardLookahead& l, int
 // `max_active_stages` on every rank; resolve_unshard_lookahead makes one from a policy.
 inline Program add_unshard_reshard(const Program& compute, int max_active_stages = 3,
                                    const std::vector<int>& lookahead = {}) {
-  const auto next_stages = [](const std::vector<Action>& p, size_t from, int count) {
-    std::vector<int> stages;
-    for (size_t j = from; j < p.size() && static_cast<int>(stages.size()) < count; ++j)
-      if (std::find(stages.begin(), stages.end(), p[j].stage) == stages.end()) stages.push_back(p[j].stage);
-    return stages;
-  };
   Program out(compute.size());
   for (size_t r = 0; r < compute.size(); ++r) {
     const auto& p = compute[r];
-    const int ahead = r < lookahead.size() ? lookahead[r] : max_active_stages;
+    // The stages gathered ahead are the first of those kept resident.
+    const auto ahead = static_cast<size_t>(
+        std::min(r < lookahead.size() ? lookahead[r] : max_active_stages, max_active_stages));
     std::vector<int> active;  // in the order gathered, which is the order resharded at the end
     for (size_t i = 0; i < p.size(); ++i) {
-      const auto resident = next_stages(p, i, max_active_stages);
+      std::vector<int> resident;  // the next max_active_stages distinct stages, the current first
+      for (size_t j = i; j < p.size() && static_cast<int>(resident.size()) < max_active_stages; ++j)
+        if (std::find(resident.begin(), resident.end(), p[j].stage) == resident.end())
+          resident.push_back(p[j].stage);
       for (auto it = active.begin(); it != active.end();) {
         if (std::find(resident.begin(), resident.end(), *it) == resident.end()) {
           out[r].push_back({*it, ActionType::kReshard, -1});
@@ -387,10 +386,10 @@ inline Program add_unshard_reshard(const Program& compute, int max_active_stages
           ++it;
         }
       }
-      for (int s : next_stages(p, i, ahead))
-        if (std::find(active.begin(), active.end(), s) == active.end()) {
-          out[r].push_back({s, ActionType::kUnshard, -1});
-          active.push_back(s);
+      for (size_t k = 0; k < std::min(ahead, resident.size()); ++k)
+        if (std::find(active.begin(), active.end(), resident[k]) == active.end()) {
+          out[r].push_back({resident[k], ActionType::kUnshard, -1});
+          active.push_back(resident[k]);
         }
       out[r].push_back(p[i]);
     }
