@@ -40,7 +40,7 @@ fi
 
 # ------------------------------------------------------------------ the virtual environment
 venv=${FSDPP_VENV:-$HOME/.cache/fsdpp/venv}
-requirements=(torch==2.15.0 safetensors numpy)
+requirements=(torch==2.15.0 safetensors numpy transformers==5.25.0)
 # Debian's own interpreter: its venv module is the python3-venv package installed above.
 python=/usr/bin/python3
 [[ -x $python ]] || python=$(command -v python3)
@@ -52,7 +52,7 @@ if [[ ! -x $venv/bin/python ]]; then
 fi
 # The stamp names what was installed; pip runs only when the list changed or a package is gone.
 stamp=$venv/.fsdpp-requirements
-check='import numpy, safetensors, torch; print(f"setup: PyTorch {torch.__version__} in", torch.__path__[0])'
+check='import numpy, safetensors, torch, transformers; print(f"setup: PyTorch {torch.__version__} in", torch.__path__[0])'
 if [[ "$(cat "$stamp" 2>/dev/null)" != "${requirements[*]}" ]] || ! "$venv/bin/python" -c "$check" 2>/dev/null; then
   echo "setup: installing ${requirements[*]} into $venv (about 3 GB the first time)"
   "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q "${requirements[@]}"

@@ -3,8 +3,15 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -72,7 +79,7 @@ void write_safetensors(const std::string& path,
   f.commit();
 }
 
-SafetensorsFile read_safetensors(const std::string& path) {
+SafetensorsFile read_safetensors(const std::string& path, bool mapped) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw std::runtime_error(fmt::format("read_safetensors: cannot open {}", path));
   const uint64_t size = static_cast<uint64_t>(f.tellg());
@@ -105,6 +112,7 @@ SafetensorsFile read_safetensors(const std::string& path) {
   };
   std::vector<Span> spans;
   std::vector<std::pair<std::string, std::pair<uint64_t, at::Tensor>>> pending;
+  std::map<std::string, std::vector<int64_t>> shapes;  // mapped: each tensor's, made a view later
   for (const auto& item : header.items()) {
     const std::string name = item.key();
     const json& e = item.value();
@@ -144,7 +152,9 @@ SafetensorsFile read_safetensors(const std::string& path) {
     if (en - b != bytes)
       throw bad(fmt::format("data_offsets span {} bytes, shape and dtype need {}", en - b, bytes));
     spans.push_back({b, en, name});
-    pending.emplace_back(name, std::make_pair(b, at::empty(shape, at::TensorOptions().dtype(it->second))));
+    pending.emplace_back(name, std::make_pair(b, at::empty(mapped ? std::vector<int64_t>{0} : shape,
+                                                           at::TensorOptions().dtype(it->second))));
+    if (mapped) shapes[name] = std::move(shape);
   }
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
   for (size_t i = 1; i < spans.size(); ++i)
@@ -153,6 +163,30 @@ SafetensorsFile read_safetensors(const std::string& path) {
   // File order: by offset.
   std::sort(pending.begin(), pending.end(),
             [](const auto& a, const auto& b) { return a.second.first < b.second.first; });
+  if (mapped) {
+    // One private (copy-on-write) mapping of the whole file, unmapped with the last tensor that
+    // views it; a tensor whose offset its element size does not divide is copied out instead.
+    f.close();
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw fail(fmt::format("cannot open: {}", os_error(errno)));
+    void* base = size ? ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0) : nullptr;
+    const int err = errno;
+    ::close(fd);
+    if (base == MAP_FAILED) throw fail(fmt::format("cannot map: {}", os_error(err)));
+    auto mapping = std::shared_ptr<void>(base, [size](void* p) {
+      if (p) ::munmap(p, size);
+    });
+    for (auto& [name, p] : pending) {
+      auto& [b, t] = p;
+      char* data = static_cast<char*>(base) + 8 + n + b;
+      const auto options = at::TensorOptions().dtype(t.scalar_type());
+      auto view = at::from_blob(
+          data, shapes[name], [mapping](void*) {}, options);
+      if (reinterpret_cast<uintptr_t>(data) % t.element_size() != 0) view = view.clone();
+      out.tensors.emplace_back(name, std::move(view));
+    }
+    return out;
+  }
   for (auto& [name, p] : pending) {
     auto& [b, t] = p;
     f.seekg(static_cast<std::streamoff>(8 + n + b));

@@ -33,6 +33,7 @@
 #include "fsdpp/train/tokenizer.hpp"
 #include "fsdpp/train/trainer.hpp"
 #include "data_commands.hpp"
+#include "model_commands.hpp"
 #include "tool_commands.hpp"
 
 namespace {
@@ -186,7 +187,11 @@ int main(int argc, char** argv) {
       ->add_option("--max-outstanding-sends", show.max_outstanding_sends,
                    "sends in flight per rank, at most (0: unlimited)")
       ->check(CLI::NonNegativeNumber);
-  cmd_show->add_flag("--fsdp", show.fsdp, "stages are sharded: add UNSHARD, RESHARD and REDUCE_GRAD");
+  cmd_show->add_flag("--fsdp", show.fsdp,
+                     "stages are sharded: add UNSHARD, RESHARD, REDUCE_GRAD and WAIT_REDUCE_GRAD");
+  cmd_show->add_option("--defer-reduce-grad-wait", show.defer_reduce_grad_wait,
+                       "with --fsdp: wait for a stage's REDUCE_GRAD before the rank's next one (true, "
+                       "the default) or right after it (false, PyTorch 2.15's default)");
   cmd_show
       ->add_option("--max-active-stages", show.max_active_stages,
                    "with --fsdp: stages of a rank kept gathered at once, the current one first (default 3)")
@@ -278,6 +283,7 @@ int main(int argc, char** argv) {
       "the tokenizer's .model file, where it has moved since training (its contents must be the same)");
 
   const auto data_commands = cli::add_data_commands(app);
+  const auto model_commands = cli::add_model_commands(app);
   int64_t gen_seed = 0;
   cmd_generate->add_option("--seed", gen_seed, "sampling seed (0 to 2^63 - 1)")
       ->check(CLI::Range(int64_t{0}, std::numeric_limits<int64_t>::max()));
@@ -356,6 +362,11 @@ int main(int argc, char** argv) {
       resolve_mkl_vml_kernels();  // Note [MKL vector math's first calls]: before ATen's intra-op threads compute
       nlohmann::json recorded;
       auto model = train::load_model(gen_path, &recorded);
+      if (recorded.is_null() && gen_tokenizer.empty())
+        throw std::invalid_argument(fmt::format(
+            "{}: its tokenizer is not one fsdpp reads (the bytes tokenizer or a SentencePiece .model): give "
+            "--tokenizer",
+            gen_path));
       const auto spec = gen_tokenizer.empty() ? recorded.value("spec", std::string("bytes")) : gen_tokenizer;
       if (spec == "none")
         throw std::runtime_error(
@@ -363,7 +374,7 @@ int main(int argc, char** argv) {
                         "nothing can decode its tokens",
                         gen_path));
       const auto tokenizer = train::Tokenizer::load(spec);
-      tokenizer->check_matches(recorded, gen_path);
+      if (!recorded.is_null()) tokenizer->check_matches(recorded, gen_path);
       std::cout << gen_prompt << train::generate(*model, *tokenizer, gen_prompt, sample) << std::endl;
       return 0;
     }
@@ -377,6 +388,7 @@ int main(int argc, char** argv) {
     }
     if (cmd_verify->parsed()) return verify_checkpoints(verify_in);
     if (const int status = cli::run_data_commands(*data_commands); status >= 0) return status;
+    if (const int status = cli::run_model_commands(*model_commands); status >= 0) return status;
     if (cmd_analyze->parsed()) {
       bool found = false;
       std::cout << comm::analyze_flight_records(fr_dir, &found);

@@ -87,9 +87,13 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     if (!is_float(compute))
       fail(fmt::format("would compute in {}; param_dtype must be a floating-point dtype",
                        dtype_name(compute)));
-    auto grad = compute;
+    // The dtype the unsharded gradient accumulates in, by PyTorch 2.15's rule (FSDPParam's
+    // unsharded_grad_dtype): reduce_dtype when set, else the parameter's grad_dtype, else the
+    // parameter's own dtype, whatever it computes in.
+    auto grad = p.scalar_type();
     if (mp.grad_dtype)
       if (auto g = mp.grad_dtype(name, p)) grad = *g;
+    if (mp.reduce_dtype) grad = *mp.reduce_dtype;
     if (!is_float(grad))
       fail(fmt::format("has grad_dtype {}; it must be a floating-point dtype", dtype_name(grad)));
     q.compute_dtype = compute;

@@ -18,14 +18,16 @@ void ParamGroup::accumulate_grads() {
   for (auto& q : params_) {
     at::Tensor& g = q.param.mutable_grad();
     if (!g.defined()) continue;
-    if (!q.grad_acc.defined() && g.scalar_type() == q.grad_dtype) {
+    if (!q.grad_acc.defined()) {
+      // Kept as autograd made it: a single microbatch's gradient goes to the reduce-scatter as it
+      // is (packing converts it), and only one that a later microbatch adds to is cast. PyTorch
+      // 2.15 gives the same bits: its AccumulateGrad adds a narrower gradient into a wider .grad in
+      // place, and casts a wider one to a narrower grad_dtype before adding.
       q.grad_acc = std::move(g);
     } else {
       no_grad();
-      if (!q.grad_acc.defined())
-        q.grad_acc = g.to(q.grad_dtype);
-      else
-        q.grad_acc.add_(g);
+      if (q.grad_acc.scalar_type() != q.grad_dtype) q.grad_acc = q.grad_acc.to(q.grad_dtype);
+      q.grad_acc.add_(g.element_size() > q.grad_acc.element_size() ? g.to(q.grad_dtype) : g);
     }
     g = at::Tensor();
   }

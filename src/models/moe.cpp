@@ -116,11 +116,11 @@ double RouterStats::dropped_fraction() const {
 }
 
 int64_t MoEConfig::parameter_count() const {
-  const int64_t attn = 4 * dim * dim;
+  const int64_t attn = 2 * dim * dim + 2 * dim * key_value_heads() * head_dim();
   const int64_t dense = 3 * dim * ffn_hidden;
   const int64_t moe =
       dim * experts + experts * 3 * dim * expert_hidden + (shared_expert ? 3 * dim * expert_hidden : 0);
-  int64_t n = 2 * vocab_size * dim + dim;
+  int64_t n = (tie_embeddings ? 1 : 2) * vocab_size * dim + dim;
   for (int64_t i = 0; i < layers; ++i) n += attn + 2 * dim + (is_moe_layer(i) ? moe : dense);
   return n;
 }
@@ -137,10 +137,14 @@ std::pair<at::Tensor, at::Tensor> RMSNormImpl::forward_residual(const at::Tensor
 
 AttentionImpl::AttentionImpl(const MoEConfig& c)
     : heads(c.heads),
+      kv_heads(c.key_value_heads()),
       rope_theta(c.rope_theta),
       own_products(c.own_products),
       fused(c.fused_kernels && c.fused_attention) {
-  qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
+  // Rows: the query heads', then the key heads', then the value heads'.
+  qkv = register_module(
+      "qkv", torch::nn::Linear(
+                 torch::nn::LinearOptions(c.dim, (c.heads + 2 * kv_heads) * c.head_dim()).bias(false)));
   out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.dim).bias(false)));
   init_normal(qkv->weight, c.init_std);
   init_normal(out->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
@@ -160,7 +164,18 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
   const auto& [cos, sin] = rope_tables(T, hd, x);
   const bool own = own_route(own_products, x);
-  const auto projected = linear(x, qkv->weight, own).view({B, T, 3, heads, hd});
+  auto projected = linear(x, qkv->weight, own);
+  if (kv_heads == heads) {
+    projected = projected.view({B, T, 3, heads, hd});
+  } else {
+    // Grouped-query attention: each key and value head repeated for the query heads it serves
+    // (consecutive ones), so that the attention below sees one per query head.
+    const auto p = projected.view({B, T, heads + 2 * kv_heads, hd});
+    const auto group = heads / kv_heads;
+    projected = at::stack({p.narrow(2, 0, heads), p.narrow(2, heads, kv_heads).repeat_interleave(group, 2),
+                           p.narrow(2, heads + kv_heads, kv_heads).repeat_interleave(group, 2)},
+                          2);
+  }
   // Rotary embedding and causal softmax(q k^T / sqrt(hd)) v: with fused kernels in one pass per
   // head (models::rotary_causal_attention on the CPU), else rotary_qkv and the attention the backend
   // scaled_dot_product_attention picks (flash attention on the CPU). No [B, H, T, T] score tensor
@@ -415,9 +430,11 @@ MoETransformerImpl::MoETransformerImpl(const MoEConfig& c)
     layers->register_module(std::to_string(i), blocks_.back().ptr());
   }
   norm = register_module("norm", RMSNorm(c.dim, c.norm_eps, c.fused_kernels));
-  head =
-      register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab_size).bias(false)));
-  init_normal(head->weight, c.init_std);
+  if (!c.tie_embeddings) {
+    head =
+        register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab_size).bias(false)));
+    init_normal(head->weight, c.init_std);
+  }
 }
 
 MoETransformerImpl::MoETransformerImpl(const MoETransformerImpl& full, int64_t first, int64_t last)
@@ -426,6 +443,9 @@ MoETransformerImpl::MoETransformerImpl(const MoETransformerImpl& full, int64_t f
               "MoETransformer: a stage is cut from a full model whose blocks are not wrapped");
   TORCH_CHECK(0 <= first && first < last && last <= config_.layers, "MoETransformer: stage layers [", first,
               ", ", last, ") are not within [0, ", config_.layers, ")");
+  TORCH_CHECK(!config_.tie_embeddings || (first == 0 && last == config_.layers),
+              "MoETransformer: with tie_embeddings the embedding and the head are one parameter, which one "
+              "stage holds: a model with tied embeddings is not cut into pipeline stages");
   if (first == 0) embed = register_module("embed", full.embed);
   layers = register_module("layers", std::make_shared<torch::nn::Module>("Layers"));
   for (int64_t i = first; i < last; ++i) {
@@ -437,7 +457,7 @@ MoETransformerImpl::MoETransformerImpl(const MoETransformerImpl& full, int64_t f
   }
   if (last == config_.layers) {
     norm = register_module("norm", full.norm);
-    head = register_module("head", full.head);
+    if (full.head) head = register_module("head", full.head);
   }
 }
 
@@ -450,7 +470,7 @@ at::Tensor MoETransformerImpl::forward(const at::Tensor& input) {
   for (auto& b : calls_) h = b.forward(h);
   if (!has_head()) return h;
   const auto normed = norm(h);
-  return linear(normed, head->weight, own_route(config_.own_products, normed)).to(at::kFloat);
+  return linear(normed, output_weight(), own_route(config_.own_products, normed)).to(at::kFloat);
 }
 
 void MoETransformerImpl::set_expert_parallel(const std::shared_ptr<TokenExchange>& ep) {

@@ -118,6 +118,19 @@ at::Tensor PipelineExecutor::forward(const std::vector<at::Tensor>& inputs,
   return run(program, inputs, targets, 1.0);
 }
 
+void PipelineExecutor::register_custom_function(ActionType type, CustomFunction function) {
+  using T = ActionType;
+  static const std::set<T> replaceable{T::kForward, T::kBackward, T::kBackwardInput, T::kBackwardWeight,
+                                       T::kUnshard, T::kReshard,  T::kReduceGrad,    T::kWaitReduceGrad};
+  if (!replaceable.count(type))
+    throw std::invalid_argument(fmt::format(
+        "executor: register_custom_function: {} carries the schedule's messages and cannot be replaced; "
+        "custom functions run F, B, I, W, UNSHARD, RESHARD, REDUCE_GRAD or WAIT_REDUCE_GRAD",
+        type_token(type)));
+  if (!function) throw std::invalid_argument("executor: register_custom_function: an empty function");
+  custom_[type] = std::move(function);
+}
+
 at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::vector<at::Tensor>& inputs,
                                  const std::vector<at::Tensor>& targets, double loss_scale) {
   const int me = pp_.rank(), last = plan_.spec.num_stages() - 1;
@@ -160,9 +173,8 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
   };
   for (auto& [index, st] : stages_)
     if (st.sharding) st.sharding->begin_step(options_.keep_stages_unsharded);
-  for (const Action& a : program) {
+  auto run_action = [&](const Action& a) {
     const int s = a.stage, mb = a.microbatch;
-    comm::OpLabel op_label("pp " + to_string(a));
     switch (a.type) {
       case T::kRecvF: {
         auto& sl = slot(s, mb);
@@ -252,12 +264,28 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
         if (auto& sharding = stages_.at(s).sharding) sharding->reshard();
         break;
       case T::kReduceGrad:
-        finish_reduces();
         if (auto& sharding = stages_.at(s).sharding) {
           sharding->reduce_grads_async();
           reducing.push_back(sharding.get());
         }
         break;
+      case T::kWaitReduceGrad:
+        if (auto& sharding = stages_.at(s).sharding)
+          if (const auto it = std::find(reducing.begin(), reducing.end(), sharding.get());
+              it != reducing.end()) {
+            sharding->wait_reduce_grads();
+            reducing.erase(it);
+          }
+        break;
+    }
+  };
+  for (const Action& a : program) {
+    comm::OpLabel op_label("pp " + to_string(a));
+    if (const auto it = custom_.find(a.type); it != custom_.end()) {
+      ActionContext ctx{a, stages_.at(a.stage), inputs, targets, [&] { run_action(a); }};
+      it->second(ctx);
+    } else {
+      run_action(a);
     }
   }
   finish_reduces();

@@ -39,7 +39,7 @@ MemoryEstimate estimate_memory(const Recipe& r) {
   const auto& par = r.parallel;
   MemoryEstimate m;
   const double d = double(c.dim), L = double(c.layers), stages = double(par.pp);
-  const double embed = 2.0 * double(c.vocab_size) * d;  // embedding and head
+  const double embed = (c.tie_embeddings ? 1.0 : 2.0) * double(c.vocab_size) * d;  // embedding and head
   const double total = double(c.parameter_count());
   const double block = (total - embed) / std::max(1.0, L);
   const double stage = total / stages;  // this rank's stage (the pp ranks share the model)

@@ -12,6 +12,7 @@
 #include "fsdpp/base/safetensors.hpp"
 #include "fsdpp/fsdp/checkpoint.hpp"
 #include "fsdpp/train/checkpoints.hpp"
+#include "fsdpp/train/hf.hpp"
 #include "fsdpp/train/recipe.hpp"
 #include "fsdpp/train/tokenizer.hpp"
 
@@ -20,32 +21,40 @@ namespace fsdpp::train {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-models::MoETransformer load_model(const std::string& path, json* tokenizer) {
-  std::vector<std::pair<std::string, at::Tensor>> state;
-  models::MoEConfig config;
+FullWeights read_full_weights(const std::string& path) {
+  FullWeights w;
   // Files that predate the tokenizer record were all trained on bytes.
   const json bytes = Tokenizer::load("bytes")->identity();
-  if (fs::is_regular_file(path)) {
-    auto file = read_safetensors(path);
-    if (tokenizer) {
-      const auto t = file.metadata.find("fsdpp.tokenizer");
-      *tokenizer = t == file.metadata.end() ? bytes : json::parse(t->second);
-    }
+  if (hf::is_checkpoint_dir(path)) {
+    auto imported = hf::import_checkpoint(path);
+    w.tokenizer = imported.tokenizer;
+    w.config = imported.config;
+    w.state = std::move(imported.state);
+  } else if (fs::is_regular_file(path)) {
+    auto file = read_safetensors(path, /*mapped=*/true);
+    const auto t = file.metadata.find("fsdpp.tokenizer");
+    w.tokenizer = t == file.metadata.end() ? bytes : json::parse(t->second);
     const auto it = file.metadata.find("fsdpp.model_config");
     if (it == file.metadata.end())
       throw std::runtime_error(fmt::format(
           "{}: no fsdpp.model_config in its metadata (not written by fsdpp ckpt consolidate)", path));
-    config = parse_model_config(json::parse(it->second), path + " metadata");
-    state = std::move(file.tensors);
+    w.config = parse_model_config(json::parse(it->second), path + " metadata");
+    w.state = std::move(file.tensors);
   } else {
     const auto dir = find_checkpoint(path);
     const json meta = read_json_file((fs::path(dir) / "trainer.json").string());
-    config = parse_model_config(meta.at("model"), dir + "/trainer.json");
-    if (tokenizer) *tokenizer = meta.value("tokenizer", bytes);
-    state = fsdp::read_full_parameters(dir);
+    w.config = parse_model_config(meta.at("model"), dir + "/trainer.json");
+    w.tokenizer = meta.value("tokenizer", bytes);
+    w.state = fsdp::read_full_parameters(dir);
   }
-  auto model = models::MoETransformer(config);
-  load_full_weights(*model, state, path);
+  return w;
+}
+
+models::MoETransformer load_model(const std::string& path, json* tokenizer) {
+  auto w = read_full_weights(path);
+  if (tokenizer) *tokenizer = w.tokenizer;
+  auto model = models::MoETransformer(w.config);
+  load_full_weights(*model, w.state, path);
   return model;
 }
 

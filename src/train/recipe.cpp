@@ -193,26 +193,30 @@ models::MoEConfig parse_model_config(const json& j, const std::string& source) {
 }
 
 json to_json(const models::MoEConfig& c) {
-  return {{"vocab_size", c.vocab_size},
-          {"dim", c.dim},
-          {"layers", c.layers},
-          {"heads", c.heads},
-          {"max_seq_len", c.max_seq_len},
-          {"ffn_hidden", c.ffn_hidden},
-          {"dense_layers", c.dense_layers},
-          {"experts", c.experts},
-          {"top_k", c.top_k},
-          {"expert_hidden", c.expert_hidden},
-          {"shared_expert", c.shared_expert},
-          {"score", c.score},
-          {"normalize_top_k", c.normalize_top_k},
-          {"routing", c.routing},
-          {"capacity_factor", c.capacity_factor},
-          {"aux_loss_coef", c.aux_loss_coef},
-          {"z_loss_coef", c.z_loss_coef},
-          {"rope_theta", c.rope_theta},
-          {"norm_eps", c.norm_eps},
-          {"init_std", c.init_std}};
+  json j = {{"vocab_size", c.vocab_size},
+            {"dim", c.dim},
+            {"layers", c.layers},
+            {"heads", c.heads},
+            {"max_seq_len", c.max_seq_len},
+            {"ffn_hidden", c.ffn_hidden},
+            {"dense_layers", c.dense_layers},
+            {"experts", c.experts},
+            {"top_k", c.top_k},
+            {"expert_hidden", c.expert_hidden},
+            {"shared_expert", c.shared_expert},
+            {"score", c.score},
+            {"normalize_top_k", c.normalize_top_k},
+            {"routing", c.routing},
+            {"capacity_factor", c.capacity_factor},
+            {"aux_loss_coef", c.aux_loss_coef},
+            {"z_loss_coef", c.z_loss_coef},
+            {"rope_theta", c.rope_theta},
+            {"norm_eps", c.norm_eps},
+            {"init_std", c.init_std}};
+  // Written only when set, so that the descriptions of models without them stay as they were.
+  if (c.kv_heads > 0 && c.kv_heads != c.heads) j["kv_heads"] = c.kv_heads;
+  if (c.tie_embeddings) j["tie_embeddings"] = true;
+  return j;
 }
 
 Recipe parse_recipe(json j, const std::string& source, const std::string& base_dir,

@@ -3,11 +3,14 @@
 #include <ATen/core/grad_mode.h>
 
 #include <filesystem>
+#include <optional>
+#include <set>
 
 #include "fsdpp/comm/init.hpp"
 #include "fsdpp/pipeline/plan.hpp"
 #include "fsdpp/pipeline/table.hpp"
 #include "fsdpp/train/data.hpp"
+#include "fsdpp/train/hf.hpp"
 #include "fsdpp/train/shards.hpp"
 #include "fsdpp/train/tokenizer.hpp"
 #include "recipe_reader.hpp"
@@ -53,6 +56,7 @@ void read_model(Reader& r, models::MoEConfig& c) {
   r.integer("dim", c.dim, 2, 1 << 16);
   r.integer("layers", c.layers, 1, 1024);
   r.integer("heads", c.heads, 1, 1024);
+  r.integer("kv_heads", c.kv_heads, 0, 1024);
   r.integer("max_seq_len", c.max_seq_len, 1, 1 << 20);
   r.integer("ffn_hidden", c.ffn_hidden, 1, 1 << 20);
   r.integer("dense_layers", c.dense_layers, 0, 1024);
@@ -69,6 +73,7 @@ void read_model(Reader& r, models::MoEConfig& c) {
   r.number("rope_theta", c.rope_theta, 0, 1e12, true);
   r.number("norm_eps", c.norm_eps, 0, 1, true);
   r.number("init_std", c.init_std, 0, 10, true);
+  r.boolean("tie_embeddings", c.tie_embeddings);
   r.boolean("fused_kernels", c.fused_kernels);
   r.boolean("fused_attention", c.fused_attention);
   r.boolean("own_products", c.own_products);
@@ -76,6 +81,8 @@ void read_model(Reader& r, models::MoEConfig& c) {
     r.fail("heads",
            fmt::format("dim {} must split into {} heads of even size (rotary embeddings rotate pairs)", c.dim,
                        c.heads));
+  if (c.kv_heads > 0 && c.heads % c.kv_heads != 0)
+    r.fail("kv_heads", fmt::format("must divide heads ({}), got {}", c.heads, c.kv_heads));
   if (c.experts > 0 && c.top_k > c.experts)
     r.fail("top_k", fmt::format("must be at most experts ({}), got {}", c.experts, c.top_k));
   if (c.dense_layers > c.layers)
@@ -85,14 +92,49 @@ void read_model(Reader& r, models::MoEConfig& c) {
 void read_model_section(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base_dir) {
   if (!top.find("model")) top.fail("model", "missing: a model config path or object");
   Reader m = top.section("model");
-  read_model(m, rc.model);
   m.string("init_from", rc.init_from);
+  std::optional<models::MoEConfig> imported;  // the architecture of a transformers checkpoint
   if (!rc.init_from.empty()) {
     rc.init_from = resolve(rc.init_from, base_dir);
     std::error_code ec;
-    if (!fs::is_regular_file(rc.init_from, ec))
-      m.fail("init_from", fmt::format("{} is not a file (a safetensors file of full weights)", rc.init_from));
+    if (hf::is_checkpoint_dir(rc.init_from)) {
+      const auto config = (fs::path(rc.init_from) / "config.json").string();
+      try {
+        imported = hf::import_config(fsdpp::read_json_file(config), config);
+      } catch (const std::exception& e) {
+        m.fail("init_from", e.what());
+      }
+    } else if (!fs::is_regular_file(rc.init_from, ec)) {
+      m.fail("init_from", fmt::format("{} is neither a file (a safetensors file of full weights) nor a "
+                                      "transformers checkpoint directory (with config.json)",
+                                      rc.init_from));
+    }
   }
+  read_model(m, rc.model);
+  if (!imported) return;
+  // The checkpoint decides the architecture: a key the recipe gives must agree with it. How to train
+  // (auxiliary losses, routing, the sequence limit) and how to compute stay the recipe's.
+  const json theirs = to_json(*imported), given = to_json(rc.model);
+  json merged = theirs;
+  for (const auto& [key, value] : theirs.items()) {
+    if (!m.find(key)) continue;
+    static const std::set<std::string> training{"aux_loss_coef", "z_loss_coef",     "init_std",
+                                                "routing",       "capacity_factor", "max_seq_len"};
+    if (training.count(key))
+      merged[key] = given[key];
+    else if (given.value(key, json()) != value)
+      m.fail(key, fmt::format("{} here, but the transformers checkpoint {} has {}",
+                              given.value(key, json()).dump(), rc.init_from, value.dump()));
+  }
+  for (const char* key : {"kv_heads", "tie_embeddings"})
+    if (m.find(key) && !theirs.contains(key) && given.contains(key))
+      m.fail(key, fmt::format("{} here, but the transformers checkpoint {} has none", given[key].dump(),
+                              rc.init_from));
+  const auto how = rc.model;
+  rc.model = parse_model_config(merged, rc.init_from);
+  rc.model.fused_kernels = how.fused_kernels;
+  rc.model.fused_attention = how.fused_attention;
+  rc.model.own_products = how.own_products;
 }
 
 void read_data(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base_dir) {
@@ -190,6 +232,7 @@ void read_parallel(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& 
   p.integer("max_outstanding_sends", rc.parallel.max_outstanding_sends, 0, 1 << 16);
   p.boolean("keep_stages_unsharded", rc.parallel.keep_stages_unsharded);
   p.integer("max_active_stages", rc.parallel.max_active_stages, 1, 64);
+  p.boolean("defer_reduce_grad_wait", rc.parallel.defer_reduce_grad_wait);
   if (const json* l = p.find("unshard_lookahead")) {
     if (l->is_string() && (*l == "full" || *l == "auto")) {
       rc.parallel.unshard_lookahead = pipeline::UnshardLookahead::parse(l->get<std::string>());
@@ -337,6 +380,11 @@ void check_layout(Reader& top, Recipe& rc, const std::string& base_dir, std::opt
   if (par.pp == 1 && par.microbatches != 1)
     top.fail("parallel.microbatches", "only used with pp > 1 (use train.grad_accum to split the batch)");
   if (par.pp == 1 && par.stages_per_rank != 1) top.fail("parallel.stages_per_rank", "only used with pp > 1");
+  if (par.pp > 1 && rc.model.tie_embeddings)
+    top.fail("model.tie_embeddings",
+             fmt::format("the embedding and the head are one parameter, which one pipeline stage holds; "
+                         "pp must be 1, got {}",
+                         par.pp));
   if (par.pp > 1) {
     const int stages = par.pp * par.stages_per_rank;
     if (stages > rc.model.layers)
@@ -368,7 +416,8 @@ void check_layout(Reader& top, Recipe& rc, const std::string& base_dir, std::opt
           {.fsdp_stages = true,
            .max_outstanding_sends = par.max_outstanding_sends,
            .max_active_stages = par.max_active_stages,
-           .unshard_lookahead = par.unshard_lookahead}));
+           .unshard_lookahead = par.unshard_lookahead,
+           .defer_reduce_grad_wait = par.defer_reduce_grad_wait}));
     } catch (const std::exception& e) {
       top.fail("parallel.schedule", e.what());
     }
@@ -402,6 +451,8 @@ void check_layout(Reader& top, Recipe& rc, const std::string& base_dir, std::opt
     top.fail("parallel.keep_stages_unsharded", "only used with pp > 1");
   if (par.pp == 1 && par.max_active_stages != ParallelOptions{}.max_active_stages)
     top.fail("parallel.max_active_stages", "only used with pp > 1");
+  if (par.pp == 1 && !par.defer_reduce_grad_wait)
+    top.fail("parallel.defer_reduce_grad_wait", "only used with pp > 1");
   if (par.pp == 1 && par.unshard_lookahead.policy != pipeline::UnshardLookahead::Policy::kFull)
     top.fail("parallel.unshard_lookahead", "only used with pp > 1");
   if (par.pp > 1 && !par.reshard_after_forward && !par.keep_stages_unsharded)

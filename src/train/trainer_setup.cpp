@@ -9,6 +9,7 @@
 
 #include "fsdpp/base/safetensors.hpp"
 #include "fsdpp/pipeline/fsdp_stage.hpp"
+#include "fsdpp/train/hf.hpp"
 #include "fsdpp/train/activation_checkpoint.hpp"
 #include "fsdpp/train/model_files.hpp"
 #include "fsdpp/train/shards.hpp"
@@ -120,7 +121,11 @@ void Trainer::build() {
   at::manual_seed(static_cast<uint64_t>(recipe_.train.seed));
   auto full = models::MoETransformer(c);
   if (!recipe_.init_from.empty() && !options_.resume) {
-    load_full_weights(*full, read_safetensors(recipe_.init_from).tensors, recipe_.init_from);
+    load_full_weights(*full,
+                      hf::is_checkpoint_dir(recipe_.init_from)
+                          ? hf::import_checkpoint(recipe_.init_from).state
+                          : read_safetensors(recipe_.init_from, /*mapped=*/true).tensors,
+                      recipe_.init_from);
     log(fmt::format("model: weights from {}", recipe_.init_from));
   }
   full->to(device_);

@@ -28,9 +28,9 @@ void write_raw(const std::string& path, const std::string& header, const std::st
   f << header << data;
 }
 
-std::string read_error(const std::string& path) {
+std::string read_error(const std::string& path, bool mapped = false) {
   try {
-    read_safetensors(path);
+    read_safetensors(path, mapped);
   } catch (const std::exception& e) {
     return e.what();
   }
@@ -49,16 +49,41 @@ TEST_CASE("safetensors: round trip in every dtype, with empty and scalar tensors
   ts.emplace_back("strided", at::arange(24.).view({4, 6}).t());  // non-contiguous input
   const auto path = temp_file("round");
   write_safetensors(path, ts, {{"format", "pt"}, {"note", "x"}});
-  const auto f = read_safetensors(path);
-  CHECK(f.metadata.at("note") == std::string("x"));
-  REQUIRE(f.tensors.size() == ts.size());
-  for (const auto& [name, t] : ts) {
-    CAPTURE(name);
-    const auto* got = f.find(name);
-    REQUIRE(got);
-    CHECK((got->scalar_type() == t.scalar_type()));
-    CHECK(got->equal(t));
+  for (const bool mapped : {false, true}) {
+    CAPTURE(mapped);
+    const auto f = read_safetensors(path, mapped);
+    CHECK(f.metadata.at("note") == std::string("x"));
+    REQUIRE(f.tensors.size() == ts.size());
+    for (const auto& [name, t] : ts) {
+      CAPTURE(name);
+      const auto* got = f.find(name);
+      REQUIRE(got);
+      CHECK((got->scalar_type() == t.scalar_type()));
+      CHECK(got->equal(t));
+    }
   }
+  fs::remove(path);
+}
+
+TEST_CASE("safetensors: mapped tensors outlive the file object, copy on write, and may sit unaligned") {
+  // "b" U8 [3] first, so that "a" (F32) starts at data offset 3: not a multiple of 4.
+  std::string data = "\x01\x02\x03";
+  for (float v : {1.5f, -2.0f}) data.append(reinterpret_cast<const char*>(&v), 4);
+  std::string header = R"({"b":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},)"
+                       R"("a":{"dtype":"F32","shape":[2],"data_offsets":[3,11]}})";
+  while ((8 + header.size()) % 4 != 0) header += ' ';  // the data starts 4-aligned, "a" 3 bytes past
+  const auto path = temp_file("mapped");
+  write_raw(path, header, data);
+  at::Tensor a, b;
+  {
+    const auto f = read_safetensors(path, /*mapped=*/true);
+    a = *f.find("a");
+    b = *f.find("b");
+  }
+  CHECK(a.equal(at::tensor({1.5f, -2.0f})));
+  CHECK(b.equal(at::tensor({1, 2, 3}, at::kByte)));
+  b.fill_(9);  // the mapping is private: the file keeps its bytes
+  CHECK(read_safetensors(path).find("b")->equal(at::tensor({1, 2, 3}, at::kByte)));
   fs::remove(path);
 }
 
@@ -110,9 +135,11 @@ TEST_CASE("safetensors: damaged files give errors that say what is wrong") {
   for (const auto& c : cases) {
     CAPTURE(c.header);
     write_raw(path, c.header, c.data);
-    const auto err = read_error(path);
-    CHECK_MESSAGE(err.find(c.expect) != std::string::npos, err);
-    CHECK(err.find(path) != std::string::npos);
+    for (const bool mapped : {false, true}) {
+      const auto err = read_error(path, mapped);
+      CHECK_MESSAGE(err.find(c.expect) != std::string::npos, err);
+      CHECK(err.find(path) != std::string::npos);
+    }
   }
   {
     std::ofstream f(path, std::ios::binary);

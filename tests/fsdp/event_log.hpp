@@ -2,8 +2,10 @@
 // An event log for ordering tests, and a communicator decorator that writes each all-gather,
 // reduce-scatter and all-reduce into it when issued: tests then check what was issued before which
 // compute event.
+#include <chrono>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fsdpp/comm/flight_recorder.hpp"
@@ -53,13 +55,50 @@ class LoggingComm : public CountingComm {
     return CountingComm::all_reduce(t, x);
   }
 
- private:
+ protected:
   static std::string unit() {
     const auto& label = comm::OpLabel::current();
     return label.substr(label.find_last_of(' ') + 1);
   }
   EventLog& log_;
   std::string prefix_;
+};
+
+// LoggingComm whose reduce-scatters complete `delay` after the real one does, logging "RS_done
+// <prefix><unit>" then: a slow network, so that a test sees what was computed while one was in flight.
+class DelayingComm : public LoggingComm {
+ public:
+  DelayingComm(std::shared_ptr<comm::detail::CommImpl> inner, EventLog& log, std::chrono::milliseconds delay,
+               std::string prefix = "")
+      : LoggingComm(std::move(inner), log, std::move(prefix)), delay_(delay) {}
+  ~DelayingComm() override {
+    for (auto& t : threads_) t.join();
+  }
+  comm::Work reduce_scatter(const at::Tensor& o, const at::Tensor& i,
+                            const comm::ReduceScatterOptions& x) override {
+    const std::string done = "RS_done " + prefix_ + unit();
+    auto real = LoggingComm::reduce_scatter(o, i, x);
+    auto state = std::make_shared<comm::detail::WorkState>(real.description());
+    state->start();
+    std::lock_guard<std::mutex> lock(mu_);
+    threads_.emplace_back([this, real, state, done] {
+      std::exception_ptr failure;
+      try {
+        real.wait();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      std::this_thread::sleep_for(delay_);
+      log_.add(done);
+      state->finish(failure);
+    });
+    return comm::Work(state);
+  }
+
+ private:
+  std::chrono::milliseconds delay_;
+  std::mutex mu_;
+  std::vector<std::thread> threads_;
 };
 
 }  // namespace fsdpp::test

@@ -7,8 +7,9 @@
 // CASE: the initial full weights under the model's parameter names; "batches", int64
 //   [steps, microbatches, global batch, seq + 1] (rank r trains on its contiguous slice of each
 //   microbatch); metadata "fsdpp.model_config" (the model) and "fsdpp.case" (JSON: param_dtype,
-//   reduce_dtype, float32_params (globs kept in float32 compute), grad_dtype (the dtype every
-//   unsharded gradient accumulates in, or null), lr, weight_decay, betas, eps).
+//   reduce_dtype, float32_params (globs kept in float32 compute), grad_dtype_params ([glob, dtype]
+//   pairs: each matching parameter's grad_dtype, the first match winning), lr, weight_decay,
+//   betas, eps).
 // OUT (rank 0): the final full weights, and "losses" float64 [steps]: each step's training loss
 //   (mean next-token cross entropy over the global batch, averaged over microbatches).
 #include <ATen/ATen.h>
@@ -73,7 +74,13 @@ int run(const std::string& case_path, const std::string& out_path) {
   options.mp.reduce_dtype = dtype_named(c, "reduce_dtype");
   if (auto keep = c.value("float32_params", std::vector<std::string>{}); !keep.empty())
     options.mp.param_dtype_override = fsdp::dtype_for(keep, at::kFloat);
-  if (auto g = dtype_named(c, "grad_dtype")) options.mp.grad_dtype = fsdp::dtype_for({"*"}, *g);
+  if (const auto rules = c.value("grad_dtype_params", json::array()); !rules.empty())
+    options.mp.grad_dtype = [rules](const std::string& name,
+                                    const at::Tensor&) -> std::optional<at::ScalarType> {
+      for (const auto& r : rules)
+        if (fsdp::glob_match(r[0].get<std::string>(), name)) return dtype_named(json{{"d", r[1]}}, "d");
+      return std::nullopt;
+    };
   auto root = train::shard_model(model, comm, options);
 
   // Weight decay on matrices only, as the trainer does.

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 
 #include "fsdp/event_log.hpp"
@@ -107,6 +108,46 @@ TEST_CASE(
         CHECK(reduce < log.find("bwd_done " + std::to_string(i - 1)));
       }
     });
+}
+
+// The overlap itself rather than the order of issue: with every reduce-scatter slowed by 100 ms,
+// the next block's backward must finish while the previous block's reduce-scatter is still in
+// flight. The serialized variant (overlap_reduce_scatter = false: wait for each at once) runs the
+// same check and must show no overlap at all, which is what makes the check worth its name.
+TEST_CASE(
+    "overlap observed: backward computes while a slowed reduce-scatter is in flight; serialized, never") {
+  constexpr int kLayers = 4;
+  std::map<bool, int>
+      overlapped;  // by variant: blocks whose reduce-scatter was in flight during the next's backward
+  std::mutex mu;
+  for (bool overlap : {true, false})
+    test::run_ranks(2, [&](comm::Comm& world) {
+      EventLog log;
+      comm::Comm comm(
+          std::make_shared<test::DelayingComm>(world.impl_ptr(), log, std::chrono::milliseconds(100)));
+      comm.set_consistency_check(false);
+      fsdp::FullyShardOptions o;
+      o.overlap_reduce_scatter = overlap;
+      auto model = fsdp::fully_shard(LoggedNet(8, kLayers, log), comm, o);
+      auto x = at::randn({4, 8}).requires_grad_(true);
+      model->forward(x).sum().backward();  // the first step records the forward order
+      {
+        std::lock_guard<std::mutex> lock(log.mu);
+        log.events.clear();
+      }
+      model->forward(x).sum().backward();
+      INFO("overlap=" << overlap << " rank " << comm.rank() << ": " << log.dump());
+      int n = 0;
+      for (int i = kLayers - 1; i >= 1; --i) {
+        const long done = log.find("RS_done blocks." + std::to_string(i));
+        REQUIRE(done >= 0);
+        if (log.find("bwd_done " + std::to_string(i - 1)) < done) ++n;
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      overlapped[overlap] = std::max(overlapped[overlap], n);
+    });
+  CHECK(overlapped[true] == kLayers - 1);
+  CHECK(overlapped[false] == 0);
 }
 
 // Note [replica average]: HSDP with shard groups of one rank is data parallelism; each unit's

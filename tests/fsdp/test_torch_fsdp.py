@@ -11,9 +11,14 @@ Setups:
   f32-dense    the same without experts (a plain transformer), float32
   bf16-keep    param_dtype bfloat16, reduce_dtype float32, router gates and norms kept in float32
                (fsdpp: param_dtype_override; PyTorch: param_dtype_override_fn)
-  bf16-accum   as bf16-keep over 4 microbatches, gradients accumulated in float32 between
-               reduce-scatters (fsdpp: grad_dtype float32; PyTorch 2.15: each parameter's grad_dtype
-               float32, which its unsharded gradient follows when reduce_dtype is unset)
+  bf16-accum   as bf16-keep with reduce_dtype unset, over 3 microbatches, a float32 grad_dtype on
+               the router gates and norms and none on the rest: PyTorch 2.15 accumulates every
+               unsharded gradient in its parameter's own dtype (float32) then, and reduces in
+               float32; fsdpp must too. Switched off: the other parameters accumulating in their
+               compute dtype (bfloat16), as before 2.15.
+  bf16-reduce  as bf16-accum with reduce_dtype bfloat16, which 2.15 makes the accumulation dtype
+               of every parameter, the float32 grad_dtype ones included. Switched off:
+               reduce_dtype float32.
 
 PyTorch's side runs each setup twice: with torch.optim.AdamW's default (for-loop) update, and with
 torch.optim.AdamW(fused=True), ATen's fused CPU kernel, which fsdp::AdamW runs on the CPU. Checks:
@@ -73,9 +78,11 @@ def torch_rank(case_path, out_path):
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}
     keep = {id(p) for n, p in model.named_parameters()
             if any(fnmatch.fnmatchcase(n, g) for g in case.get("float32_params", []))}
-    if case.get("grad_dtype"):
-        for p in model.parameters():
-            p.grad_dtype = dtypes[case["grad_dtype"]]
+    for n, p in model.named_parameters():
+        for pattern, dtype in case.get("grad_dtype_params", []):
+            if fnmatch.fnmatchcase(n, pattern):
+                p.grad_dtype = dtypes[dtype]
+                break
     policy = MixedPrecisionPolicy(
         param_dtype=dtypes[case.get("param_dtype")], reduce_dtype=dtypes[case.get("reduce_dtype")],
         param_dtype_override_fn=(lambda p: torch.float32 if id(p) in keep else None) if keep else None)
@@ -174,12 +181,15 @@ def main():
     f32 = {**opt, "param_dtype": None, "reduce_dtype": None}
     keep = {**opt, "param_dtype": "bfloat16", "reduce_dtype": "float32", "float32_params": KEEP_FLOAT32}
     accum = {**opt, "param_dtype": "bfloat16", "reduce_dtype": None, "float32_params": KEEP_FLOAT32,
-             "grad_dtype": "float32"}
+             "grad_dtype_params": [[g, "float32"] for g in KEEP_FLOAT32]}
+    reduce_bf16 = {**accum, "reduce_dtype": "bfloat16"}
     setups = [  # name, model, microbatches, policy, fsdpp's policy with the feature switched off
         ("f32-moe", "moe", 1, f32, None),
         ("f32-dense", "dense", 1, f32, None),
         ("bf16-keep", "moe", 1, keep, ("without the float32 override", {**keep, "float32_params": []})),
-        ("bf16-accum", "moe", 4, accum, ("accumulating in bfloat16", {**accum, "grad_dtype": None})),
+        ("bf16-accum", "moe", 3, accum, ("accumulating the rest in bfloat16",
+                                         {**accum, "grad_dtype_params": accum["grad_dtype_params"] + [["*", "bfloat16"]]})),
+        ("bf16-reduce", "moe", 3, reduce_bf16, ("reducing in float32", {**reduce_bf16, "reduce_dtype": "float32"})),
     ]
     failures = []
 

@@ -372,62 +372,126 @@ TEST_CASE(
   });
 }
 
-TEST_CASE("a stage's REDUCE_GRAD is issued while the rank's other stage still has backward compute to do") {
+TEST_CASE(
+    "a stage's REDUCE_GRAD overlaps the rank's other stage's backward; its WAIT_REDUCE_GRAD, right after it, "
+    "does not") {
   // dp=2 x pp=2, Interleaved1F1B, 2 stages per rank, 4 microbatches: pipeline rank 0 holds stages
   // 0 and 2. Stage 2's backwards finish first; its reduce-scatter must go out before stage 0's
-  // last weight gradient is computed, not at the end of the step.
+  // last weight gradient is computed, not at the end of the step. With every reduce-scatter slowed
+  // by 100 ms: deferred waits (the default) let stage 0 compute while stage 2's is in flight;
+  // waits right after (PyTorch 2.15's default) never do.
   const int pp = 2, dp = 2, v = 2, m = 4, rows = 4, stages = pp * v;
-  const auto plan = make_plan(*make_schedule("Interleaved1F1B"), {pp, v, m}, {.fsdp_stages = true});
-  auto g = at::detail::createCPUGenerator(3);
-  std::vector<at::Tensor> xs, ys;
-  for (int i = 0; i < m; ++i)
-    xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
-  test::run_ranks(pp * dp, [&](comm::Comm& world) {
-    comm::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
-    const int d = mesh.coord("dp");
-    test::EventLog log;
-    Model model(stages);
-    std::vector<fsdp::FullyShard<torch::nn::LinearImpl>> units;
-    units.reserve(stages);
-    std::vector<PipelineStage> mine;
-    for (int s = 0; s < stages; ++s) {
-      if (plan.owner[s] != mesh.coord("pp")) continue;
-      comm::Comm comm(std::make_shared<test::LoggingComm>(mesh.comm("dp").impl_ptr(), log,
-                                                          "stage" + std::to_string(s) + " "));
-      comm.set_consistency_check(false);
-      units.push_back(fsdp::fully_shard(model.layers[s].ptr(), comm));
-      model.layers[s]->weight.register_hook([&log, s](const at::Tensor& grad) {
-        log.add("wgrad " + std::to_string(s));
-        return grad;
+  for (const bool defer : {true, false}) {
+    const auto plan = make_plan(*make_schedule("Interleaved1F1B"), {pp, v, m},
+                                {.fsdp_stages = true, .defer_reduce_grad_wait = defer});
+    auto g = at::detail::createCPUGenerator(3);
+    std::vector<at::Tensor> xs, ys;
+    for (int i = 0; i < m; ++i)
+      xs.push_back(at::randn({rows, kDim}, g)), ys.push_back(at::randn({rows, kDim}, g));
+    test::run_ranks(pp * dp, [&](comm::Comm& world) {
+      comm::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
+      const int d = mesh.coord("dp");
+      test::EventLog log;
+      Model model(stages);
+      std::vector<fsdp::FullyShard<torch::nn::LinearImpl>> units;
+      units.reserve(stages);
+      std::vector<PipelineStage> mine;
+      for (int s = 0; s < stages; ++s) {
+        if (plan.owner[s] != mesh.coord("pp")) continue;
+        comm::Comm comm(std::make_shared<test::DelayingComm>(mesh.comm("dp").impl_ptr(), log,
+                                                             std::chrono::milliseconds(100),
+                                                             "stage" + std::to_string(s) + " "));
+        comm.set_consistency_check(false);
+        units.push_back(fsdp::fully_shard(model.layers[s].ptr(), comm));
+        model.layers[s]->weight.register_hook([&log, s](const at::Tensor& grad) {
+          log.add("wgrad " + std::to_string(s));
+          return grad;
+        });
+        auto* unit = units.back().ptr().get();
+        const bool last = s == stages - 1;
+        mine.push_back({s,
+                        [unit, last](const at::Tensor& x) {
+                          auto y = unit->forward(x);
+                          return last ? y : at::tanh(y);
+                        },
+                        model.layers[s]->parameters(), fsdp_sharding(*unit)});
+      }
+      PipelineExecutor exec(plan, mesh.comm("pp"), mine,
+                            [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+                            {{rows / dp, kDim}});
+      const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);
+      exec.step(lx, ly);
+      if (mesh.coord("pp") != 0) return;
+      INFO("defer " << defer << ", rank " << world.rank() << ": " << log.dump());
+      long last_wgrad0 = -1;
+      for (int k = 0;; ++k) {
+        const long at = log.find("wgrad 0", k);
+        if (at < 0) break;
+        last_wgrad0 = at;
+      }
+      const long reduce2 = log.find("RS stage2 root");
+      CHECK(last_wgrad0 >= 0);
+      CHECK(reduce2 >= 0);
+      CHECK(reduce2 < last_wgrad0);
+      CHECK(log.find("RS stage0 root") > last_wgrad0);  // stage 0's own, after its last backward
+      // Whether stage 0 computed a weight gradient while stage 2's reduce-scatter was in flight.
+      const long done2 = log.find("RS_done stage2 root");
+      REQUIRE(done2 > reduce2);
+      bool overlapped = false;
+      for (int k = 0;; ++k) {
+        const long at = log.find("wgrad 0", k);
+        if (at < 0) break;
+        overlapped |= at > reduce2 && at < done2;
+      }
+      CHECK(overlapped == defer);
+    });
+  }
+}
+
+// PyTorch 2.15's register_custom_function: a function in place of the executor's own for an
+// action type. One wraps every forward (it sees each, in the plan's order, and the results stay the
+// reference's through run_default); one replaces BACKWARD_WEIGHT by nothing (the weights then get no
+// gradient: the executor's own W did not run); sends cannot be replaced.
+TEST_CASE("custom functions wrap or replace an action type; messages cannot be replaced") {
+  const ScheduleSpec spec{2, 2, 4};
+  const auto plan = make_plan(*make_schedule("ZBVZeroBubble"), spec);
+  const auto want = reference_grads(spec.num_stages(), spec.microbatches);
+  for (bool skip_w : {false, true})
+    test::run_ranks(spec.pp, [&](comm::Comm& comm) {
+      Model model(spec.num_stages());
+      std::vector<PipelineStage> mine;
+      for (int s = 0; s < spec.num_stages(); ++s)
+        if (plan.owner[s] == comm.rank())
+          mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
+                          model.layers[s]->parameters()});
+      PipelineExecutor exec(plan, comm, mine,
+                            [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
+                            {{kMicro, kDim}});
+      std::vector<std::string> seen;
+      exec.register_custom_function(ActionType::kForward, [&](ActionContext& ctx) {
+        seen.push_back(to_string(ctx.action));
+        CHECK(ctx.stage.index == ctx.action.stage);
+        ctx.run_default();
       });
-      auto* unit = units.back().ptr().get();
-      const bool last = s == stages - 1;
-      mine.push_back({s,
-                      [unit, last](const at::Tensor& x) {
-                        auto y = unit->forward(x);
-                        return last ? y : at::tanh(y);
-                      },
-                      model.layers[s]->parameters(), fsdp_sharding(*unit)});
-    }
-    PipelineExecutor exec(plan, mesh.comm("pp"), mine,
-                          [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                          {{rows / dp, kDim}});
-    const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);
-    exec.step(lx, ly);
-    if (mesh.coord("pp") != 0) return;
-    INFO("rank " << world.rank() << ": " << log.dump());
-    long last_wgrad0 = -1;
-    for (int k = 0;; ++k) {
-      const long at = log.find("wgrad 0", k);
-      if (at < 0) break;
-      last_wgrad0 = at;
-    }
-    const long reduce2 = log.find("RS stage2 root");
-    CHECK(last_wgrad0 >= 0);
-    CHECK(reduce2 >= 0);
-    CHECK(reduce2 < last_wgrad0);
-    CHECK(log.find("RS stage0 root") > last_wgrad0);  // stage 0's own, after its last backward
-  });
+      if (skip_w) exec.register_custom_function(ActionType::kBackwardWeight, [](ActionContext&) {});
+      CHECK_THROWS_WITH_AS(exec.register_custom_function(ActionType::kSendF, [](ActionContext&) {}),
+                           doctest::Contains("SEND_F carries the schedule's messages"),
+                           std::invalid_argument);
+      const auto b = make_batch(spec.microbatches);
+      exec.step(b.x, b.y);
+      std::vector<std::string> forwards;
+      for (const auto& a : plan.lowered[comm.rank()])
+        if (a.type == ActionType::kForward) forwards.push_back(to_string(a));
+      CHECK(seen == forwards);
+      for (const auto& st : mine) {
+        INFO("skip W " << skip_w << ", stage " << st.index);
+        const auto& g = model.layers[st.index]->weight.grad();
+        if (skip_w)
+          CHECK(!g.defined());
+        else
+          CHECK(rel(g, want[st.index][0]) < 1e-5);
+      }
+    });
 }
 
 TEST_CASE("a custom schedule from a CSV file in tests/ runs end to end and matches") {

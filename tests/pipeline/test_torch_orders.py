@@ -150,7 +150,7 @@ def stage_owner(stage, pp, layout):
 def lowered_summary(ranks, pp, layout):
     """What two lowerings must agree on: per (sender, receiver), the messages in the order sent and
     in the order received (NCCL pairs them by order), and per rank each FSDP action (UNSHARD,
-    RESHARD, REDUCE_GRAD of a stage) with the number of compute actions before it."""
+    RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD of a stage) with the number of compute actions before it."""
     sent, received, fsdp = {}, {}, {}
     for r, actions in ranks.items():
         computed = 0
@@ -163,7 +163,7 @@ def lowered_summary(ranks, pp, layout):
                 message = f"{d} of stage {stage if kind == 'SEND' else peer_stage} mb {mb}"
                 key = (r, peer) if kind == "SEND" else (peer, r)
                 (sent if kind == "SEND" else received).setdefault(key, []).append(message)
-            elif re.fullmatch(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD)", a):
+            elif re.fullmatch(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD|WAIT_REDUCE_GRAD)", a):
                 fsdp.setdefault(r, []).append(f"{a} after {computed}")
             elif is_compute(a):
                 computed += 1
@@ -192,23 +192,26 @@ def compare_lowered(what, theirs, ours_args, pp, v, m, layout, tmp, failures):
 
 def check_lowered(tmp, failures):
     """Lowered programs (PyTorch's pipeline_order_with_comms against fsdpp's plan with --fsdp), for
-    PyTorch's runtime schedules. Not compared: PyTorch's WAIT_SEND_* and WAIT_REDUCE_GRAD (fsdpp
-    waits inside its executor, under its send budget) and where a receive sits between computations
-    (PyTorch posts some a computation earlier)."""
+    PyTorch's runtime schedules, with defer_reduce_grad_wait false (PyTorch's default) and true
+    (fsdpp's): the same messages and the same FSDP actions, WAIT_REDUCE_GRAD included. Not
+    compared: PyTorch's WAIT_SEND_* (fsdpp waits for sends inside its executor, under its send
+    budget) and where a receive sits between computations (PyTorch posts some a computation
+    earlier)."""
     cases = 0
     for cls_name, cls, ours_name, v, layout in runtime_schedules():
         for pp in (2, 4):
             for m in (2 * pp, 2 * pp + 1):
-                what = f"{cls_name}, pp {pp}, {m} microbatches, lowered"
-                try:
-                    theirs = {r: [str(a) for a in flat(acts)]
-                              for r, acts in torch_schedule(cls, pp, v, m, layout).pipeline_order_with_comms.items()}
-                except ValueError:
-                    continue  # a count PyTorch refuses
-                if compare_lowered(what, theirs, ["--schedule", ours_name, "--fsdp"], pp, v, m, layout, tmp,
-                                   failures):
-                    cases += 1
-                print(f"{what}: same messages in the same order between every pair of ranks, same FSDP actions")
+                for defer in (False, True):
+                    what = f"{cls_name}, pp {pp}, {m} microbatches, defer_reduce_grad_wait {defer}, lowered"
+                    try:
+                        sched = torch_schedule(cls, pp, v, m, layout, defer_reduce_grad_wait=defer)
+                        theirs = {r: [str(a) for a in flat(acts)] for r, acts in sched.pipeline_order_with_comms.items()}
+                    except ValueError:
+                        continue  # a count PyTorch refuses
+                    args = ["--schedule", ours_name, "--fsdp", "--defer-reduce-grad-wait", str(defer).lower()]
+                    if compare_lowered(what, theirs, args, pp, v, m, layout, tmp, failures):
+                        cases += 1
+                    print(f"{what}: same messages in the same order between every pair of ranks, same FSDP actions")
     return cases
 
 
@@ -240,7 +243,7 @@ def check_lookahead(tmp, failures):
                             continue
                         text = lookahead if isinstance(lookahead, str) else ",".join(map(str, lookahead))
                         args = ["--schedule", ours_name, "--fsdp", "--max-active-stages", str(active),
-                                "--unshard-lookahead", text]
+                                "--unshard-lookahead", text, "--defer-reduce-grad-wait", "false"]
                         if compare_lowered(what, theirs, args, pp, v, m, layout, tmp, failures):
                             cases += 1
     print(f"{cases} lowerings with max_active_stages and unshard_lookahead compared")

@@ -1042,7 +1042,8 @@ TEST_CASE(
   const auto missing = sh(kBin + " run " + kRecipe + " logging.output_dir=" + fresh_dir("init-none") + " " +
                           args + " model.init_from=/nonexistent/w.safetensors");
   CHECK(missing.rc == 2);
-  CHECK(missing.out.find("model.init_from: /nonexistent/w.safetensors is not a file") != std::string::npos);
+  CHECK(missing.out.find("model.init_from: /nonexistent/w.safetensors is neither a file") !=
+        std::string::npos);
   for (const auto& d : {a, fresh, b, c}) fs::remove_all(d);
 }
 

@@ -29,7 +29,9 @@ void write_safetensors(const std::string& path,
 
 // Reads a whole file. Every inconsistency (truncated file, header past the end, bad JSON, unknown
 // dtype, offsets out of range, overlapping or mis-sized tensors) throws std::runtime_error naming
-// the file and, where there is one, the tensor.
-SafetensorsFile read_safetensors(const std::string& path);
+// the file and, where there is one, the tensor. `mapped`: the tensors view a private mapping of
+// the file instead (copy-on-write; read from the disk as they are touched, pages the kernel may
+// drop again), so that converting a file larger than memory needs memory for the result only.
+SafetensorsFile read_safetensors(const std::string& path, bool mapped = false);
 
 }  // namespace fsdpp

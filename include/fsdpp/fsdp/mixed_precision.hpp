@@ -3,15 +3,19 @@
 //
 //   param_dtype      dtype of the unsharded parameters, so of the all-gather and of compute. The
 //                    sharded parameters, which the optimizer sees, keep their own dtype.
-//   reduce_dtype     dtype of the reduce-scatter. Default: the widest gradient dtype of the unit.
+//   reduce_dtype     dtype of the reduce-scatter. Default: the widest accumulation dtype (below) of
+//                    the unit's parameters.
 //   output_dtype     floating-point outputs of forward are cast to it.
 //   cast_forward_inputs  floating-point tensor inputs of forward are cast to param_dtype.
 //   param_dtype_override(name, tensor)  per parameter, a dtype that replaces param_dtype (for
 //                    example float32 for "*.router.gate.weight" and "*norm*" inside a bfloat16
 //                    model), or nullopt for the default.
 //   grad_dtype(name, tensor)  per parameter, the dtype in which its unsharded gradient accumulates
-//                    across no-sync microbatches (nullopt: its compute dtype). The sharded gradient
-//                    keeps the sharded parameter's dtype.
+//                    across no-sync microbatches when reduce_dtype is unset. As in PyTorch 2.15
+//                    (FSDPParam.unsharded_grad_dtype), that dtype is reduce_dtype when set, else
+//                    this, else the parameter's own dtype (not its compute dtype: bfloat16 compute
+//                    of float32 parameters accumulates in float32). The sharded gradient keeps the
+//                    sharded parameter's dtype.
 //
 // Both callables see the parameter's name in the unwrapped model and its original tensor. They must
 // give the same answer on every rank; fully_shard checks that and fails naming the ranks that differ.

@@ -12,6 +12,10 @@ struct MoEConfig {
   int64_t dim = 128;
   int64_t layers = 4;
   int64_t heads = 4;
+  // Key and value heads (grouped-query attention): each serves heads / kv_heads query heads,
+  // consecutive ones (query head h reads kv head h / (heads / kv_heads)), as Llama and Mixtral
+  // group them. 0: heads (multi-head attention).
+  int64_t kv_heads = 0;
   int64_t max_seq_len = 256;
   int64_t ffn_hidden = 384;  // dense SwiGLU layers
   int64_t dense_layers = 0;  // the first N layers are dense, the rest MoE
@@ -28,6 +32,9 @@ struct MoEConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   double init_std = 0.02;
+  // The output head multiplies by the embedding's weight (one parameter, embed.weight, no
+  // head.weight): tied input and output embeddings.
+  bool tie_embeddings = false;
   // RMSNorm, SwiGLU's silu(a) * b, the router's softmax and top-k and dropless routing's rows as
   // single-pass kernels on the CPU (models/cpu/kernels.hpp); false: the ATen compositions, bit for bit
   // what PyTorch's eager modules compute. How the model computes, not what it is: not part of a
@@ -44,6 +51,8 @@ struct MoEConfig {
   bool own_products = true;
 
   bool is_moe_layer(int64_t i) const { return experts > 0 && i >= dense_layers; }
+  int64_t key_value_heads() const { return kv_heads > 0 ? kv_heads : heads; }
+  int64_t head_dim() const { return dim / heads; }
   int64_t parameter_count() const;
 };
 

@@ -93,7 +93,7 @@ TORCH_MODULE(RMSNorm);
 struct AttentionImpl : torch::nn::Module {
   explicit AttentionImpl(const MoEConfig& c);
   at::Tensor forward(const at::Tensor& x);
-  int64_t heads;
+  int64_t heads, kv_heads;
   double rope_theta;
   bool own_products;  // models::linear's own routes where they beat ATen's (MoEConfig::own_products)
   bool fused;         // models::rotary_causal_attention's kernel, else scaled_dot_product_attention
@@ -211,6 +211,8 @@ class MoETransformerImpl : public torch::nn::Module {
   bool has_head() const { return last_ == config_.layers; }
   int64_t first_layer() const { return first_; }
   int64_t last_layer() const { return last_; }
+  // The head's weight [vocab, dim]: head.weight, or embed.weight with tied embeddings.
+  const at::Tensor& output_weight() const { return head ? head->weight : embed->weight; }
 
   // The blocks this holds, in layer order: the modules themselves, also after wrap_blocks.
   const std::vector<Block>& blocks() const { return blocks_; }
@@ -228,7 +230,7 @@ class MoETransformerImpl : public torch::nn::Module {
   torch::nn::Embedding embed{nullptr};
   std::shared_ptr<torch::nn::Module> layers;  // children named by global layer index
   RMSNorm norm{nullptr};
-  torch::nn::Linear head{nullptr};
+  torch::nn::Linear head{nullptr};  // null with tied embeddings
 
  private:
   std::vector<Block> blocks_;

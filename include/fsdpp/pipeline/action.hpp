@@ -3,7 +3,8 @@
 //
 // A schedule is a list of actions per pipeline rank, executed in order. An action is written
 // "<stage><TYPE><microbatch>", compatible with PyTorch's pipelining: "0F1" (stage 0 forward of
-// microbatch 1), "2I1", "0W3", "0B3", "1UNSHARD", "2SEND_B2", "1RECV_F1", "0REDUCE_GRAD". A CSV
+// microbatch 1), "2I1", "0W3", "0B3", "1UNSHARD", "2SEND_B2", "1RECV_F1", "0REDUCE_GRAD",
+// "0WAIT_REDUCE_GRAD". A CSV
 // holds one rank per row, one action per cell; an empty cell is an idle slot and is skipped.
 
 #include <algorithm>
@@ -29,12 +30,13 @@ enum class ActionType {
   kUnshard,
   kReshard,
   kReduceGrad,
+  kWaitReduceGrad,  // waits for the stage's REDUCE_GRAD (PyTorch 2.15's WAIT_REDUCE_GRAD)
 };
 
 struct Action {
   int stage = 0;
   ActionType type = ActionType::kForward;
-  int microbatch = -1;  // -1 for UNSHARD, RESHARD, REDUCE_GRAD
+  int microbatch = -1;  // -1 for UNSHARD, RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD
 
   bool operator==(const Action&) const = default;
 };
@@ -72,6 +74,8 @@ inline const char* type_token(ActionType t) {
       return "RESHARD";
     case ActionType::kReduceGrad:
       return "REDUCE_GRAD";
+    case ActionType::kWaitReduceGrad:
+      return "WAIT_REDUCE_GRAD";
   }
   return "?";
 }
@@ -87,7 +91,8 @@ inline bool is_send_recv(ActionType t) {
 }
 
 inline bool has_microbatch(ActionType t) {
-  return t != ActionType::kUnshard && t != ActionType::kReshard && t != ActionType::kReduceGrad;
+  return t != ActionType::kUnshard && t != ActionType::kReshard && t != ActionType::kReduceGrad &&
+         t != ActionType::kWaitReduceGrad;
 }
 
 inline std::string to_string(const Action& a) {
@@ -120,9 +125,9 @@ inline Action parse_action(const std::string& text, int line = 0, int column = 0
   while (j < text.size() && !std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
   const std::string token = text.substr(i, j - i);
   static const ActionType kTypes[] = {
-      ActionType::kSendF,    ActionType::kRecvF,         ActionType::kSendB,         ActionType::kRecvB,
-      ActionType::kUnshard,  ActionType::kReshard,       ActionType::kReduceGrad,    ActionType::kForward,
-      ActionType::kBackward, ActionType::kBackwardInput, ActionType::kBackwardWeight};
+      ActionType::kSendF,   ActionType::kRecvF,    ActionType::kSendB,         ActionType::kRecvB,
+      ActionType::kUnshard, ActionType::kReshard,  ActionType::kReduceGrad,    ActionType::kWaitReduceGrad,
+      ActionType::kForward, ActionType::kBackward, ActionType::kBackwardInput, ActionType::kBackwardWeight};
   bool found = false;
   for (auto t : kTypes)
     if (token == type_token(t)) {
@@ -131,7 +136,8 @@ inline Action parse_action(const std::string& text, int line = 0, int column = 0
     }
   if (!found)
     fail("unknown type '" + token +
-         "' (expected F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, UNSHARD, RESHARD or REDUCE_GRAD)");
+         "' (expected F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, UNSHARD, RESHARD, REDUCE_GRAD or "
+         "WAIT_REDUCE_GRAD)");
   const std::string mb = text.substr(j);
   if (has_microbatch(a.type)) {
     if (mb.empty()) fail("a microbatch number must follow " + token);

@@ -22,9 +22,9 @@
 // plan's UNSHARD to its RESHARD, across all its microbatches (ExecutorOptions::keep_stages_unsharded,
 // the default, as PyTorch's pipelining and torchtitan do: one all-gather per unit per step instead
 // of two per microbatch for each nested unit; the plan's window of active stages bounds the memory).
-// Gradients accumulate unsharded over the microbatches (no communication), and REDUCE_GRAD issues
-// the stage's reduce-scatters asynchronously; they are waited at the next REDUCE_GRAD or at the end
-// of the step, overlapping the backward of other stages.
+// Gradients accumulate unsharded over the microbatches (no communication), REDUCE_GRAD issues
+// the stage's reduce-scatters asynchronously and WAIT_REDUCE_GRAD waits for them; the plan places
+// the wait (PlanOptions::defer_reduce_grad_wait), and the end of the step waits for any left.
 //
 // Loss: the loss of each microbatch is multiplied by ExecutorOptions::loss_scale (default
 // 1 / microbatches), so that the accumulated gradients equal those of the mean loss over the whole
@@ -66,6 +66,20 @@ struct ExecutorOptions {
       on_compute;
 };
 
+// What a custom function (PipelineExecutor::register_custom_function) gets for the action it runs.
+struct ActionContext {
+  const Action& action;
+  PipelineStage& stage;  // the action's stage, on this rank
+  // This step's inputs and targets, as given to step() or forward().
+  const std::vector<at::Tensor>& inputs;
+  const std::vector<at::Tensor>& targets;
+  // Does what the executor does for the action without the custom function (a forward with its
+  // received input and the loss, a backward with the received gradient ...), for a function that
+  // wraps rather than replaces it.
+  std::function<void()> run_default;
+};
+using CustomFunction = std::function<void(ActionContext&)>;
+
 struct ExecutorStats {
   int peak_recv_buffers = 0;  // live receive buffers, at most
   int recv_buffers_allocated = 0;
@@ -94,6 +108,14 @@ class PipelineExecutor {
   // microbatch losses as a 0-dim float64 tensor on the rank holding the last stage, 0 elsewhere.
   at::Tensor forward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
 
+  // Runs `function` in place of the executor's own for every action of `type` (PyTorch 2.15's
+  // _PipelineScheduleRuntime.register_custom_function): FORWARD, FULL_BACKWARD, BACKWARD_INPUT,
+  // BACKWARD_WEIGHT, UNSHARD, RESHARD, REDUCE_GRAD or WAIT_REDUCE_GRAD; sends and receives carry the schedule's
+  // messages and cannot be replaced (std::invalid_argument). A second registration for a type
+  // replaces the first. The function may call ctx.run_default() to do what the executor would
+  // have, before or after its own work.
+  void register_custom_function(ActionType type, CustomFunction function);
+
   const ExecutorStats& stats() const { return stats_; }
   const Plan& plan() const { return plan_; }
 
@@ -111,6 +133,7 @@ class PipelineExecutor {
   ExecutorOptions options_;
   std::map<std::pair<int, int>, comm::Comm> edges_;  // (from rank, to rank) -> two-rank comm
   std::map<std::pair<int, int>, std::shared_ptr<Slot>> slots_;
+  std::map<ActionType, CustomFunction> custom_;
   ExecutorStats stats_;
 };
 

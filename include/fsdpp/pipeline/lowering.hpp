@@ -408,12 +408,16 @@ inline void hoist_recv(Program& program, int rank, const Action& recv, size_t to
   p.insert(p.begin() + to, recv);
 }
 
-// After each stage's last backward (B or W), its REDUCE_GRAD (for FSDP stages).
+// After each stage's last backward (B or W), its REDUCE_GRAD (for FSDP stages), and a
+// WAIT_REDUCE_GRAD for each, as PyTorch 2.15's _add_reduce_grad places them: right after it, or
+// with `defer_wait`, before the rank's next REDUCE_GRAD or at the end, so that the reduction
+// overlaps the computations in between (at most one pending per rank).
 // The input gradient's send, when it directly follows, goes first: it is on the critical path.
-inline Program add_reduce_grad(const Program& program, int microbatches) {
+inline Program add_reduce_grad(const Program& program, int microbatches, bool defer_wait = true) {
   Program out(program.size());
   for (size_t r = 0; r < program.size(); ++r) {
     std::map<int, int> count;
+    std::optional<int> pending;
     const auto& p = program[r];
     for (size_t i = 0; i < p.size(); ++i) {
       const auto& a = p[i];
@@ -422,11 +426,45 @@ inline Program add_reduce_grad(const Program& program, int microbatches) {
           ++count[a.stage] == microbatches) {
         if (i + 1 < p.size() && p[i + 1].type == ActionType::kSendB && p[i + 1].stage == a.stage)
           out[r].push_back(p[++i]);
+        if (pending) out[r].push_back({*pending, ActionType::kWaitReduceGrad, -1});
         out[r].push_back({a.stage, ActionType::kReduceGrad, -1});
+        if (defer_wait)
+          pending = a.stage;
+        else
+          out[r].push_back({a.stage, ActionType::kWaitReduceGrad, -1});
       }
     }
+    if (pending) out[r].push_back({*pending, ActionType::kWaitReduceGrad, -1});
   }
   return out;
+}
+
+// Every REDUCE_GRAD is waited by a later WAIT_REDUCE_GRAD of its stage, before that stage's next
+// REDUCE_GRAD, and a rank has at most one reduction pending at a time (as PyTorch 2.15 requires);
+// a wait without its reduction is refused too. Throws ScheduleError naming the rank and action.
+inline void validate_reduce_waits(const Program& program) {
+  for (size_t r = 0; r < program.size(); ++r) {
+    std::optional<int> pending;
+    const auto where = [&](const Action& a) {
+      return "rank " + std::to_string(r) + ", " + to_string(a) + ": ";
+    };
+    for (const auto& a : program[r]) {
+      if (a.type == ActionType::kReduceGrad) {
+        if (pending)
+          throw ScheduleError(
+              where(a) + "stage " + std::to_string(*pending) +
+              "'s REDUCE_GRAD is still pending (one at a time; add its WAIT_REDUCE_GRAD first)");
+        pending = a.stage;
+      } else if (a.type == ActionType::kWaitReduceGrad) {
+        if (pending != a.stage) throw ScheduleError(where(a) + "waits for a REDUCE_GRAD that is not pending");
+        pending.reset();
+      }
+    }
+    if (pending)
+      throw ScheduleError("rank " + std::to_string(r) + ": " + std::to_string(*pending) +
+                          "REDUCE_GRAD is never waited (add " + std::to_string(*pending) +
+                          "WAIT_REDUCE_GRAD)");
+  }
 }
 
 }  // namespace fsdpp::pipeline

@@ -15,7 +15,7 @@ struct Plan {
   ScheduleSpec spec;
   Program compute;                // each rank's compute actions
   std::vector<int> owner;         // stage -> rank
-  Program lowered;                // with sends and receives (and REDUCE_GRAD when asked)
+  Program lowered;                // with sends and receives (and the FSDP actions when asked)
   int max_outstanding_sends = 0;  // 0: unlimited
 };
 
@@ -33,6 +33,11 @@ struct PlanOptions {
   int max_active_stages = 3;
   // With fsdp_stages: how far ahead of use each rank gathers (UnshardLookahead).
   UnshardLookahead unshard_lookahead;
+  // With fsdp_stages: each REDUCE_GRAD's WAIT_REDUCE_GRAD goes before the rank's next REDUCE_GRAD
+  // (or at the end), so that the reduction overlaps the computations in between; false puts it
+  // right after, as PyTorch 2.15 does by default (its `defer_reduce_grad_wait`, default false):
+  // docs/pipelines.md says why fsdpp defers.
+  bool defer_reduce_grad_wait = true;
 };
 
 // Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.
@@ -67,7 +72,8 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const 
         p.owner);
     order_receives(p.lowered, p.owner);
   }
-  if (fsdp_stages) p.lowered = add_reduce_grad(p.lowered, spec.microbatches);
+  if (fsdp_stages) p.lowered = add_reduce_grad(p.lowered, spec.microbatches, options.defer_reduce_grad_wait);
+  validate_reduce_waits(p.lowered);
   p.max_outstanding_sends = max_outstanding_sends;
   // Prove the lowered program runs to the end. Under a send budget, a send may wait for a receive
   // its peer has not posted yet because the peer itself waits; then that receive is posted earlier

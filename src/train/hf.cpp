@@ -1,0 +1,600 @@
+#include "fsdpp/train/hf.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <set>
+#include <stdexcept>
+
+#include "fsdpp/base/files.hpp"
+#include "fsdpp/base/safetensors.hpp"
+#include "fsdpp/train/recipe.hpp"
+#include "fsdpp/train/tokenizer.hpp"
+#include "hf_tokenizer.hpp"
+
+namespace fsdpp::train::hf {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+[[noreturn]] void refuse_export(const std::string& key, const std::string& why) {
+  throw std::invalid_argument(fmt::format("export --format hf: model.{}: {}", key, why));
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return "float32";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kHalf:
+      return "float16";
+    default:
+      throw std::invalid_argument(
+          fmt::format("export --format hf: dtype {} is not float32, bfloat16 or float16", c10::toString(t)));
+  }
+}
+
+// GPT-2's byte-level alphabet, which tokenizers' ByteLevel pre-tokenizer uses: the printable bytes
+// stand for themselves, the others for U+0100 onwards, in byte order.
+std::string byte_symbol(int b) {
+  const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+  int code = b;
+  if (!printable) {
+    int n = 0;
+    for (int x = 0; x < b; ++x)
+      if (!((x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF))) ++n;
+    code = 256 + n;
+  }
+  std::string s;  // UTF-8 of `code` (< 0x800)
+  if (code < 0x80) {
+    s.push_back(static_cast<char>(code));
+  } else {
+    s.push_back(static_cast<char>(0xC0 | (code >> 6)));
+    s.push_back(static_cast<char>(0x80 | (code & 0x3F)));
+  }
+  return s;
+}
+
+json byte_level(bool with_regex) {
+  json j = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}};
+  j["use_regex"] = with_regex;
+  return j;
+}
+
+// tokenizers' description of the bytes tokenizer: a byte-level BPE with the 256 bytes and no merges.
+json bytes_tokenizer_json() {
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[byte_symbol(b)] = b;
+  return {{"version", "1.0"},
+          {"truncation", nullptr},
+          {"padding", nullptr},
+          {"added_tokens", json::array()},
+          {"normalizer", nullptr},
+          {"pre_tokenizer", byte_level(false)},
+          {"post_processor", nullptr},
+          {"decoder", byte_level(false)},
+          {"model",
+           {{"type", "BPE"},
+            {"dropout", nullptr},
+            {"unk_token", nullptr},
+            {"continuing_subword_prefix", nullptr},
+            {"end_of_word_suffix", nullptr},
+            {"fuse_unk", false},
+            {"byte_fallback", false},
+            {"ignore_merges", false},
+            {"vocab", vocab},
+            {"merges", json::array()}}}};
+}
+
+bool is_bytes_tokenizer(const json& t) {
+  if (!t.is_object() || !t.contains("model") || !t["model"].is_object()) return false;
+  const auto& m = t["model"];
+  if (m.value("type", "") != "BPE" || !m.contains("vocab") || !m["vocab"].is_object() ||
+      m["vocab"].size() != 256)
+    return false;
+  if (m.contains("merges") && !m["merges"].empty()) return false;
+  if (t.contains("added_tokens") && !t["added_tokens"].empty()) return false;
+  if (t.contains("normalizer") && !t["normalizer"].is_null()) return false;
+  const auto pre = t.value("pre_tokenizer", json());
+  if (!pre.is_object() || pre.value("type", "") != "ByteLevel" || pre.value("add_prefix_space", true))
+    return false;
+  for (int b = 0; b < 256; ++b) {
+    const auto it = m["vocab"].find(byte_symbol(b));
+    if (it == m["vocab"].end() || *it != b) return false;
+  }
+  return true;
+}
+
+struct Names {
+  std::string q, k, v, o, input_norm, post_norm;
+};
+
+Names attention_names(int64_t i) {
+  const auto p = fmt::format("model.layers.{}.", i);
+  return {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+          p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight",
+          p + "input_layernorm.weight",  p + "post_attention_layernorm.weight"};
+}
+
+// The fsdpp name of layer i's parameter `rest`.
+std::string ours(int64_t i, const std::string& rest) { return fmt::format("layers.{}.{}", i, rest); }
+
+const char* kMlp[3][2] = {{"w1", "gate_proj"}, {"w3", "up_proj"}, {"w2", "down_proj"}};
+
+// A field of a transformers config that fsdpp does not implement, when it is set to something
+// other than what fsdpp computes.
+[[noreturn]] void refuse_field(const std::string& source, const std::string& key, const json& value,
+                               const std::string& why) {
+  throw std::invalid_argument(fmt::format("{}: {} {}: {}", source, key, value.dump(), why));
+}
+
+int64_t required_int(const json& j, const std::string& key, const std::string& source) {
+  if (!j.contains(key) || !j[key].is_number_integer())
+    throw std::invalid_argument(fmt::format("{}: {} is {}; it must be an integer", source, key,
+                                            j.contains(key) ? j[key].dump() : "missing"));
+  return j[key].get<int64_t>();
+}
+
+}  // namespace
+
+bool is_checkpoint_dir(const std::string& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec) && fs::is_regular_file(fs::path(path) / "config.json", ec);
+}
+
+json export_config(const models::MoEConfig& c, at::ScalarType dtype) {
+  const bool moe = c.experts > 0;
+  if (moe) {
+    if (c.dense_layers > 0)
+      refuse_export("dense_layers", fmt::format("{}: Mixtral's layers are all MoE, and no transformers class "
+                                                "computes dense first layers with fsdpp's experts exactly",
+                                                c.dense_layers));
+    if (c.shared_expert)
+      refuse_export("shared_expert", "true: Mixtral has no shared expert, and Qwen2-MoE's is gated");
+    if (c.score != "softmax")
+      refuse_export("score", fmt::format("\"{}\": Mixtral routes by softmax", c.score));
+    if (!c.normalize_top_k)
+      refuse_export("normalize_top_k", "false: Mixtral renormalises the top-k weights to sum to 1");
+    if (c.top_k < 2)
+      refuse_export("top_k", "1: fsdpp weights a single expert by its softmax score, Mixtral by 1");
+    if (c.routing != "dropless")
+      refuse_export("routing",
+                    fmt::format("\"{}\": Mixtral computes every assignment (dropless)", c.routing));
+  }
+  json j = {{"architectures", {moe ? "MixtralForCausalLM" : "LlamaForCausalLM"}},
+            {"model_type", moe ? "mixtral" : "llama"},
+            {"vocab_size", c.vocab_size},
+            {"hidden_size", c.dim},
+            {"intermediate_size", moe ? c.expert_hidden : c.ffn_hidden},
+            {"num_hidden_layers", c.layers},
+            {"num_attention_heads", c.heads},
+            {"num_key_value_heads", c.key_value_heads()},
+            {"head_dim", c.head_dim()},
+            {"hidden_act", "silu"},
+            {"max_position_embeddings", c.max_seq_len},
+            {"rms_norm_eps", c.norm_eps},
+            {"rope_theta", c.rope_theta},
+            {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
+            {"attention_dropout", 0.0},
+            {"initializer_range", c.init_std},
+            {"tie_word_embeddings", c.tie_embeddings},
+            // No special tokens: the bytes tokenizer has none, and a generation would otherwise
+            // stop at transformers' default end-of-text id.
+            {"bos_token_id", nullptr},
+            {"eos_token_id", nullptr},
+            {"pad_token_id", nullptr},
+            {"use_cache", true},
+            {"dtype", dtype_name(dtype)}};
+  if (moe) {
+    j["num_local_experts"] = c.experts;
+    j["num_experts_per_tok"] = c.top_k;
+    j["router_aux_loss_coef"] = c.aux_loss_coef;
+    j["router_jitter_noise"] = 0.0;
+    j["output_router_logits"] = false;
+    j["sliding_window"] = nullptr;
+  } else {
+    j["attention_bias"] = false;
+    j["mlp_bias"] = false;
+    j["pretraining_tp"] = 1;
+  }
+  return j;
+}
+
+models::MoEConfig import_config(const json& j, const std::string& source) {
+  if (!j.is_object()) throw std::invalid_argument(fmt::format("{}: not a JSON object", source));
+  const std::string type =
+      j.value("model_type", json("missing")).is_string() ? j.value("model_type", "") : "";
+  if (type != "llama" && type != "mixtral")
+    refuse_field(source, "model_type", j.value("model_type", json("missing")),
+                 "fsdpp imports llama (LlamaForCausalLM) and mixtral (MixtralForCausalLM)");
+  const bool moe = type == "mixtral";
+  const auto is_set = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
+  if (is_set("quantization_config"))
+    refuse_field(source, "quantization_config", j["quantization_config"], "quantized weights are not read");
+  if (j.value("hidden_act", json("silu")) != "silu")
+    refuse_field(source, "hidden_act", j["hidden_act"], "fsdpp's feed-forward layers are SwiGLU (silu)");
+  for (const char* key : {"attention_bias", "mlp_bias"})
+    if (j.value(key, json(false)) != false)
+      refuse_field(source, key, j[key], "fsdpp's projections have no bias");
+  if (is_set("rope_scaling") &&
+      (!j["rope_scaling"].is_object() ||
+       j["rope_scaling"].value("rope_type", j["rope_scaling"].value("type", "")) != "default"))
+    refuse_field(source, "rope_scaling", j["rope_scaling"],
+                 "fsdpp's rotary embedding is unscaled (\"default\")");
+  double theta = moe ? 1e6 : 1e4;  // transformers' defaults
+  if (is_set("rope_parameters")) {
+    const auto& rp = j["rope_parameters"];
+    if (!rp.is_object() || rp.value("rope_type", "default") != "default")
+      refuse_field(source, "rope_parameters", rp,
+                   "fsdpp's rotary embedding is unscaled (rope_type \"default\")");
+    if (rp.contains("rope_theta")) theta = rp["rope_theta"].get<double>();
+  }
+  if (is_set("rope_theta")) theta = j["rope_theta"].get<double>();
+  if (is_set("sliding_window"))
+    refuse_field(source, "sliding_window", j["sliding_window"],
+                 "fsdpp's attention sees every earlier position");
+  for (const char* key : {"attention_dropout", "router_jitter_noise"})
+    if (is_set(key) && !(j[key].is_number() && j[key].get<double>() == 0))
+      refuse_field(source, key, j[key], "fsdpp implements 0 only");
+  if (j.value("pretraining_tp", json(1)) != 1)
+    refuse_field(source, "pretraining_tp", j["pretraining_tp"], "fsdpp implements 1 only");
+
+  models::MoEConfig c;
+  c.vocab_size = required_int(j, "vocab_size", source);
+  c.dim = required_int(j, "hidden_size", source);
+  c.layers = required_int(j, "num_hidden_layers", source);
+  c.heads = required_int(j, "num_attention_heads", source);
+  c.kv_heads = is_set("num_key_value_heads") ? required_int(j, "num_key_value_heads", source) : c.heads;
+  if (c.kv_heads == c.heads) c.kv_heads = 0;
+  if (is_set("head_dim") && c.heads > 0 && required_int(j, "head_dim", source) * c.heads != c.dim)
+    refuse_field(
+        source, "head_dim", j["head_dim"],
+        fmt::format("fsdpp's heads are hidden_size / num_attention_heads = {} wide", c.dim / c.heads));
+  c.max_seq_len =
+      is_set("max_position_embeddings") ? required_int(j, "max_position_embeddings", source) : 2048;
+  c.norm_eps = j.value("rms_norm_eps", moe ? 1e-5 : 1e-6);
+  c.rope_theta = theta;
+  c.init_std = j.value("initializer_range", 0.02);
+  c.tie_embeddings = j.value("tie_word_embeddings", false);
+  const int64_t hidden = required_int(j, "intermediate_size", source);
+  if (moe) {
+    c.experts = required_int(j, "num_local_experts", source);
+    c.top_k = required_int(j, "num_experts_per_tok", source);
+    if (c.top_k < 2)
+      refuse_field(source, "num_experts_per_tok", j["num_experts_per_tok"],
+                   "fsdpp weights a single expert by its softmax score, Mixtral by 1");
+    c.expert_hidden = hidden;
+    c.dense_layers = 0;
+    c.shared_expert = false;
+    c.score = "softmax";
+    c.normalize_top_k = true;
+    c.aux_loss_coef = j.value("router_aux_loss_coef", 0.001);
+    c.z_loss_coef = 0;  // Mixtral has none
+  } else {
+    c.experts = 0;
+    c.ffn_hidden = hidden;
+  }
+  // fsdpp's own checks (heads that split the width evenly, ranges), with fsdpp's key names.
+  return parse_model_config(to_json(c), source);
+}
+
+namespace {
+
+// Every parameter of the model `c` describes (an unwrapped model, without expert parallelism), with
+// its shape: what a file of full weights must hold.
+std::map<std::string, std::vector<int64_t>> parameter_shapes(const models::MoEConfig& c) {
+  const int64_t D = c.dim, hd = c.head_dim(), H = c.heads, KV = c.key_value_heads(), E = c.experts,
+                F = c.expert_hidden, V = c.vocab_size;
+  std::map<std::string, std::vector<int64_t>> shapes{{"embed.weight", {V, D}}, {"norm.weight", {D}}};
+  if (!c.tie_embeddings) shapes["head.weight"] = {V, D};
+  for (int64_t i = 0; i < c.layers; ++i) {
+    shapes[ours(i, "attn_norm.weight")] = {D};
+    shapes[ours(i, "ffn_norm.weight")] = {D};
+    shapes[ours(i, "attn.qkv.weight")] = {(H + 2 * KV) * hd, D};
+    shapes[ours(i, "attn.out.weight")] = {D, H * hd};
+    if (c.is_moe_layer(i)) {
+      shapes[ours(i, "moe.router.gate.weight")] = {E, D};
+      shapes[ours(i, "moe.experts.w1")] = shapes[ours(i, "moe.experts.w3")] = {E, F, D};
+      shapes[ours(i, "moe.experts.w2")] = {E, D, F};
+      if (c.shared_expert) {
+        shapes[ours(i, "moe.shared.w1.weight")] = shapes[ours(i, "moe.shared.w3.weight")] = {F, D};
+        shapes[ours(i, "moe.shared.w2.weight")] = {D, F};
+      }
+    } else {
+      shapes[ours(i, "mlp.w1.weight")] = shapes[ours(i, "mlp.w3.weight")] = {c.ffn_hidden, D};
+      shapes[ours(i, "mlp.w2.weight")] = {D, c.ffn_hidden};
+    }
+  }
+  return shapes;
+}
+
+}  // namespace
+
+NamedTensors to_hf(const models::MoEConfig& c, const NamedTensors& state, at::ScalarType dtype) {
+  std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
+  auto shapes = parameter_shapes(c);
+  for (const auto& [name, t] : by_name) {
+    const auto it = shapes.find(name);
+    if (it == shapes.end())
+      throw std::invalid_argument(
+          fmt::format("export --format hf: {} is not a parameter of the model", name));
+    if (t.sizes() != at::IntArrayRef(it->second))
+      throw std::invalid_argument(
+          fmt::format("export --format hf: {} has shape [{}], but the model config makes it [{}]", name,
+                      fmt::join(t.sizes(), ", "), fmt::join(it->second, ", ")));
+    if (!at::isFloatingType(t.scalar_type()))
+      throw std::invalid_argument(fmt::format("export --format hf: {} is {}, not floating point", name,
+                                              c10::toString(t.scalar_type())));
+  }
+  const auto get = [&](const std::string& name) {
+    const auto it = by_name.find(name);
+    if (it == by_name.end())
+      throw std::invalid_argument(fmt::format("export --format hf: no parameter {}", name));
+    return it->second;
+  };
+  NamedTensors out;
+  const auto put = [&](std::string name, const at::Tensor& t) {
+    out.emplace_back(std::move(name), t.detach().to(at::kCPU, dtype).contiguous());
+  };
+  put("model.embed_tokens.weight", get("embed.weight"));
+  const int64_t hd = c.head_dim(), H = c.heads, KV = c.key_value_heads();
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const auto n = attention_names(i);
+    const auto p = fmt::format("model.layers.{}.", i);
+    put(n.input_norm, get(ours(i, "attn_norm.weight")));
+    const auto qkv = get(ours(i, "attn.qkv.weight"));
+    put(n.q, qkv.narrow(0, 0, H * hd));
+    put(n.k, qkv.narrow(0, H * hd, KV * hd));
+    put(n.v, qkv.narrow(0, (H + KV) * hd, KV * hd));
+    put(n.o, get(ours(i, "attn.out.weight")));
+    put(n.post_norm, get(ours(i, "ffn_norm.weight")));
+    if (c.is_moe_layer(i)) {
+      put(p + "block_sparse_moe.gate.weight", get(ours(i, "moe.router.gate.weight")));
+      const auto w1 = get(ours(i, "moe.experts.w1")), w2 = get(ours(i, "moe.experts.w2")),
+                 w3 = get(ours(i, "moe.experts.w3"));
+      for (int64_t e = 0; e < c.experts; ++e) {
+        const auto ep = fmt::format("{}block_sparse_moe.experts.{}.", p, e);
+        put(ep + "w1.weight", w1[e]);
+        put(ep + "w2.weight", w2[e]);
+        put(ep + "w3.weight", w3[e]);
+      }
+    } else {
+      for (const auto& [mine, theirs] : kMlp)
+        put(fmt::format("{}mlp.{}.weight", p, theirs), get(ours(i, fmt::format("mlp.{}.weight", mine))));
+    }
+  }
+  put("model.norm.weight", get("norm.weight"));
+  if (!c.tie_embeddings) put("lm_head.weight", get("head.weight"));
+  return out;
+}
+
+NamedTensors from_hf(const models::MoEConfig& c, const NamedTensors& hf, const std::string& source) {
+  std::map<std::string, at::Tensor> left(hf.begin(), hf.end());
+  const auto has = [&](const std::string& name) { return left.count(name) > 0; };
+  const auto take = [&](const std::string& name, std::vector<int64_t> shape) {
+    const auto it = left.find(name);
+    if (it == left.end()) throw std::invalid_argument(fmt::format("{}: tensor {} is missing", source, name));
+    auto t = it->second;
+    if (t.sizes() != at::IntArrayRef(shape))
+      throw std::invalid_argument(fmt::format("{}: {} has shape [{}], but config.json makes it [{}]", source,
+                                              name, fmt::join(t.sizes(), ", "), fmt::join(shape, ", ")));
+    if (!at::isFloatingType(t.scalar_type()))
+      throw std::invalid_argument(
+          fmt::format("{}: {} is {}, not floating point", source, name, c10::toString(t.scalar_type())));
+    left.erase(it);
+    return t;
+  };
+  const int64_t D = c.dim, hd = c.head_dim(), H = c.heads, KV = c.key_value_heads(), E = c.experts,
+                F = c.expert_hidden;
+  NamedTensors out;
+  out.emplace_back("embed.weight", take("model.embed_tokens.weight", {c.vocab_size, D}));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const auto n = attention_names(i);
+    const auto p = fmt::format("model.layers.{}.", i);
+    out.emplace_back(ours(i, "attn_norm.weight"), take(n.input_norm, {D}));
+    const auto q = take(n.q, {H * hd, D}), k = take(n.k, {KV * hd, D}), v = take(n.v, {KV * hd, D});
+    out.emplace_back(ours(i, "attn.qkv.weight"), at::cat({q, k, v}, 0));
+    out.emplace_back(ours(i, "attn.out.weight"), take(n.o, {D, H * hd}));
+    out.emplace_back(ours(i, "ffn_norm.weight"), take(n.post_norm, {D}));
+    if (c.is_moe_layer(i)) {
+      if (has(p + "block_sparse_moe.gate.weight")) {  // the layout save_pretrained writes
+        out.emplace_back(ours(i, "moe.router.gate.weight"), take(p + "block_sparse_moe.gate.weight", {E, D}));
+        std::vector<at::Tensor> w1, w2, w3;
+        for (int64_t e = 0; e < E; ++e) {
+          const auto ep = fmt::format("{}block_sparse_moe.experts.{}.", p, e);
+          w1.push_back(take(ep + "w1.weight", {F, D}));
+          w2.push_back(take(ep + "w2.weight", {D, F}));
+          w3.push_back(take(ep + "w3.weight", {F, D}));
+        }
+        out.emplace_back(ours(i, "moe.experts.w1"), at::stack(w1));
+        out.emplace_back(ours(i, "moe.experts.w3"), at::stack(w3));
+        out.emplace_back(ours(i, "moe.experts.w2"), at::stack(w2));
+      } else {  // transformers' in-memory layout: gate and up projections fused, experts stacked
+        out.emplace_back(ours(i, "moe.router.gate.weight"), take(p + "mlp.gate.weight", {E, D}));
+        const auto gate_up = take(p + "mlp.experts.gate_up_proj", {E, 2 * F, D});
+        out.emplace_back(ours(i, "moe.experts.w1"), gate_up.narrow(1, 0, F).contiguous());
+        out.emplace_back(ours(i, "moe.experts.w3"), gate_up.narrow(1, F, F).contiguous());
+        out.emplace_back(ours(i, "moe.experts.w2"), take(p + "mlp.experts.down_proj", {E, D, F}));
+      }
+    } else {
+      const int64_t Fd = c.ffn_hidden;
+      out.emplace_back(ours(i, "mlp.w1.weight"), take(p + "mlp.gate_proj.weight", {Fd, D}));
+      out.emplace_back(ours(i, "mlp.w3.weight"), take(p + "mlp.up_proj.weight", {Fd, D}));
+      out.emplace_back(ours(i, "mlp.w2.weight"), take(p + "mlp.down_proj.weight", {D, Fd}));
+    }
+  }
+  out.emplace_back("norm.weight", take("model.norm.weight", {D}));
+  if (!c.tie_embeddings) {
+    out.emplace_back("head.weight", take("lm_head.weight", {c.vocab_size, D}));
+  } else if (has("lm_head.weight")) {
+    // Some writers keep the tied head anyway; it must be the embedding.
+    const auto head = take("lm_head.weight", {c.vocab_size, D});
+    if (!at::equal(head, out.front().second))
+      throw std::invalid_argument(fmt::format(
+          "{}: lm_head.weight differs from model.embed_tokens.weight, but tie_word_embeddings is true",
+          source));
+  }
+  if (!left.empty()) {
+    std::vector<std::string> names;
+    for (const auto& [name, t] : left) names.push_back(name);
+    throw std::invalid_argument(fmt::format("{}: {} tensor(s) that config.json has no place for: {}", source,
+                                            names.size(), fmt::join(names, ", ")));
+  }
+  return out;
+}
+
+std::vector<std::string> export_checkpoint(const models::MoEConfig& c, const NamedTensors& state,
+                                           const Tokenizer* tokenizer, const std::string& dir,
+                                           const ExportOptions& options) {
+  std::error_code ec;
+  if (fs::exists(dir, ec) || fs::is_symlink(dir, ec))
+    throw std::invalid_argument(fmt::format("export: {} exists; name a new directory", dir));
+  const auto dtype = options.dtype.value_or(state.empty() ? at::kFloat : state.front().second.scalar_type());
+  json config = export_config(c, dtype);  // refuses before anything is written
+  const auto tensors = to_hf(c, state, dtype);
+  if (tokenizer && tokenizer->vocab_size() > c.vocab_size)
+    throw std::invalid_argument(fmt::format("export: the tokenizer has {} tokens, the model {}",
+                                            tokenizer->vocab_size(), c.vocab_size));
+
+  const fs::path final_dir(dir);
+  const fs::path tmp =
+      final_dir.parent_path() / fmt::format(".{}.tmp-{}", final_dir.filename().string(), getpid());
+  std::vector<std::string> files;
+  try {
+    fs::create_directories(tmp);
+    const auto write_json = [&](const std::string& name, const json& j) {
+      write_file_atomically((tmp / name).string(), j.dump(2) + "\n");
+      files.push_back(name);
+    };
+    // The tokenizer's end-of-text token ends a generation, as in `fsdpp generate`.
+    const json eos = tokenizer && tokenizer->eot() >= 0 ? json(tokenizer->eot()) : json();
+    config["eos_token_id"] = eos;
+    write_json("config.json", config);
+    write_json("generation_config.json",
+               {{"bos_token_id", nullptr}, {"eos_token_id", eos}, {"pad_token_id", nullptr}});
+    // Shards in order, each up to the limit (a tensor larger than it has a file to itself).
+    std::vector<std::pair<size_t, size_t>> shards;  // [first, last) tensor indexes
+    uint64_t bytes = 0, total = 0;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const uint64_t b = tensors[i].second.numel() * tensors[i].second.element_size();
+      if (shards.empty() || (bytes > 0 && bytes + b > options.max_shard_bytes)) {
+        shards.emplace_back(i, i);
+        bytes = 0;
+      }
+      shards.back().second = i + 1;
+      bytes += b;
+      total += b;
+    }
+    const std::map<std::string, std::string> meta{{"format", "pt"}};
+    if (shards.size() <= 1) {
+      write_safetensors((tmp / "model.safetensors").string(), tensors, meta);
+      files.push_back("model.safetensors");
+    } else {
+      json weight_map = json::object();
+      for (size_t s = 0; s < shards.size(); ++s) {
+        const auto name = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
+        const NamedTensors part(tensors.begin() + long(shards[s].first),
+                                tensors.begin() + long(shards[s].second));
+        for (const auto& [n, t] : part) weight_map[n] = name;
+        write_safetensors((tmp / name).string(), part, meta);
+        files.push_back(name);
+      }
+      write_json("model.safetensors.index.json",
+                 {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
+    }
+    if (tokenizer) {
+      const bool bytes = tokenizer->spec() == "bytes";
+      const json tj = bytes ? bytes_tokenizer_json() : detail::piece_tokenizer_json(tokenizer->spec());
+      write_json("tokenizer.json", tj);
+      json tc = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                 {"model_max_length", c.max_seq_len},
+                 {"clean_up_tokenization_spaces", false}};
+      if (!bytes) {
+        // The model file too, so that import finds fsdpp's tokenizer again.
+        fs::copy_file(tokenizer->spec(), tmp / "tokenizer.model");
+        files.push_back("tokenizer.model");
+        for (const auto& t : tj["added_tokens"])
+          if (t["id"] == tokenizer->eot()) tc["eos_token"] = t["content"];
+      }
+      write_json("tokenizer_config.json", tc);
+    }
+    sync_to_disk(tmp.string());
+    fs::rename(tmp, final_dir);
+    sync_to_disk(final_dir.parent_path().empty() ? "." : final_dir.parent_path().string());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  return files;
+}
+
+Imported import_checkpoint(const std::string& dir) {
+  const fs::path d(dir);
+  const auto config_path = (d / "config.json").string();
+  Imported r;
+  r.config = import_config(read_json_file(config_path), config_path);
+  NamedTensors hf;
+  const auto index_path = d / "model.safetensors.index.json";
+  std::error_code ec;
+  std::string source;
+  if (fs::exists(index_path, ec)) {
+    source = index_path.string();
+    const json index = read_json_file(source);
+    if (!index.contains("weight_map") || !index["weight_map"].is_object())
+      throw std::invalid_argument(fmt::format("{}: no weight_map object", source));
+    std::map<std::string, std::set<std::string>> by_file;
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      if (!file.is_string() || fs::path(file.get<std::string>()).has_parent_path())
+        throw std::invalid_argument(
+            fmt::format("{}: {} maps to {}, not a file name", source, name, file.dump()));
+      by_file[file.get<std::string>()].insert(name);
+    }
+    for (auto& [file, names] : by_file) {
+      const auto path = (d / file).string();
+      auto part = read_safetensors(path, /*mapped=*/true);
+      for (auto& [name, t] : part.tensors) {
+        if (!names.erase(name))
+          throw std::invalid_argument(
+              fmt::format("{}: holds {}, which {} does not map to it", path, name, source));
+        hf.emplace_back(name, std::move(t));
+      }
+      if (!names.empty())
+        throw std::invalid_argument(fmt::format("{}: {} maps {} to {}, which does not hold it", source,
+                                                source, *names.begin(), path));
+    }
+  } else if (fs::exists(d / "model.safetensors", ec)) {
+    source = (d / "model.safetensors").string();
+    hf = std::move(read_safetensors(source, /*mapped=*/true).tensors);
+  } else {
+    throw std::invalid_argument(fmt::format(
+        "{}: no model.safetensors or model.safetensors.index.json (fsdpp reads safetensors weights; "
+        "save_pretrained writes them by default)",
+        dir));
+  }
+  r.state = from_hf(r.config, hf, source);
+  const auto tok = d / "tokenizer.json";
+  if (fs::exists(tok, ec)) {
+    json t;
+    try {
+      t = read_json_file(tok.string());
+    } catch (const std::exception&) {
+    }
+    if (is_bytes_tokenizer(t)) r.tokenizer = Tokenizer::load("bytes")->identity();
+  }
+  if (r.tokenizer.is_null() && fs::exists(d / "tokenizer.model", ec)) {
+    try {  // a SentencePiece model fsdpp reads (as `fsdpp export` leaves one)
+      r.tokenizer = Tokenizer::load((d / "tokenizer.model").string())->identity();
+    } catch (const std::exception&) {
+    }
+  }
+  return r;
+}
+
+}  // namespace fsdpp::train::hf
