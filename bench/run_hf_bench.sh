@@ -42,7 +42,9 @@ checkpoint_gib=$(du -sb "$work/hf" | awk '{printf "%.2f", $1 / 2^30}')
   echo
   echo "A random MixtralForCausalLM with moe-16x2's dimensions (1024 wide, 16 layers of 16 experts"
   echo "1408 wide, top 2; every layer MoE and no shared expert, which Mixtral lacks): 1.2 B parameters,"
-  echo "a $checkpoint_gib GiB float32 checkpoint written by save_pretrained. Peak: the process's largest resident set."
+  echo "a $checkpoint_gib GiB float32 checkpoint written by save_pretrained. Peak: the process's largest resident set,"
+  echo "which counts the pages of the input mapped into memory (file pages, which the kernel can drop"
+  echo "again); each output tensor is made and written one at a time."
   echo
   echo "| command | seconds | peak GiB |"
   echo "|---|---|---|"

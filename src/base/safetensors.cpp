@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -47,24 +48,22 @@ const at::Tensor* SafetensorsFile::find(const std::string& name) const {
   return nullptr;
 }
 
-void write_safetensors(const std::string& path,
-                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+void write_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
+                       const std::function<at::Tensor(size_t)>& produce,
                        const std::map<std::string, std::string>& metadata) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<at::Tensor> data;
   uint64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    if (name == "__metadata__" || header.contains(name))
+  for (const auto& spec : specs) {
+    if (spec.name == "__metadata__" || header.contains(spec.name))
       throw std::invalid_argument(
-          fmt::format("write_safetensors {}: tensor name '{}' is reserved or repeated", path, name));
-    auto c = t.detach().to(at::kCPU).contiguous();
-    const uint64_t bytes = c.numel() * c.element_size();
-    header[name] = {{"dtype", dtype_name(c.scalar_type())},
-                    {"shape", c.sizes().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
+          fmt::format("write_safetensors {}: tensor name '{}' is reserved or repeated", path, spec.name));
+    uint64_t numel = 1;
+    for (const auto d : spec.shape) numel *= static_cast<uint64_t>(d);
+    const uint64_t bytes = numel * at::elementSize(spec.dtype);
+    header[spec.name] = {
+        {"dtype", dtype_name(spec.dtype)}, {"shape", spec.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
-    data.push_back(std::move(c));
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
@@ -75,8 +74,25 @@ void write_safetensors(const std::string& path,
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
   f.write(len, 8);
   f.write(h);
-  for (const auto& c : data) f.write(c.data_ptr(), static_cast<size_t>(c.numel() * c.element_size()));
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto c = produce(i).detach().to(at::kCPU).contiguous();
+    if (c.scalar_type() != specs[i].dtype || c.sizes() != at::IntArrayRef(specs[i].shape))
+      throw std::logic_error(
+          fmt::format("write_safetensors {}: '{}' was announced as {} [{}], produced as {} [{}]", path,
+                      specs[i].name, c10::toString(specs[i].dtype), fmt::join(specs[i].shape, ", "),
+                      c10::toString(c.scalar_type()), fmt::join(c.sizes(), ", ")));
+    f.write(c.data_ptr(), static_cast<size_t>(c.numel() * c.element_size()));
+  }
   f.commit();
+}
+
+void write_safetensors(const std::string& path,
+                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, t] : tensors) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+  write_safetensors(
+      path, specs, [&](size_t i) { return tensors[i].second; }, metadata);
 }
 
 SafetensorsFile read_safetensors(const std::string& path, bool mapped) {

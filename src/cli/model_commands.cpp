@@ -121,13 +121,17 @@ int run_model_commands(const ModelCommands& c) {
     std::error_code ec;
     if (fs::exists(c.import_out, ec))
       throw std::invalid_argument(fmt::format("import: {} exists; name a new file", c.import_out));
-    auto imported = train::hf::import_checkpoint(c.import_in);
+    // Checked whole first, then written one tensor at a time (the checkpoint is mapped, not read).
+    auto imported = train::hf::import_checkpoint_lazy(c.import_in);
     std::map<std::string, std::string> meta{{"format", "pt"},
                                             {"fsdpp.model_config", train::to_json(imported.config).dump()}};
     if (!imported.tokenizer.is_null()) meta["fsdpp.tokenizer"] = imported.tokenizer.dump();
-    write_safetensors(c.import_out, imported.state, meta);
+    std::vector<TensorSpec> specs;
+    for (const auto& t : imported.tensors) specs.push_back({t.name, t.dtype, t.shape});
+    write_safetensors(
+        c.import_out, specs, [&](size_t i) { return imported.tensors[i].make(); }, meta);
     std::cout << fmt::format("wrote {} from {}: {} tensors, {} parameters; model config {}\n", c.import_out,
-                             c.import_in, imported.state.size(), imported.config.parameter_count(),
+                             c.import_in, imported.tensors.size(), imported.config.parameter_count(),
                              train::to_json(imported.config).dump());
     return 0;
   }

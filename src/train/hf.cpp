@@ -317,7 +317,11 @@ std::map<std::string, std::vector<int64_t>> parameter_shapes(const models::MoECo
 
 }  // namespace
 
-NamedTensors to_hf(const models::MoEConfig& c, const NamedTensors& state, at::ScalarType dtype) {
+namespace {
+
+// to_hf's tensors before conversion: views of `state`'s (rows of the fused projection, one expert
+// of the stacked ones), checked against the config.
+NamedTensors to_hf_views(const models::MoEConfig& c, const NamedTensors& state) {
   std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
   auto shapes = parameter_shapes(c);
   for (const auto& [name, t] : by_name) {
@@ -341,7 +345,7 @@ NamedTensors to_hf(const models::MoEConfig& c, const NamedTensors& state, at::Sc
   };
   NamedTensors out;
   const auto put = [&](std::string name, const at::Tensor& t) {
-    out.emplace_back(std::move(name), t.detach().to(at::kCPU, dtype).contiguous());
+    out.emplace_back(std::move(name), t.detach());
   };
   put("model.embed_tokens.weight", get("embed.weight"));
   const int64_t hd = c.head_dim(), H = c.heads, KV = c.key_value_heads();
@@ -375,7 +379,16 @@ NamedTensors to_hf(const models::MoEConfig& c, const NamedTensors& state, at::Sc
   return out;
 }
 
-NamedTensors from_hf(const models::MoEConfig& c, const NamedTensors& hf, const std::string& source) {
+}  // namespace
+
+NamedTensors to_hf(const models::MoEConfig& c, const NamedTensors& state, at::ScalarType dtype) {
+  auto out = to_hf_views(c, state);
+  for (auto& [name, t] : out) t = t.to(at::kCPU, dtype).contiguous();
+  return out;
+}
+
+std::vector<LazyTensor> from_hf_lazy(const models::MoEConfig& c, const NamedTensors& hf,
+                                     const std::string& source) {
   std::map<std::string, at::Tensor> left(hf.begin(), hf.end());
   const auto has = [&](const std::string& name) { return left.count(name) > 0; };
   const auto take = [&](const std::string& name, std::vector<int64_t> shape) {
@@ -393,19 +406,31 @@ NamedTensors from_hf(const models::MoEConfig& c, const NamedTensors& hf, const s
   };
   const int64_t D = c.dim, hd = c.head_dim(), H = c.heads, KV = c.key_value_heads(), E = c.experts,
                 F = c.expert_hidden;
-  NamedTensors out;
-  out.emplace_back("embed.weight", take("model.embed_tokens.weight", {c.vocab_size, D}));
+  std::vector<LazyTensor> out;
+  // A tensor of the checkpoint's as it is, and one made from several when asked for.
+  const auto as_is = [&](std::string name, const at::Tensor& t) {
+    out.push_back({std::move(name), t.scalar_type(), t.sizes().vec(), [t] { return t; }});
+  };
+  const auto joined = [&](std::string name, const std::vector<at::Tensor>& parts, std::vector<int64_t> shape,
+                          std::function<at::Tensor(const std::vector<at::Tensor>&)> join) {
+    auto dtype = parts.front().scalar_type();
+    for (const auto& t : parts) dtype = at::promote_types(dtype, t.scalar_type());
+    out.push_back({std::move(name), dtype, std::move(shape), [parts, join] { return join(parts); }});
+  };
+  const auto stack = [](const std::vector<at::Tensor>& parts) { return at::stack(parts); };
+  as_is("embed.weight", take("model.embed_tokens.weight", {c.vocab_size, D}));
   for (int64_t i = 0; i < c.layers; ++i) {
     const auto n = attention_names(i);
     const auto p = fmt::format("model.layers.{}.", i);
-    out.emplace_back(ours(i, "attn_norm.weight"), take(n.input_norm, {D}));
+    as_is(ours(i, "attn_norm.weight"), take(n.input_norm, {D}));
     const auto q = take(n.q, {H * hd, D}), k = take(n.k, {KV * hd, D}), v = take(n.v, {KV * hd, D});
-    out.emplace_back(ours(i, "attn.qkv.weight"), at::cat({q, k, v}, 0));
-    out.emplace_back(ours(i, "attn.out.weight"), take(n.o, {D, H * hd}));
-    out.emplace_back(ours(i, "ffn_norm.weight"), take(n.post_norm, {D}));
+    joined(ours(i, "attn.qkv.weight"), {q, k, v}, {(H + 2 * KV) * hd, D},
+           [](const std::vector<at::Tensor>& parts) { return at::cat(parts, 0); });
+    as_is(ours(i, "attn.out.weight"), take(n.o, {D, H * hd}));
+    as_is(ours(i, "ffn_norm.weight"), take(n.post_norm, {D}));
     if (c.is_moe_layer(i)) {
       if (has(p + "block_sparse_moe.gate.weight")) {  // the layout save_pretrained writes
-        out.emplace_back(ours(i, "moe.router.gate.weight"), take(p + "block_sparse_moe.gate.weight", {E, D}));
+        as_is(ours(i, "moe.router.gate.weight"), take(p + "block_sparse_moe.gate.weight", {E, D}));
         std::vector<at::Tensor> w1, w2, w3;
         for (int64_t e = 0; e < E; ++e) {
           const auto ep = fmt::format("{}block_sparse_moe.experts.{}.", p, e);
@@ -413,30 +438,32 @@ NamedTensors from_hf(const models::MoEConfig& c, const NamedTensors& hf, const s
           w2.push_back(take(ep + "w2.weight", {D, F}));
           w3.push_back(take(ep + "w3.weight", {F, D}));
         }
-        out.emplace_back(ours(i, "moe.experts.w1"), at::stack(w1));
-        out.emplace_back(ours(i, "moe.experts.w3"), at::stack(w3));
-        out.emplace_back(ours(i, "moe.experts.w2"), at::stack(w2));
+        joined(ours(i, "moe.experts.w1"), w1, {E, F, D}, stack);
+        joined(ours(i, "moe.experts.w3"), w3, {E, F, D}, stack);
+        joined(ours(i, "moe.experts.w2"), w2, {E, D, F}, stack);
       } else {  // transformers' in-memory layout: gate and up projections fused, experts stacked
-        out.emplace_back(ours(i, "moe.router.gate.weight"), take(p + "mlp.gate.weight", {E, D}));
+        as_is(ours(i, "moe.router.gate.weight"), take(p + "mlp.gate.weight", {E, D}));
         const auto gate_up = take(p + "mlp.experts.gate_up_proj", {E, 2 * F, D});
-        out.emplace_back(ours(i, "moe.experts.w1"), gate_up.narrow(1, 0, F).contiguous());
-        out.emplace_back(ours(i, "moe.experts.w3"), gate_up.narrow(1, F, F).contiguous());
-        out.emplace_back(ours(i, "moe.experts.w2"), take(p + "mlp.experts.down_proj", {E, D, F}));
+        joined(ours(i, "moe.experts.w1"), {gate_up}, {E, F, D},
+               [F](const std::vector<at::Tensor>& g) { return g[0].narrow(1, 0, F).contiguous(); });
+        joined(ours(i, "moe.experts.w3"), {gate_up}, {E, F, D},
+               [F](const std::vector<at::Tensor>& g) { return g[0].narrow(1, F, F).contiguous(); });
+        as_is(ours(i, "moe.experts.w2"), take(p + "mlp.experts.down_proj", {E, D, F}));
       }
     } else {
       const int64_t Fd = c.ffn_hidden;
-      out.emplace_back(ours(i, "mlp.w1.weight"), take(p + "mlp.gate_proj.weight", {Fd, D}));
-      out.emplace_back(ours(i, "mlp.w3.weight"), take(p + "mlp.up_proj.weight", {Fd, D}));
-      out.emplace_back(ours(i, "mlp.w2.weight"), take(p + "mlp.down_proj.weight", {D, Fd}));
+      as_is(ours(i, "mlp.w1.weight"), take(p + "mlp.gate_proj.weight", {Fd, D}));
+      as_is(ours(i, "mlp.w3.weight"), take(p + "mlp.up_proj.weight", {Fd, D}));
+      as_is(ours(i, "mlp.w2.weight"), take(p + "mlp.down_proj.weight", {D, Fd}));
     }
   }
-  out.emplace_back("norm.weight", take("model.norm.weight", {D}));
+  as_is("norm.weight", take("model.norm.weight", {D}));
   if (!c.tie_embeddings) {
-    out.emplace_back("head.weight", take("lm_head.weight", {c.vocab_size, D}));
+    as_is("head.weight", take("lm_head.weight", {c.vocab_size, D}));
   } else if (has("lm_head.weight")) {
     // Some writers keep the tied head anyway; it must be the embedding.
     const auto head = take("lm_head.weight", {c.vocab_size, D});
-    if (!at::equal(head, out.front().second))
+    if (!at::equal(head, out.front().make()))
       throw std::invalid_argument(fmt::format(
           "{}: lm_head.weight differs from model.embed_tokens.weight, but tie_word_embeddings is true",
           source));
@@ -450,6 +477,12 @@ NamedTensors from_hf(const models::MoEConfig& c, const NamedTensors& hf, const s
   return out;
 }
 
+NamedTensors from_hf(const models::MoEConfig& c, const NamedTensors& hf, const std::string& source) {
+  NamedTensors out;
+  for (const auto& t : from_hf_lazy(c, hf, source)) out.emplace_back(t.name, t.make());
+  return out;
+}
+
 std::vector<std::string> export_checkpoint(const models::MoEConfig& c, const NamedTensors& state,
                                            const Tokenizer* tokenizer, const std::string& dir,
                                            const ExportOptions& options) {
@@ -458,7 +491,16 @@ std::vector<std::string> export_checkpoint(const models::MoEConfig& c, const Nam
     throw std::invalid_argument(fmt::format("export: {} exists; name a new directory", dir));
   const auto dtype = options.dtype.value_or(state.empty() ? at::kFloat : state.front().second.scalar_type());
   json config = export_config(c, dtype);  // refuses before anything is written
-  const auto tensors = to_hf(c, state, dtype);
+  // Converted one tensor at a time as it is written, so that only one converted copy is held.
+  const auto tensors = to_hf_views(c, state);
+  const auto write = [&](const fs::path& file, size_t first, size_t last) {
+    std::vector<TensorSpec> specs;
+    for (size_t i = first; i < last; ++i)
+      specs.push_back({tensors[i].first, dtype, tensors[i].second.sizes().vec()});
+    write_safetensors(file.string(), specs,
+                      [&](size_t i) { return tensors[first + i].second.to(at::kCPU, dtype).contiguous(); },
+                      {{"format", "pt"}});
+  };
   if (tokenizer && tokenizer->vocab_size() > c.vocab_size)
     throw std::invalid_argument(fmt::format("export: the tokenizer has {} tokens, the model {}",
                                             tokenizer->vocab_size(), c.vocab_size));
@@ -483,7 +525,7 @@ std::vector<std::string> export_checkpoint(const models::MoEConfig& c, const Nam
     std::vector<std::pair<size_t, size_t>> shards;  // [first, last) tensor indexes
     uint64_t bytes = 0, total = 0;
     for (size_t i = 0; i < tensors.size(); ++i) {
-      const uint64_t b = tensors[i].second.numel() * tensors[i].second.element_size();
+      const uint64_t b = tensors[i].second.numel() * at::elementSize(dtype);
       if (shards.empty() || (bytes > 0 && bytes + b > options.max_shard_bytes)) {
         shards.emplace_back(i, i);
         bytes = 0;
@@ -492,18 +534,15 @@ std::vector<std::string> export_checkpoint(const models::MoEConfig& c, const Nam
       bytes += b;
       total += b;
     }
-    const std::map<std::string, std::string> meta{{"format", "pt"}};
     if (shards.size() <= 1) {
-      write_safetensors((tmp / "model.safetensors").string(), tensors, meta);
+      write(tmp / "model.safetensors", 0, tensors.size());
       files.push_back("model.safetensors");
     } else {
       json weight_map = json::object();
       for (size_t s = 0; s < shards.size(); ++s) {
         const auto name = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
-        const NamedTensors part(tensors.begin() + long(shards[s].first),
-                                tensors.begin() + long(shards[s].second));
-        for (const auto& [n, t] : part) weight_map[n] = name;
-        write_safetensors((tmp / name).string(), part, meta);
+        for (size_t i = shards[s].first; i < shards[s].second; ++i) weight_map[tensors[i].first] = name;
+        write(tmp / name, shards[s].first, shards[s].second);
         files.push_back(name);
       }
       write_json("model.safetensors.index.json",
@@ -536,9 +575,16 @@ std::vector<std::string> export_checkpoint(const models::MoEConfig& c, const Nam
 }
 
 Imported import_checkpoint(const std::string& dir) {
+  auto lazy = import_checkpoint_lazy(dir);
+  Imported r{lazy.config, {}, lazy.tokenizer};
+  for (const auto& t : lazy.tensors) r.state.emplace_back(t.name, t.make());
+  return r;
+}
+
+LazyImport import_checkpoint_lazy(const std::string& dir) {
   const fs::path d(dir);
   const auto config_path = (d / "config.json").string();
-  Imported r;
+  LazyImport r;
   r.config = import_config(read_json_file(config_path), config_path);
   NamedTensors hf;
   const auto index_path = d / "model.safetensors.index.json";
@@ -578,7 +624,7 @@ Imported import_checkpoint(const std::string& dir) {
         "save_pretrained writes them by default)",
         dir));
   }
-  r.state = from_hf(r.config, hf, source);
+  r.tensors = from_hf_lazy(r.config, hf, source);
   const auto tok = d / "tokenizer.json";
   if (fs::exists(tok, ec)) {
     json t;

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -25,6 +26,18 @@ struct SafetensorsFile {
 // unique and must not be "__metadata__".
 void write_safetensors(const std::string& path,
                        const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
+// The same, one tensor at a time: the header from `specs`, then produce(i) for each in order, each
+// written before the next is asked for, so that only one is held at once. produce(i) must give
+// specs[i]'s dtype and shape (std::logic_error otherwise, and nothing is left under `path`).
+struct TensorSpec {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+};
+void write_safetensors(const std::string& path, const std::vector<TensorSpec>& specs,
+                       const std::function<at::Tensor(size_t)>& produce,
                        const std::map<std::string, std::string>& metadata = {});
 
 // Reads a whole file. Every inconsistency (truncated file, header past the end, bad JSON, unknown

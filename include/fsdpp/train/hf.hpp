@@ -15,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -51,6 +52,17 @@ NamedTensors to_hf(const models::MoEConfig& c, const NamedTensors& state, at::Sc
 // another shape.
 NamedTensors from_hf(const models::MoEConfig& c, const NamedTensors& hf, const std::string& source);
 
+// The same, checked at once but made one at a time: a tensor fsdpp keeps as several in the
+// checkpoint (the attention's projection, stacked experts) is joined only when make() is called.
+struct LazyTensor {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  std::function<at::Tensor()> make;
+};
+std::vector<LazyTensor> from_hf_lazy(const models::MoEConfig& c, const NamedTensors& hf,
+                                     const std::string& source);
+
 struct ExportOptions {
   std::optional<at::ScalarType> dtype;        // unset: the parameters' own
   uint64_t max_shard_bytes = 50'000'000'000;  // transformers' default: one file up to 50 GB
@@ -74,8 +86,18 @@ struct Imported {
 };
 
 // Reads a transformers checkpoint directory (config.json, model.safetensors or an index and its
-// shards). Throws std::invalid_argument / std::runtime_error naming the file and what is wrong.
+// shards, mapped into memory). Throws std::invalid_argument / std::runtime_error naming the file
+// and what is wrong.
 Imported import_checkpoint(const std::string& dir);
+
+// The same with the tensors made one at a time (from_hf_lazy): `fsdpp import` writes each before
+// the next is made.
+struct LazyImport {
+  models::MoEConfig config;
+  std::vector<LazyTensor> tensors;
+  nlohmann::json tokenizer;
+};
+LazyImport import_checkpoint_lazy(const std::string& dir);
 
 }  // namespace hf
 }  // namespace fsdpp::train
