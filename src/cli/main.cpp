@@ -190,8 +190,8 @@ int main(int argc, char** argv) {
   cmd_show->add_flag("--fsdp", show.fsdp,
                      "stages are sharded: add UNSHARD, RESHARD, REDUCE_GRAD and WAIT_REDUCE_GRAD");
   cmd_show->add_option("--defer-reduce-grad-wait", show.defer_reduce_grad_wait,
-                       "with --fsdp: wait for a stage's REDUCE_GRAD before the rank's next one (true, "
-                       "the default) or right after it (false, PyTorch 2.15's default)");
+                       "with --fsdp: wait for a stage's REDUCE_GRAD right after it (false, the default, "
+                       "as PyTorch 2.15) or before the rank's next one (true)");
   cmd_show
       ->add_option("--max-active-stages", show.max_active_stages,
                    "with --fsdp: stages of a rank kept gathered at once, the current one first (default 3)")

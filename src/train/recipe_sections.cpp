@@ -451,7 +451,7 @@ void check_layout(Reader& top, Recipe& rc, const std::string& base_dir, std::opt
     top.fail("parallel.keep_stages_unsharded", "only used with pp > 1");
   if (par.pp == 1 && par.max_active_stages != ParallelOptions{}.max_active_stages)
     top.fail("parallel.max_active_stages", "only used with pp > 1");
-  if (par.pp == 1 && !par.defer_reduce_grad_wait)
+  if (par.pp == 1 && par.defer_reduce_grad_wait)
     top.fail("parallel.defer_reduce_grad_wait", "only used with pp > 1");
   if (par.pp == 1 && par.unshard_lookahead.policy != pipeline::UnshardLookahead::Policy::kFull)
     top.fail("parallel.unshard_lookahead", "only used with pp > 1");

@@ -378,8 +378,8 @@ TEST_CASE(
   // dp=2 x pp=2, Interleaved1F1B, 2 stages per rank, 4 microbatches: pipeline rank 0 holds stages
   // 0 and 2. Stage 2's backwards finish first; its reduce-scatter must go out before stage 0's
   // last weight gradient is computed, not at the end of the step. With every reduce-scatter slowed
-  // by 100 ms: deferred waits (the default) let stage 0 compute while stage 2's is in flight;
-  // waits right after (PyTorch 2.15's default) never do.
+  // by 100 ms: deferred waits let stage 0 compute while stage 2's is in flight; waits right after
+  // (the default, PyTorch 2.15's) never do.
   const int pp = 2, dp = 2, v = 2, m = 4, rows = 4, stages = pp * v;
   for (const bool defer : {true, false}) {
     const auto plan = make_plan(*make_schedule("Interleaved1F1B"), {pp, v, m},

@@ -413,7 +413,7 @@ inline void hoist_recv(Program& program, int rank, const Action& recv, size_t to
 // with `defer_wait`, before the rank's next REDUCE_GRAD or at the end, so that the reduction
 // overlaps the computations in between (at most one pending per rank).
 // The input gradient's send, when it directly follows, goes first: it is on the critical path.
-inline Program add_reduce_grad(const Program& program, int microbatches, bool defer_wait = true) {
+inline Program add_reduce_grad(const Program& program, int microbatches, bool defer_wait = false) {
   Program out(program.size());
   for (size_t r = 0; r < program.size(); ++r) {
     std::map<int, int> count;

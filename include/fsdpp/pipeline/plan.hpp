@@ -33,11 +33,10 @@ struct PlanOptions {
   int max_active_stages = 3;
   // With fsdp_stages: how far ahead of use each rank gathers (UnshardLookahead).
   UnshardLookahead unshard_lookahead;
-  // With fsdp_stages: each REDUCE_GRAD's WAIT_REDUCE_GRAD goes before the rank's next REDUCE_GRAD
-  // (or at the end), so that the reduction overlaps the computations in between; false puts it
-  // right after, as PyTorch 2.15 does by default (its `defer_reduce_grad_wait`, default false):
-  // docs/pipelines.md says why fsdpp defers.
-  bool defer_reduce_grad_wait = true;
+  // With fsdp_stages: where each REDUCE_GRAD's WAIT_REDUCE_GRAD goes: right after it (false, as
+  // PyTorch 2.15's `defer_reduce_grad_wait` defaults), or before the rank's next REDUCE_GRAD (or at
+  // the end), so that the reduction overlaps the computations in between (true).
+  bool defer_reduce_grad_wait = false;
 };
 
 // Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.

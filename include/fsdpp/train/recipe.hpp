@@ -107,10 +107,10 @@ struct ParallelOptions {
   // gathers them (pipeline::PlanOptions; PyTorch 2.15's max_active_stages and unshard_lookahead).
   int max_active_stages = 3;
   pipeline::UnshardLookahead unshard_lookahead;
-  // pp > 1: each stage's reduce-scatters are waited before the rank's next stage reduces (or at
-  // the end of the step), overlapping the computations in between; false waits right away, as
-  // PyTorch 2.15 does by default (pipeline::PlanOptions::defer_reduce_grad_wait).
-  bool defer_reduce_grad_wait = true;
+  // pp > 1: false waits for each stage's reduce-scatters right after issuing them, as PyTorch 2.15
+  // does by default; true waits before the rank's next stage reduces (or at the end of the step),
+  // overlapping the computations in between (pipeline::PlanOptions::defer_reduce_grad_wait).
+  bool defer_reduce_grad_wait = false;
   // pp = 1: true frees each block's gathered parameters after its forward and gathers them again
   // for backward (least memory; 2 all-gathers per block and microbatch). false gathers each block
   // once per step and keeps it until the step's last backward (the whole model's parameters held,
