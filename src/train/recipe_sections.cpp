@@ -281,6 +281,13 @@ void read_precision(Reader& top, Recipe& rc, [[maybe_unused]] const std::string&
         if (!o.find("param_dtype") && !o.find("grad_dtype")) o.fail("", "needs param_dtype or grad_dtype");
         if (!pd.empty()) d.param_dtype = dtype_named(pd);
         if (!gd.empty()) d.grad_dtype = dtype_named(gd);
+        // PyTorch 2.15's rule (mixed_precision.hpp): with reduce_dtype set, as a recipe always has
+        // it, every unsharded gradient accumulates in reduce_dtype, so another grad_dtype is dead.
+        if (d.grad_dtype && *d.grad_dtype != rc.precision.reduce_dtype)
+          o.fail("grad_dtype",
+                 fmt::format("{} changes nothing: gradients accumulate in precision.reduce_dtype ({}) "
+                             "when it is set, as in PyTorch 2.15",
+                             gd, reduce_dtype));
         rc.precision.overrides.push_back(d);
       }
     }

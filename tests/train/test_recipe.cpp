@@ -288,14 +288,20 @@ TEST_CASE("recipe: precision overrides") {
   j["precision"]["overrides"] = json::parse(
       R"([{"match": "*.router.gate.weight", "param_dtype": "float32", "grad_dtype": "float32"}])");
   j["precision"]["param_dtype"] = "bfloat16";
+  // A grad_dtype other than reduce_dtype would change nothing (PyTorch 2.15: gradients accumulate in
+  // reduce_dtype when it is set): refused.
   j["precision"]["reduce_dtype"] = "float16";
+  expect(problems(j),
+         "precision.overrides[0].grad_dtype: float32 changes nothing: gradients accumulate in "
+         "precision.reduce_dtype (float16)");
+  j["precision"]["reduce_dtype"] = "float32";
   const auto r = train::parse_recipe(j, "t.json", ".");
   REQUIRE(r.precision.overrides.size() == 1);
   CHECK((*r.precision.overrides[0].grad_dtype == at::kFloat));
-  // The policy fully_shard gets, ready: bfloat16 except the router gates, reduced in float16.
+  // The policy fully_shard gets, ready: bfloat16 except the router gates, reduced in float32.
   const auto& policy = r.precision.policy;
   CHECK((policy.param_dtype == at::kBFloat16));
-  CHECK((policy.reduce_dtype == at::kHalf));
+  CHECK((policy.reduce_dtype == at::kFloat));
   REQUIRE(policy.param_dtype_override);
   REQUIRE(policy.grad_dtype);
   const at::Tensor any;
