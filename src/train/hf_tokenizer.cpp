@@ -1,6 +1,6 @@
-// A SentencePiece .model as the tokenizer.json that Hugging Face tokenizers (and so transformers'
-// AutoTokenizer) reads: the model file's pieces read straight from its protobuf, so that no
-// SentencePiece library is needed to export.
+// fsdpp's tokenizers as the tokenizer.json that Hugging Face tokenizers (and so transformers'
+// AutoTokenizer) reads: the bytes tokenizer as a byte-level BPE, and a SentencePiece .model with
+// its pieces read straight from its protobuf, so that no SentencePiece library is needed to export.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -140,7 +140,78 @@ json replace(const std::string& from, const std::string& to) {
 
 constexpr const char* kSpaceMark = "\xE2\x96\x81";  // U+2581
 
+// GPT-2's byte-level alphabet, which tokenizers' ByteLevel pre-tokenizer uses: the printable bytes
+// stand for themselves, the others for U+0100 onwards, in byte order.
+std::string byte_symbol(int b) {
+  const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+  int code = b;
+  if (!printable) {
+    int n = 0;
+    for (int x = 0; x < b; ++x)
+      if (!((x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF))) ++n;
+    code = 256 + n;
+  }
+  std::string s;  // UTF-8 of `code` (< 0x800)
+  if (code < 0x80) {
+    s.push_back(static_cast<char>(code));
+  } else {
+    s.push_back(static_cast<char>(0xC0 | (code >> 6)));
+    s.push_back(static_cast<char>(0x80 | (code & 0x3F)));
+  }
+  return s;
+}
+
+json byte_level(bool with_regex) {
+  json j = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}};
+  j["use_regex"] = with_regex;
+  return j;
+}
+
 }  // namespace
+
+// tokenizers' description of the bytes tokenizer: a byte-level BPE with the 256 bytes and no merges.
+json bytes_tokenizer_json() {
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[byte_symbol(b)] = b;
+  return {{"version", "1.0"},
+          {"truncation", nullptr},
+          {"padding", nullptr},
+          {"added_tokens", json::array()},
+          {"normalizer", nullptr},
+          {"pre_tokenizer", byte_level(false)},
+          {"post_processor", nullptr},
+          {"decoder", byte_level(false)},
+          {"model",
+           {{"type", "BPE"},
+            {"dropout", nullptr},
+            {"unk_token", nullptr},
+            {"continuing_subword_prefix", nullptr},
+            {"end_of_word_suffix", nullptr},
+            {"fuse_unk", false},
+            {"byte_fallback", false},
+            {"ignore_merges", false},
+            {"vocab", vocab},
+            {"merges", json::array()}}}};
+}
+
+bool is_bytes_tokenizer(const json& t) {
+  if (!t.is_object() || !t.contains("model") || !t["model"].is_object()) return false;
+  const auto& m = t["model"];
+  if (m.value("type", "") != "BPE" || !m.contains("vocab") || !m["vocab"].is_object() ||
+      m["vocab"].size() != 256)
+    return false;
+  if (m.contains("merges") && !m["merges"].empty()) return false;
+  if (t.contains("added_tokens") && !t["added_tokens"].empty()) return false;
+  if (t.contains("normalizer") && !t["normalizer"].is_null()) return false;
+  const auto pre = t.value("pre_tokenizer", json());
+  if (!pre.is_object() || pre.value("type", "") != "ByteLevel" || pre.value("add_prefix_space", true))
+    return false;
+  for (int b = 0; b < 256; ++b) {
+    const auto it = m["vocab"].find(byte_symbol(b));
+    if (it == m["vocab"].end() || *it != b) return false;
+  }
+  return true;
+}
 
 json piece_tokenizer_json(const std::string& model_path) {
   const Model m = read_model(model_path);

@@ -76,6 +76,19 @@ double rel(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).norm().item<double>() / (b.norm().item<double>() + 1e-30);
 }
 
+// The tests' loss.
+at::Tensor mse(const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); }
+
+// The stages of `model` that `plan` puts on `rank`, unsharded.
+std::vector<PipelineStage> plain_stages(const Plan& plan, Model& model, int rank) {
+  std::vector<PipelineStage> mine;
+  for (int s = 0; s < plan.spec.num_stages(); ++s)
+    if (plan.owner[size_t(s)] == rank)
+      mine.push_back(
+          {s, [&model, s](const at::Tensor& x) { return model.stage(s, x); }, model.layers[s]->parameters()});
+  return mine;
+}
+
 }  // namespace
 
 namespace {
@@ -115,9 +128,7 @@ void check_pipelined(const Plan& plan, const std::vector<std::vector<at::Tensor>
                         model.layers[s]->parameters()});
         for (auto& p : model.layers[s]->parameters()) mine_params.push_back(p);
       }
-    PipelineExecutor exec(plan, comm, mine,
-                          [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                          {{kMicro, kDim}});
+    PipelineExecutor exec(plan, comm, mine, mse, {{kMicro, kDim}});
     torch::optim::AdamW opt(mine_params, torch::optim::AdamWOptions(1e-2));
     const auto b = make_batch(m);
     for (int step = 0; step < 5; ++step) {
@@ -217,10 +228,7 @@ TEST_CASE(
             if (plan.owner[st] == comm.rank())
               mine.push_back({st, [&model, st](const at::Tensor& x) { return model.stage(st, x); },
                               model.layers[st]->parameters()});
-          PipelineExecutor exec(
-              plan, comm, mine,
-              [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-              {.activation_shape = {kMicro, kDim}});
+          PipelineExecutor exec(plan, comm, mine, mse, {.activation_shape = {kMicro, kDim}});
           const bool last = plan.owner[stages - 1] == comm.rank();
           INFO(name << " pp=" << pp << " v=" << v << " rank " << comm.rank());
           for (int count : {1, m}) {
@@ -298,9 +306,7 @@ TEST_CASE(
                                        return y;
                                      },
                                      model.layers[s]->parameters()}};
-    PipelineExecutor exec(plan, comm, mine,
-                          [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                          {{kMicro, kDim}});
+    PipelineExecutor exec(plan, comm, mine, mse, {{kMicro, kDim}});
     const auto b = make_batch(spec.microbatches);
     exec.step(b.x, b.y);
     REQUIRE(outputs.size() == 4);
@@ -331,14 +337,8 @@ TEST_CASE(
   REQUIRE(want.size() == 8);
   test::run_ranks(spec.pp, [&](comm::Comm& comm) {
     Model model(spec.num_stages());
-    std::vector<PipelineStage> mine;
-    for (int s = 0; s < spec.num_stages(); ++s)
-      if (plan.owner[size_t(s)] == comm.rank())
-        mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
-                        model.layers[s]->parameters()});
-    PipelineExecutor exec(plan, comm, mine,
-                          [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                          {{kMicro, kDim}});
+    auto mine = plain_stages(plan, model, comm.rank());
+    PipelineExecutor exec(plan, comm, mine, mse, {{kMicro, kDim}});
     const auto b = make_batch(spec.microbatches);
     exec.step(b.x, b.y);
     comm.barrier().wait();
@@ -416,9 +416,7 @@ TEST_CASE(
                         },
                         model.layers[s]->parameters(), fsdp_sharding(*unit)});
       }
-      PipelineExecutor exec(plan, mesh.comm("pp"), mine,
-                            [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                            {{rows / dp, kDim}});
+      PipelineExecutor exec(plan, mesh.comm("pp"), mine, mse, {{rows / dp, kDim}});
       const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);
       exec.step(lx, ly);
       if (mesh.coord("pp") != 0) return;
@@ -459,14 +457,8 @@ TEST_CASE("custom functions wrap or replace an action type; messages cannot be r
   for (bool skip_w : {false, true})
     test::run_ranks(spec.pp, [&](comm::Comm& comm) {
       Model model(spec.num_stages());
-      std::vector<PipelineStage> mine;
-      for (int s = 0; s < spec.num_stages(); ++s)
-        if (plan.owner[s] == comm.rank())
-          mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
-                          model.layers[s]->parameters()});
-      PipelineExecutor exec(plan, comm, mine,
-                            [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                            {{kMicro, kDim}});
+      auto mine = plain_stages(plan, model, comm.rank());
+      PipelineExecutor exec(plan, comm, mine, mse, {{kMicro, kDim}});
       std::vector<std::string> seen;
       exec.register_custom_function(ActionType::kForward, [&](ActionContext& ctx) {
         seen.push_back(to_string(ctx.action));
@@ -518,14 +510,8 @@ TEST_CASE(
   for (const Plan* p : std::vector<const Plan*>{&plan, &unordered})
     test::run_ranks(spec.pp, [&](comm::Comm& comm) {
       Model model(spec.num_stages());
-      std::vector<PipelineStage> mine;
-      for (int s = 0; s < spec.num_stages(); ++s)
-        if (p->owner[s] == comm.rank())
-          mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
-                          model.layers[s]->parameters()});
-      PipelineExecutor exec(*p, comm, mine,
-                            [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                            {{kMicro, kDim}});
+      auto mine = plain_stages(*p, model, comm.rank());
+      PipelineExecutor exec(*p, comm, mine, mse, {{kMicro, kDim}});
       const auto b = make_batch(spec.microbatches);
       exec.step(b.x, b.y);
       double worst = 0;
@@ -555,14 +541,8 @@ TEST_CASE("a send budget is never exceeded and changes no result") {
       const auto want = reference_grads(spec.num_stages(), 8);
       test::run_ranks(4, [&](comm::Comm& comm) {
         Model model(spec.num_stages());
-        std::vector<PipelineStage> mine;
-        for (int s = 0; s < spec.num_stages(); ++s)
-          if (plan.owner[s] == comm.rank())
-            mine.push_back({s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
-                            model.layers[s]->parameters()});
-        PipelineExecutor exec(plan, comm, mine,
-                              [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                              {{kMicro, kDim}});
+        auto mine = plain_stages(plan, model, comm.rank());
+        PipelineExecutor exec(plan, comm, mine, mse, {{kMicro, kDim}});
         const auto b = make_batch(8);
         exec.step(b.x, b.y);
         INFO(name << " budget " << budget << " rank " << comm.rank());
@@ -586,8 +566,7 @@ TEST_CASE("5 AdamW steps of 1F1B at pp 4 match unpipelined training; two runs ar
       PipelineExecutor exec(plan, comm,
                             {{s, [&model, s](const at::Tensor& x) { return model.stage(s, x); },
                               model.layers[s]->parameters()}},
-                            [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                            {{kMicro, kDim}});
+                            mse, {{kMicro, kDim}});
       torch::optim::AdamW opt(model.layers[s]->parameters(), torch::optim::AdamWOptions(1e-2));
       const auto b = make_batch(m);
       for (int step = 0; step < 5; ++step) {
@@ -696,9 +675,7 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
                           model.layers[s]->parameters(), fsdp_sharding(*unit)});
           for (auto& p : unit->sharded_parameters()) sharded.push_back(p);
         }
-      PipelineExecutor exec(plan, mesh.comm("pp"), mine,
-                            [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); },
-                            {{rows / dp, kDim}});
+      PipelineExecutor exec(plan, mesh.comm("pp"), mine, mse, {{rows / dp, kDim}});
       const bool last = plan.owner[stages - 1] == mesh.coord("pp");
       const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);
       torch::optim::AdamW opt(sharded, torch::optim::AdamWOptions(1e-2));
@@ -772,9 +749,7 @@ TEST_CASE("FSDP stages stay gathered across their microbatches: one all-gather p
       std::vector<PipelineStage> mine{{s, [root](const at::Tensor& x) { return root->forward(x); },
                                        root->parameters(), fsdp_sharding(*root)}};
       ExecutorOptions eo{.activation_shape = {rows / dp, kDim}, .keep_stages_unsharded = keep};
-      PipelineExecutor exec(
-          plan, mesh.comm("pp"), mine,
-          [](const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); }, eo);
+      PipelineExecutor exec(plan, mesh.comm("pp"), mine, mse, eo);
       const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);
       torch::optim::AdamW opt(stage->sharded_parameters(), torch::optim::AdamWOptions(1e-2));
       for (int step = 0; step < 3; ++step) {

@@ -50,6 +50,28 @@ TEST_CASE("actions print and parse losslessly, in PyTorch's notation") {
   CHECK(msg.find("line 2, column 6: '1Q0'") != std::string::npos);
 }
 
+TEST_CASE("WAIT_REDUCE_GRAD: placed as PyTorch 2.15 places it, and a table that misplaces it is refused") {
+  const auto parse = [](std::vector<std::string> texts) {
+    std::vector<Action> rank;
+    for (const auto& t : texts) rank.push_back(parse_action(t));
+    return Program{rank};
+  };
+  // Two stages on one rank, 1 microbatch: right after each reduction, or before the next one.
+  const auto compute = parse({"0F0", "1F0", "1B0", "0B0"});
+  CHECK(add_reduce_grad(compute, 1, false) == parse({"0F0", "1F0", "1B0", "1REDUCE_GRAD", "1WAIT_REDUCE_GRAD",
+                                                     "0B0", "0REDUCE_GRAD", "0WAIT_REDUCE_GRAD"}));
+  CHECK(add_reduce_grad(compute, 1, true) ==
+        parse({"0F0", "1F0", "1B0", "1REDUCE_GRAD", "0B0", "1WAIT_REDUCE_GRAD", "0REDUCE_GRAD",
+               "0WAIT_REDUCE_GRAD"}));
+  for (bool defer : {false, true}) CHECK_NOTHROW(validate_reduce_waits(add_reduce_grad(compute, 1, defer)));
+  CHECK_THROWS_WITH_AS(validate_reduce_waits(parse({"0B0", "0REDUCE_GRAD"})),
+                       doctest::Contains("0REDUCE_GRAD is never waited"), ScheduleError);
+  CHECK_THROWS_WITH_AS(validate_reduce_waits(parse({"1REDUCE_GRAD", "0REDUCE_GRAD", "1WAIT_REDUCE_GRAD"})),
+                       doctest::Contains("stage 1's REDUCE_GRAD is still pending"), ScheduleError);
+  CHECK_THROWS_WITH_AS(validate_reduce_waits(parse({"0WAIT_REDUCE_GRAD"})),
+                       doctest::Contains("waits for a REDUCE_GRAD that is not pending"), ScheduleError);
+}
+
 TEST_CASE("JSON action tables, with errors naming the JSON path") {
   std::istringstream ok(R"({"ranks": [["0F0", null, "0B0"], ["1F0", "1B0"]]})");
   const auto p = parse_json_table(ok);

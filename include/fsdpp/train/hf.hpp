@@ -45,23 +45,14 @@ nlohmann::json export_config(const models::MoEConfig& c, at::ScalarType dtype);
 // model_type other than llama and mixtral, rope scaling, attention biases, a sliding window ...).
 models::MoEConfig import_config(const nlohmann::json& config, const std::string& source);
 
-// fsdpp's full parameters (the model's names) as transformers names them, in `dtype`.
-NamedTensors to_hf(const models::MoEConfig& c, const NamedTensors& state, at::ScalarType dtype);
-// The inverse: every tensor a checkpoint of config `c` must hold, and none other. Throws
-// std::invalid_argument naming `source` and the tensor when one is missing, left over or of
-// another shape.
-NamedTensors from_hf(const models::MoEConfig& c, const NamedTensors& hf, const std::string& source);
-
-// The same, checked at once but made one at a time: a tensor fsdpp keeps as several in the
-// checkpoint (the attention's projection, stacked experts) is joined only when make() is called.
+// A tensor of fsdpp's made from a checkpoint's when make() is called: one fsdpp keeps as several
+// in the checkpoint (the attention's projection, stacked experts) is joined only then.
 struct LazyTensor {
   std::string name;
   at::ScalarType dtype;
   std::vector<int64_t> shape;
   std::function<at::Tensor()> make;
 };
-std::vector<LazyTensor> from_hf_lazy(const models::MoEConfig& c, const NamedTensors& hf,
-                                     const std::string& source);
 
 struct ExportOptions {
   std::optional<at::ScalarType> dtype;        // unset: the parameters' own
