@@ -2,7 +2,10 @@
 # Importing and exporting a transformers checkpoint of moe-16x2's size (1.2 B parameters, float32):
 # a random MixtralForCausalLM with moe-16x2's dimensions (every layer MoE, no shared expert, since
 # Mixtral has neither), saved by save_pretrained; then `fsdpp import` and `fsdpp export` of the
-# result, each timed with its peak resident memory (GNU time). Writes bench/results/hf_interop.md.
+# result, each timed with its peak resident memory (GNU time); and a dp=2 run starting from the
+# directory (model.init_from), each rank reading only its shards' rows, stopped once the model is
+# loaded, with rank 0's peak memory at that point as the run logs it. Writes
+# bench/results/hf_interop.md.
 #   bash bench/run_hf_bench.sh [build]
 set -euo pipefail
 build=${1:-build}
@@ -52,3 +55,32 @@ checkpoint_gib=$(du -sb "$work/hf" | awk '{printf "%.2f", $1 / 2^30}')
   measure "fsdpp export model.safetensors -o DIR2 --format hf" "$fsdpp" export "$work/model.safetensors" -o "$work/out-hf"
   measure "fsdpp export model.safetensors -o DIR3 --dtype bfloat16" "$fsdpp" export "$work/model.safetensors" -o "$work/out-bf16" --dtype bfloat16
 } | tee "$report"
+{
+  echo
+  echo "A run from the directory at dp=2 (\`model.init_from\`, 2 ranks on this machine), stopped once the"
+  echo "model is loaded: every rank builds the model without memory, shards it and copies from the mapped"
+  echo "files only the rows of its shards. Rank 0's memory as the run logs it when loading is done: its own"
+  echo "(anonymous: its shards, half the model's 4.38 GiB, and the process's runtime), the file pages of the"
+  echo "rows it read (which the kernel can drop again), and its peak so far (both kinds):"
+  echo
+  cat > "$work/load.json" <<JSON
+{"model": {"init_from": "$work/hf"}, "data": {"source": "synthetic", "seq_len": 64},
+ "parallel": {"dp": 2}, "train": {"steps": 1, "global_batch": 2},
+ "logging": {"output_dir": "$work/load-run", "plot": false}, "checkpoint": {"interval": 0}, "eval": {"interval": 0}}
+JSON
+  start=$(date +%s.%N)
+  setsid "$fsdpp" run "$work/load.json" > "$work/load.log" 2>&1 &
+  pid=$!
+  until grep -q "weights from" "$work/load.log" || ! kill -0 $pid 2>/dev/null; do sleep 0.2; done
+  end=$(date +%s.%N)
+  kill -- -$pid 2>/dev/null || true
+  wait $pid 2>/dev/null || true
+  line=$(grep "weights from" "$work/load.log") || { cat "$work/load.log"; exit 1; }
+  own=$(echo "$line" | sed -n 's/.*resident: \([0-9]*\) MiB of its own.*/\1/p')
+  file=$(echo "$line" | sed -n 's/.* \([0-9]*\) MiB of the file.*/\1/p')
+  peak=$(echo "$line" | sed -n 's/.*peak so far \([0-9]*\) MiB.*/\1/p')
+  echo "| command | seconds to loaded | own GiB | file pages GiB | peak GiB |"
+  echo "|---|---|---|---|---|"
+  printf '| fsdpp run (dp=2, model.init_from DIR) | %.1f | %.2f | %.2f | %.2f |\n' "$(echo "$end - $start" | bc -l)" \
+    "$(echo "$own / 1024" | bc -l)" "$(echo "$file / 1024" | bc -l)" "$(echo "$peak / 1024" | bc -l)"
+} | tee -a "$report"

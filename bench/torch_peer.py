@@ -4,7 +4,8 @@ trainer's batch, optimizer and clipping, printing one JSON line of throughput.
 
     torch_peer.py train --mode fsdp|ddp --config C ...   (under `fsdpp launch --nproc 2`)
     torch_peer.py train --mode eager|compile --config C  (one process, --threads 2)
-    torch_peer.py pp --config C --microbatches 4         (under `fsdpp launch --nproc 2`: Schedule1F1B)
+    torch_peer.py pp --config C --microbatches 4 [--schedule 1F1B|Interleaved1F1B|ZBVZeroBubble]
+                                                         (under `fsdpp launch --nproc 2`)
     torch_peer.py unit-cost                              (200 tiny fully_shard units, one rank)
     torch_peer.py profile --mode eager --config C        (train's steps after --warmup under torch.profiler)
 
@@ -158,31 +159,30 @@ def profile_report(args, prof):
                       "top": [[k, v / total] for k, v in top]}))
 
 
-class FirstStage(torch.nn.Module):
-    def __init__(self, model, last):
+class Part(torch.nn.Module):
+    """Layers [first, last) of the model, with the embedding when first == 0 and the final norm and
+    head when last == layers: a pipeline stage cut as fsdpp cuts one."""
+
+    def __init__(self, model, first, last):
         super().__init__()
-        self.embed, self.layers = model.embed, torch.nn.ModuleList(model.layers[:last])
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for block in self.layers:
-            h = block(h)
-        return h
-
-
-class LastStage(torch.nn.Module):
-    def __init__(self, model, first):
-        super().__init__()
-        self.layers, self.norm, self.head = torch.nn.ModuleList(model.layers[first:]), model.norm, model.head
+        self.embed = model.embed if first == 0 else None
+        self.layers = torch.nn.ModuleList(model.layers[first:last])
+        self.norm, self.head = (model.norm, model.head) if last == len(model.layers) else (None, None)
 
     def forward(self, h):
+        if self.embed is not None:
+            h = self.embed(h)
         for block in self.layers:
             h = block(h)
-        return self.head(self.norm(h)).float()
+        if self.head is not None:
+            return self.head(self.norm(h)).float()
+        # A block returns a view (its output with the auxiliary losses attached), which the split
+        # backward of ZBVZeroBubble cannot detach in place; a copy of the 0.5 MiB activation can.
+        return h.clone() if h._is_view() else h
 
 
 def pipelined(args):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed import pipelining
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:
@@ -191,36 +191,50 @@ def pipelined(args):
     torch.manual_seed(args.seed)
     model = torch_moe.MoETransformer(config)
     torch_moe.attach_aux(model, 1.0 / args.microbatches)
-    half = config["layers"] // 2
-    module = FirstStage(model, half) if rank == 0 else LastStage(model, half)
-    rows = args.global_batch // args.microbatches
-    example = torch.zeros(rows, args.seq, dtype=torch.long) if rank == 0 else torch.zeros(rows, args.seq, config["dim"])
-    stage = PipelineStage(module, rank, 2, torch.device("cpu"), input_args=(example,))
-    schedule = Schedule1F1B(stage, args.microbatches,
-                            loss_fn=lambda logits, y: torch_moe.lm_loss(logits, y))
-    opt = optimizer(module)
+    # Stages as fsdpp places them: 1F1B one per rank; Interleaved1F1B rank r holds r and r + 2;
+    # ZBVZeroBubble the V, rank 0 holding the first and the last.
+    stages_per_rank = 1 if args.schedule == "1F1B" else 2
+    n = world * stages_per_rank
+    mine = {"1F1B": [rank], "Interleaved1F1B": [rank, rank + 2], "ZBVZeroBubble": [rank, n - 1 - rank]}[args.schedule]
+    layers, rows = config["layers"], args.global_batch // args.microbatches
+    stages, modules = [], []
+    for s in mine:
+        module = Part(model, layers * s // n, layers * (s + 1) // n)
+        example = torch.zeros(rows, args.seq, dtype=torch.long) if s == 0 else torch.zeros(rows, args.seq, config["dim"])
+        stages.append(pipelining.PipelineStage(module, s, n, torch.device("cpu"), input_args=(example,)))
+        modules.append(module)
+    del model  # the other rank's layers, as fsdpp drops them once its stages are cut
+    loss_fn = lambda logits, y: torch_moe.lm_loss(logits, y)  # noqa: E731
+    if args.schedule == "1F1B":
+        schedule = pipelining.Schedule1F1B(stages[0], args.microbatches, loss_fn=loss_fn)
+    else:
+        kind = {"Interleaved1F1B": pipelining.ScheduleInterleaved1F1B,
+                "ZBVZeroBubble": pipelining.ScheduleZBVZeroBubble}[args.schedule]
+        schedule = kind(stages, args.microbatches, loss_fn=loss_fn)
+    parameters = [p for m in modules for p in m.parameters()]
+    opt = optimizer(torch.nn.ModuleList(modules))
     text = corpus()
+    first, last = 0 in mine, n - 1 in mine
     times, loss_value = [], 0.0
     for step, b in enumerate(batches(text, args.warmup + args.steps, args.global_batch, args.seq, args.seed + 1)):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         losses = []
-        if rank == 0:
-            schedule.step(b[:, :-1].contiguous())
-        else:
-            schedule.step(target=b[:, 1:].contiguous(), losses=losses)
-        # The global gradient norm over both stages, as one would clip a pipelined model.
-        local = torch.stack([p.grad.detach().pow(2).sum() for p in module.parameters() if p.grad is not None]).sum()
+        inputs = (b[:, :-1].contiguous(),) if first else ()
+        targets = {"target": b[:, 1:].contiguous(), "losses": losses} if last else {}
+        schedule.step(*inputs, **targets)
+        # The global gradient norm over all stages, as one would clip a pipelined model.
+        local = torch.stack([p.grad.detach().pow(2).sum() for p in parameters if p.grad is not None]).sum()
         dist.all_reduce(local)
         scale = torch.clamp(1.0 / (local.sqrt() + 1e-6), max=1.0)
-        for p in module.parameters():
+        for p in parameters:
             if p.grad is not None:
                 p.grad.mul_(scale)
         opt.step()
         loss_value = torch.stack(losses).mean().item() if losses else 0.0
         times.append(time.perf_counter() - t0)
-    if rank == 1:
-        report(args, "pp-1F1B", times, args.global_batch * args.seq, loss_value, world)
+    if last:
+        report(args, f"pp-{args.schedule}", times, args.global_batch * args.seq, loss_value, world)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -276,6 +290,8 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--schedule", choices=["1F1B", "Interleaved1F1B", "ZBVZeroBubble"], default="1F1B",
+                    help="pp: the pipeline schedule")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)

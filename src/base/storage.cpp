@@ -2,6 +2,7 @@
 
 #include "fsdpp/base/spin_lock.hpp"
 
+#include <ATen/ops/empty.h>
 #include <c10/core/StorageImpl.h>
 #include <fmt/format.h>
 
@@ -125,6 +126,16 @@ void resize_storage_bytes(const at::Tensor& t, size_t nbytes) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   if (s->nbytes() == nbytes) return;
   set_bytes(s, nbytes ? s->allocator()->allocate(nbytes) : at::DataPtr(nullptr, s->device()), nbytes);
+}
+
+at::Tensor unallocated_tensor(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  auto t = at::empty({0}, options);
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  return t;
+}
+
+bool is_unallocated(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 && t.has_storage() && t.storage().nbytes() == 0;
 }
 
 void* resize_storage_bytes_cached(const at::Tensor& t, size_t nbytes) {

@@ -136,7 +136,8 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     std::vector<int64_t> padded_shape = q.shape;
     padded_shape[0] = q.padded_rows;
     q.padded = at::zeros(padded_shape, q.param.options());
-    q.padded.narrow(0, 0, q.local_rows).copy_(q.param.narrow(0, q.row_offset, q.local_rows));
+    if (!is_unallocated(q.param))  // Note [unallocated parameters]: a shard of zeros, to be loaded
+      q.padded.narrow(0, 0, q.local_rows).copy_(q.param.narrow(0, q.row_offset, q.local_rows));
     q.sharded = q.padded.narrow(0, 0, q.local_rows).detach().requires_grad_(q.param.requires_grad());
     q.unsharded_offset = offsets[i];
     q.unsharded = unsharded_buf_.narrow(0, offsets[i], nbytes[i]).view(q.compute_dtype).view(q.shape);
@@ -371,6 +372,11 @@ int64_t ParamGroup::unsharded_bytes() const {
   int64_t n = 0;
   for (const auto& q : params_) n += q.numel() * int64_t(at::elementSize(q.compute_dtype));
   return n;
+}
+
+int64_t ParamGroup::held_bytes() const {
+  const auto bytes = [](const at::Tensor& t) { return t.defined() ? int64_t(t.storage().nbytes()) : 0; };
+  return bytes(unsharded_buf_) + (alone() ? 0 : bytes(gather_buf_)) + bytes(group_shard_);
 }
 
 std::vector<int64_t> ParamGroup::whole_shape(const Param& q) const {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "fsdpp/base/storage.hpp"
 #include "fsdpp/models/cpu/kernels.hpp"
 #include "fsdpp/models/cpu/matmul.hpp"
 
@@ -79,7 +80,12 @@ at::Tensor silu_gate(const at::Tensor& a, const at::Tensor& b, bool fused) {
   return fused ? swiglu(a, b) : swiglu_reference(a, b);
 }
 
+// Set on this thread while a model is built with Weights::kUnallocated: its weights will be
+// loaded, so drawing them would only cost time (most of a large model's build).
+thread_local bool building_unallocated = false;
+
 void init_normal(at::Tensor& w, double std) {
+  if (building_unallocated) return;
   at::NoGradGuard g;
   w.normal_(0.0, std);
 }
@@ -388,7 +394,12 @@ void MoEImpl::set_expert_parallel(std::shared_ptr<TokenExchange> ep) {
   ep_ = std::move(ep);
   const int64_t local = config.experts / ep_->size(), first = ep_->rank() * local;
   at::NoGradGuard g;
-  for (auto* w : {&experts->w1, &experts->w3, &experts->w2}) w->set_data(w->narrow(0, first, local).clone());
+  for (auto* w : {&experts->w1, &experts->w3, &experts->w2}) {
+    auto shape = w->sizes().vec();
+    shape[0] = local;
+    w->set_data(is_unallocated(*w) ? unallocated_tensor(shape, w->options())
+                                   : w->narrow(0, first, local).clone());
+  }
 }
 
 void MoEImpl::wrap_experts(torch::nn::AnyModule wrapper) {
@@ -419,21 +430,34 @@ at::Tensor BlockImpl::forward(at::Tensor x) {
   return x1 + (moe ? moe(h1) : mlp(h1));
 }
 
-MoETransformerImpl::MoETransformerImpl(const MoEConfig& c)
+MoETransformerImpl::MoETransformerImpl(const MoEConfig& c, Weights weights)
     : config_(c), stats_(std::make_shared<RouterStats>()), first_(0), last_(c.layers) {
+  struct Drawing {  // whether init_normal draws, restored however the constructor ends
+    bool before = building_unallocated;
+    ~Drawing() { building_unallocated = before; }
+  } drawing;
+  building_unallocated = weights == Weights::kUnallocated;
+  const auto built = [weights](const torch::nn::Module& part) {
+    if (weights == Weights::kUnallocated)
+      for (const auto& p : part.parameters()) resize_storage_bytes(p, 0);
+  };
   embed = register_module("embed", torch::nn::Embedding(c.vocab_size, c.dim));
   init_normal(embed->weight, c.init_std);
+  built(*embed);
   layers = register_module("layers", std::make_shared<torch::nn::Module>("Layers"));
   for (int64_t i = 0; i < c.layers; ++i) {
     blocks_.emplace_back(Block(c, i, stats_));
+    built(*blocks_.back());
     calls_.emplace_back(blocks_.back());
     layers->register_module(std::to_string(i), blocks_.back().ptr());
   }
   norm = register_module("norm", RMSNorm(c.dim, c.norm_eps, c.fused_kernels));
+  built(*norm);
   if (!c.tie_embeddings) {
     head =
         register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab_size).bias(false)));
     init_normal(head->weight, c.init_std);
+    built(*head);
   }
 }
 

@@ -5,7 +5,9 @@
 #include <fmt/ranges.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -157,25 +159,47 @@ std::vector<LazyTensor> from_hf_lazy(const models::MoEConfig& c, const NamedTens
   const int64_t D = c.dim, hd = c.head_dim(), H = c.heads, KV = c.key_value_heads(), E = c.experts,
                 F = c.expert_hidden;
   std::vector<LazyTensor> out;
-  // A tensor of the checkpoint's as it is, and one made from several when asked for.
+  // A tensor of the checkpoint's as it is, and one made from several, for the rows asked for.
   const auto as_is = [&](std::string name, const at::Tensor& t) {
-    out.push_back({std::move(name), t.scalar_type(), t.sizes().vec(), [t] { return t; }});
+    out.push_back(lazy_view(std::move(name), t));
   };
+  using Rows = std::function<at::Tensor(int64_t, int64_t)>;
   const auto joined = [&](std::string name, const std::vector<at::Tensor>& parts, std::vector<int64_t> shape,
-                          std::function<at::Tensor(const std::vector<at::Tensor>&)> join) {
+                          Rows rows) {
     auto dtype = parts.front().scalar_type();
     for (const auto& t : parts) dtype = at::promote_types(dtype, t.scalar_type());
-    out.push_back({std::move(name), dtype, std::move(shape), [parts, join] { return join(parts); }});
+    out.push_back({std::move(name), dtype, std::move(shape), std::move(rows)});
   };
-  const auto stack = [](const std::vector<at::Tensor>& parts) { return at::stack(parts); };
+  // Rows of the parts laid one after another along dim 0 (the fused projection).
+  const auto concatenated = [](std::vector<at::Tensor> parts) -> Rows {
+    return [parts](int64_t first, int64_t count) {
+      std::vector<at::Tensor> pieces;
+      for (const auto& t : parts) {  // `first` counts from this part's first row
+        const int64_t begin = std::max<int64_t>(first, 0), end = std::min(first + count, t.size(0));
+        if (begin < end) pieces.push_back(t.narrow(0, begin, end - begin));
+        first -= t.size(0);
+      }
+      return pieces.empty() ? parts.front().narrow(0, 0, 0) : at::cat(pieces, 0);
+    };
+  };
+  // Rows of the parts stacked along a new dim 0 (one expert each).
+  const auto stacked = [](std::vector<at::Tensor> parts) -> Rows {
+    return [parts](int64_t first, int64_t count) {
+      if (count == 0) {
+        auto shape = parts.front().sizes().vec();
+        shape.insert(shape.begin(), 0);
+        return at::empty(shape, parts.front().options());
+      }
+      return at::stack(at::TensorList(parts).slice(first, count));
+    };
+  };
   as_is("embed.weight", take("model.embed_tokens.weight", {c.vocab_size, D}));
   for (int64_t i = 0; i < c.layers; ++i) {
     const auto n = attention_names(i);
     const auto p = fmt::format("model.layers.{}.", i);
     as_is(ours(i, "attn_norm.weight"), take(n.input_norm, {D}));
     const auto q = take(n.q, {H * hd, D}), k = take(n.k, {KV * hd, D}), v = take(n.v, {KV * hd, D});
-    joined(ours(i, "attn.qkv.weight"), {q, k, v}, {(H + 2 * KV) * hd, D},
-           [](const std::vector<at::Tensor>& parts) { return at::cat(parts, 0); });
+    joined(ours(i, "attn.qkv.weight"), {q, k, v}, {(H + 2 * KV) * hd, D}, concatenated({q, k, v}));
     as_is(ours(i, "attn.out.weight"), take(n.o, {D, H * hd}));
     as_is(ours(i, "ffn_norm.weight"), take(n.post_norm, {D}));
     if (c.is_moe_layer(i)) {
@@ -188,16 +212,17 @@ std::vector<LazyTensor> from_hf_lazy(const models::MoEConfig& c, const NamedTens
           w2.push_back(take(ep + "w2.weight", {D, F}));
           w3.push_back(take(ep + "w3.weight", {F, D}));
         }
-        joined(ours(i, "moe.experts.w1"), w1, {E, F, D}, stack);
-        joined(ours(i, "moe.experts.w3"), w3, {E, F, D}, stack);
-        joined(ours(i, "moe.experts.w2"), w2, {E, D, F}, stack);
+        joined(ours(i, "moe.experts.w1"), w1, {E, F, D}, stacked(w1));
+        joined(ours(i, "moe.experts.w3"), w3, {E, F, D}, stacked(w3));
+        joined(ours(i, "moe.experts.w2"), w2, {E, D, F}, stacked(w2));
       } else {  // transformers' in-memory layout: gate and up projections fused, experts stacked
         as_is(ours(i, "moe.router.gate.weight"), take(p + "mlp.gate.weight", {E, D}));
         const auto gate_up = take(p + "mlp.experts.gate_up_proj", {E, 2 * F, D});
-        joined(ours(i, "moe.experts.w1"), {gate_up}, {E, F, D},
-               [F](const std::vector<at::Tensor>& g) { return g[0].narrow(1, 0, F).contiguous(); });
-        joined(ours(i, "moe.experts.w3"), {gate_up}, {E, F, D},
-               [F](const std::vector<at::Tensor>& g) { return g[0].narrow(1, F, F).contiguous(); });
+        for (const int64_t half : {0, 1})  // gate (w1) rows first, then up (w3)
+          joined(ours(i, half == 0 ? "moe.experts.w1" : "moe.experts.w3"), {gate_up}, {E, F, D},
+                 [gate_up, F, half](int64_t first, int64_t count) {
+                   return gate_up.narrow(0, first, count).narrow(1, half * F, F).contiguous();
+                 });
         as_is(ours(i, "moe.experts.w2"), take(p + "mlp.experts.down_proj", {E, D, F}));
       }
     } else {

@@ -7,10 +7,12 @@
 
 #include <filesystem>
 #include <set>
+#include <unordered_map>
 
 #include "fsdpp/base/files.hpp"
 #include "fsdpp/base/safetensors.hpp"
 #include "fsdpp/fsdp/checkpoint.hpp"
+#include "fsdpp/fsdp/fully_shard.hpp"
 #include "fsdpp/train/checkpoints.hpp"
 #include "fsdpp/train/hf.hpp"
 #include "fsdpp/train/recipe.hpp"
@@ -58,28 +60,77 @@ models::MoETransformer load_model(const std::string& path, json* tokenizer) {
   return model;
 }
 
+namespace {
+
+// Throws naming `source` when a tensor of the weights is not a parameter of `params`, has another
+// shape or is not floating point; returns the parameter.
+const at::Tensor& matching_parameter(const torch::OrderedDict<std::string, at::Tensor>& params,
+                                     const std::string& name, at::IntArrayRef shape, at::ScalarType dtype,
+                                     const std::string& source) {
+  const auto* p = params.find(name);
+  if (!p)
+    throw std::runtime_error(fmt::format("{}: tensor '{}' is not a parameter of the model", source, name));
+  if (p->sizes() != shape)
+    throw std::runtime_error(fmt::format("{}: '{}' has shape [{}] but the model expects [{}]", source, name,
+                                         fmt::join(shape, ", "), fmt::join(p->sizes(), ", ")));
+  if (!at::isFloatingType(dtype))
+    throw std::runtime_error(
+        fmt::format("{}: '{}' is {}, not a floating-point tensor", source, name, c10::toString(dtype)));
+  return *p;
+}
+
+void check_none_missing(const torch::OrderedDict<std::string, at::Tensor>& params,
+                        const std::set<std::string>& seen, const std::string& source) {
+  for (const auto& p : params)
+    if (!seen.count(p.key()))
+      throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", source, p.key()));
+}
+
+}  // namespace
+
 void load_full_weights(models::MoETransformerImpl& model,
                        const std::vector<std::pair<std::string, at::Tensor>>& state,
                        const std::string& source) {
   at::NoGradGuard g;
-  auto params = model.named_parameters();
+  const auto params = model.named_parameters();
   std::set<std::string> seen;
   for (const auto& [name, t] : state) {
-    auto* p = params.find(name);
-    if (!p)
-      throw std::runtime_error(fmt::format("{}: tensor '{}' is not a parameter of the model", source, name));
-    if (p->sizes() != t.sizes())
-      throw std::runtime_error(fmt::format("{}: '{}' has shape [{}] but the model expects [{}]", source, name,
-                                           fmt::join(t.sizes(), ", "), fmt::join(p->sizes(), ", ")));
-    if (!at::isFloatingType(t.scalar_type()))
-      throw std::runtime_error(fmt::format("{}: '{}' is {}, not a floating-point tensor", source, name,
-                                           c10::toString(t.scalar_type())));
-    p->copy_(t);  // in the model's dtype
+    auto p = matching_parameter(params, name, t.sizes(), t.scalar_type(), source);
+    p.copy_(t);  // in the model's dtype
     seen.insert(name);
   }
-  for (const auto& p : params)
-    if (!seen.count(p.key()))
-      throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", source, p.key()));
+  check_none_missing(params, seen, source);
+}
+
+void check_full_weights(const models::MoETransformerImpl& model, const std::vector<LazyTensor>& weights,
+                        const std::string& source) {
+  const auto params = model.named_parameters();
+  std::set<std::string> seen;
+  for (const auto& w : weights) {
+    matching_parameter(params, w.name, w.shape, w.dtype, source);
+    seen.insert(w.name);
+  }
+  check_none_missing(params, seen, source);
+}
+
+std::vector<LazyTensor> read_weights_by_rows(const std::string& path) {
+  if (hf::is_checkpoint_dir(path)) return hf::import_checkpoint_lazy(path).tensors;
+  std::vector<LazyTensor> out;
+  for (const auto& [name, t] : read_safetensors(path, /*mapped=*/true).tensors)
+    out.push_back(lazy_view(name, t));
+  return out;
+}
+
+void load_shards(fsdp::UnitHolder& root, const std::vector<LazyTensor>& weights, const std::string& source) {
+  std::unordered_map<std::string, const LazyTensor*> by_name;
+  for (const auto& w : weights) by_name[w.name] = &w;
+  at::NoGradGuard g;
+  for (auto& s : fsdp::shards(root)) {
+    const auto it = by_name.find(s.name);
+    if (it == by_name.end())
+      throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", source, s.name));
+    s.param.copy_(it->second->rows(s.info.row_offset, s.info.local_rows));
+  }
 }
 
 }  // namespace fsdpp::train

@@ -22,14 +22,25 @@ using detail::json;
 
 namespace detail {
 
-namespace {
-
-// This process's peak resident memory (what the kernel counts: anonymous and mapped file pages).
 double peak_rss_mib() {
   struct rusage u {};
   ::getrusage(RUSAGE_SELF, &u);
   return double(u.ru_maxrss) / 1024.0;
 }
+
+Resident resident_now() {
+  Resident r;
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  double kib = 0;
+  while (status >> key) {
+    if (key == "RssAnon:" && status >> kib) r.own_mib = kib / 1024;
+    if (key == "RssFile:" && status >> kib) r.file_mib = kib / 1024;
+  }
+  return r;
+}
+
+namespace {
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;

@@ -31,6 +31,15 @@
 namespace fsdpp::train::detail {
 
 namespace fs = std::filesystem;
+
+// This process's peak resident memory (what the kernel counts: anonymous and mapped file pages).
+double peak_rss_mib();
+// Its resident memory now, its own (anonymous) and mapped files' pages (which the kernel may drop),
+// from /proc/self/status; zeros where that is not readable.
+struct Resident {
+  double own_mib = 0, file_mib = 0;
+};
+Resident resident_now();
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 

@@ -7,9 +7,8 @@
 #include <cstdlib>
 #include <iostream>
 
-#include "fsdpp/base/safetensors.hpp"
+#include "fsdpp/base/storage.hpp"
 #include "fsdpp/pipeline/fsdp_stage.hpp"
-#include "fsdpp/train/hf.hpp"
 #include "fsdpp/train/activation_checkpoint.hpp"
 #include "fsdpp/train/model_files.hpp"
 #include "fsdpp/train/shards.hpp"
@@ -117,18 +116,22 @@ void Trainer::build() {
 
   if (recipe_.train.device == Device::kCuda) device_ = at::Device(at::kCUDA, fsdpp::current_cuda_device());
   // Every rank builds the same full model from the seed (on the CPU, so that every device starts
-  // from the same numbers), then keeps its part.
+  // from the same numbers), then keeps its part. Weights from a file are read by rows once the
+  // model is sharded: the model is built unallocated (Note [unallocated parameters]) and each rank
+  // reads the rows it keeps.
   at::manual_seed(static_cast<uint64_t>(recipe_.train.seed));
-  auto full = models::MoETransformer(c);
-  if (!recipe_.init_from.empty() && !options_.resume) {
-    load_full_weights(*full,
-                      hf::is_checkpoint_dir(recipe_.init_from)
-                          ? hf::import_checkpoint(recipe_.init_from).state
-                          : read_safetensors(recipe_.init_from, /*mapped=*/true).tensors,
-                      recipe_.init_from);
-    log(fmt::format("model: weights from {}", recipe_.init_from));
+  const bool from_file = !recipe_.init_from.empty() && !options_.resume;
+  std::vector<LazyTensor> weights;
+  if (from_file) weights = read_weights_by_rows(recipe_.init_from);
+  auto full = models::MoETransformer(c, from_file ? models::Weights::kUnallocated : models::Weights::kRandom);
+  if (from_file) {
+    check_full_weights(*full, weights, recipe_.init_from);
+    if (!device_.is_cpu())
+      for (auto& p : full->parameters())
+        p.set_data(unallocated_tensor(p.sizes(), p.options().device(device_)));
+  } else {
+    full->to(device_);
   }
-  full->to(device_);
   const auto& par = recipe_.parallel;
   auto& dp = mesh_.comm("dp_shard");
   std::optional<ExpertSharding> experts;
@@ -182,6 +185,14 @@ void Trainer::build() {
                       });
   }
   full = nullptr;  // parts of other stages
+  if (from_file) {
+    for (auto& root : roots_) load_shards(*root.ptr(), weights, recipe_.init_from);
+    const auto now = resident_now();
+    log(
+        fmt::format("model: weights from {}, each rank reading the rows of its shards (resident: {:.0f} MiB "
+                    "of its own, {:.0f} MiB of the file's pages; peak so far {:.0f} MiB)",
+                    recipe_.init_from, now.own_mib, now.file_mib, peak_rss_mib()));
+  }
   if (recipe_.cpu.microbatch_threads > 1) make_thread_models();
   const int64_t per_step = recipe_.train.grad_accum * (par.pp > 1 ? par.microbatches : 1);
   for (int64_t i = 0; i < per_step; ++i) {
@@ -224,7 +235,8 @@ void Trainer::build() {
 void Trainer::make_thread_models() {
   const auto named = roots_.front()->inner().named_parameters();
   for (int t = 1; t < recipe_.cpu.microbatch_threads; ++t) {
-    auto copy = models::MoETransformer(recipe_.model);
+    auto copy =
+        models::MoETransformer(recipe_.model, models::Weights::kUnallocated);  // takes the shards' storage
     if (const int64_t every = recipe_.train.activation_checkpointing; every > 0)
       copy->wrap_blocks([every](const models::Block& block, int64_t layer) {
         return checkpoints_layer(every, layer) ? torch::nn::AnyModule(Checkpoint(torch::nn::AnyModule(block)))

@@ -1,4 +1,4 @@
-// Overlap and prefetch, checked by order rather than by results or timing: a log on each rank takes
+// Overlap and prefetch, checked by order and observed with slowed communication: a log on each rank takes
 // every all-gather and reduce-scatter as fully_shard issues it (with the unit it is for) and the
 // model's own compute events, so a regression that serialises communication behind compute fails
 // here even though every result would stay the same.
@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <variant>
 
 #include "fsdp/event_log.hpp"
 #include "fsdp/models.hpp"
@@ -66,6 +67,15 @@ struct LoggedNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(LoggedNet);
 
+// Two steps on `x`, the log keeping the second's events only: the first records the forward order
+// that prefetching follows.
+template <class Model>
+void second_step(Model& model, const at::Tensor& x, EventLog& log) {
+  model->forward(x).sum().backward();
+  log.clear();
+  model->forward(x).sum().backward();
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -81,12 +91,7 @@ TEST_CASE(
       o.overlap_reduce_scatter = overlap;
       auto model = fsdp::fully_shard(LoggedNet(8, kLayers, log), comm, o);
       auto x = at::randn({4, 8}).requires_grad_(true);  // so that block 0 has a backward too
-      model->forward(x).sum().backward();               // the first step records the forward order
-      {
-        std::lock_guard<std::mutex> lock(log.mu);
-        log.events.clear();
-      }
-      model->forward(x).sum().backward();
+      second_step(model, x, log);
       INFO("overlap=" << overlap << " rank " << comm.rank() << ": " << log.dump());
       auto block = [](int i) { return "blocks." + std::to_string(i); };
       for (int i = 0; i + 1 < kLayers; ++i) {
@@ -130,12 +135,7 @@ TEST_CASE(
       o.overlap_reduce_scatter = overlap;
       auto model = fsdp::fully_shard(LoggedNet(8, kLayers, log), comm, o);
       auto x = at::randn({4, 8}).requires_grad_(true);
-      model->forward(x).sum().backward();  // the first step records the forward order
-      {
-        std::lock_guard<std::mutex> lock(log.mu);
-        log.events.clear();
-      }
-      model->forward(x).sum().backward();
+      second_step(model, x, log);
       INFO("overlap=" << overlap << " rank " << comm.rank() << ": " << log.dump());
       int n = 0;
       for (int i = kLayers - 1; i >= 1; --i) {
@@ -166,12 +166,7 @@ TEST_CASE(
     o.replicate = replicas;
     auto model = fsdp::fully_shard(LoggedNet(8, kLayers, log), alone, o);
     auto x = at::randn({4, 8}, at::detail::createCPUGenerator(1)).requires_grad_(true);
-    model->forward(x).sum().backward();  // the first step records the forward order
-    {
-      std::lock_guard<std::mutex> lock(log.mu);
-      log.events.clear();
-    }
-    model->forward(x).sum().backward();
+    second_step(model, x, log);
     INFO("rank " << world.rank() << ": " << log.dump());
     for (int i = kLayers - 1; i >= 1; --i) {
       const std::string block = "blocks." + std::to_string(i);
@@ -302,10 +297,7 @@ TEST_CASE(
     const auto s0 = at::rand({4, 8}, at::detail::createCPUGenerator(6));
     auto x = x0.clone().requires_grad_(true), s = s0.clone().requires_grad_(true);
     model->forward(x, s).sum().backward();  // the first step records the forward order
-    {
-      std::lock_guard<std::mutex> lock(log.mu);
-      log.events.clear();
-    }
+    log.clear();
     model->forward(x, s).sum().backward();
     INFO("rank " << comm.rank() << ": " << log.dump());
     // Block i's reduce-scatter, after its backward and before that of the block feeding it.
@@ -327,4 +319,129 @@ TEST_CASE(
       CHECK(at::allclose(shard.param.grad(), rows, 1e-5, 1e-6));
     }
   });
+}
+
+// Prefetch observed rather than ordered: every all-gather is slowed by 100 ms. Implicitly (one unit
+// ahead, from the last forward's order) and explicitly (two ahead), the next block's all-gather is
+// in flight while a block computes, in forward and in backward; explicitly, the one after it too.
+// Without prefetch (each block's lists name only itself, so nothing further is gathered early) no
+// gather is in flight during compute, which is what gives the check its teeth.
+TEST_CASE("prefetch observed: implicit and explicit gathers in flight while blocks compute; none without") {
+  constexpr int kLayers = 4;
+  enum Variant { kImplicit, kExplicit, kNone };
+  struct Seen {
+    int ahead1 = 0, ahead2 = 0;    // forward: blocks computed while the next (the one after) gathered
+    int behind1 = 0, behind2 = 0;  // backward: the previous (the one before it)
+  };
+  std::map<int, Seen> seen;  // by variant: the most any rank saw
+  std::mutex mu;
+  for (int variant : {kImplicit, kExplicit, kNone})
+    test::run_ranks(2, [&](comm::Comm& world) {
+      EventLog log;
+      comm::Comm comm(std::make_shared<test::DelayingComm>(
+          world.impl_ptr(), log, std::chrono::milliseconds(100), "", test::DelayingComm::kAllGathers));
+      comm.set_consistency_check(false);
+      auto net = LoggedNet(8, kLayers, log);
+      auto model = fsdp::fully_shard(net, comm);
+      auto block = [&](int i) -> fsdp::UnitHolder* {
+        return i >= 0 && i < kLayers ? net->blocks[i]->as<fsdp::FullyShardImpl<LoggedBlock>>() : nullptr;
+      };
+      for (int i = 0; i < kLayers; ++i) {
+        auto* unit = net->blocks[i]->as<fsdp::FullyShardImpl<LoggedBlock>>();
+        std::vector<fsdp::UnitHolder*> ahead, behind;
+        for (int k : {1, 2}) {
+          if (variant == kExplicit && block(i + k)) ahead.push_back(block(i + k));
+          if (variant == kExplicit && block(i - k)) behind.push_back(block(i - k));
+        }
+        if (variant == kNone) ahead = behind = {block(i)};
+        if (variant != kImplicit) {
+          unit->set_modules_to_forward_prefetch(ahead);
+          unit->set_modules_to_backward_prefetch(behind);
+        }
+      }
+      auto x = at::randn({4, 8}).requires_grad_(true);
+      second_step(model, x, log);
+      INFO("variant " << variant << " rank " << comm.rank() << ": " << log.dump());
+      // Whether block `other`'s n-th gather was issued before `compute` was logged and landed after.
+      auto in_flight = [&](int other, int n, const std::string& compute) {
+        const std::string unit = "blocks." + std::to_string(other);
+        const long at = log.find(compute);
+        return log.find("AG " + unit, n) >= 0 && log.find("AG " + unit, n) < at &&
+               at < log.find("AG_done " + unit, n);
+      };
+      Seen s;
+      for (int i = 0; i < kLayers; ++i) {
+        const auto fwd = "fwd_end " + std::to_string(i), bwd = "bwd_done " + std::to_string(i);
+        s.ahead1 += i + 1 < kLayers && in_flight(i + 1, 0, fwd);
+        s.ahead2 += i + 2 < kLayers && in_flight(i + 2, 0, fwd);
+        s.behind1 += i >= 1 && in_flight(i - 1, 1, bwd);
+        s.behind2 += i >= 2 && in_flight(i - 2, 1, bwd);
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      auto& m = seen[variant];
+      m = {std::max(m.ahead1, s.ahead1), std::max(m.ahead2, s.ahead2), std::max(m.behind1, s.behind1),
+           std::max(m.behind2, s.behind2)};
+    });
+  // One ahead is all the implicit prefetch does.
+  CHECK(seen[kImplicit].ahead1 == kLayers - 1);
+  CHECK(seen[kImplicit].behind1 == kLayers - 1);
+  CHECK(seen[kImplicit].ahead2 == 0);
+  CHECK(seen[kImplicit].behind2 == 0);
+  // Two ahead explicitly. (One ahead is not checked here: issued together, the two gathers may both
+  // have landed by the time the next block ends.)
+  CHECK(seen[kExplicit].ahead2 == kLayers - 2);
+  CHECK(seen[kExplicit].behind2 == kLayers - 2);
+  const auto& none = seen[kNone];
+  CHECK(none.ahead1 + none.ahead2 + none.behind1 + none.behind2 == 0);
+}
+
+// reshard_after_forward observed: between forward and backward, what each block holds besides its
+// shards, and whether its backward gathers again over the whole shard group (4 ranks). true: nothing
+// held, gathered again; false: the whole unsharded parameters held, no gather; 2: half of the
+// gathered bytes held, and the backward's gather within pairs of ranks, not over all 4.
+TEST_CASE(
+    "reshard_after_forward observed: memory held between forward and backward, and where backward gathers") {
+  constexpr int kLayers = 3;
+  for (const std::variant<bool, int> setting :
+       {std::variant<bool, int>(true), std::variant<bool, int>(false), std::variant<bool, int>(2)})
+    test::run_ranks(4, [&](comm::Comm& world) {
+      EventLog log;
+      comm::Comm comm(std::make_shared<LoggingComm>(world.impl_ptr(), log));
+      comm.set_consistency_check(false);
+      fsdp::FullyShardOptions o;
+      o.reshard_after_forward = setting;
+      auto net = LoggedNet(64, kLayers, log);
+      auto model = fsdp::fully_shard(net, comm, o);
+      auto x = at::randn({4, 64}).requires_grad_(true);
+      model->forward(x).sum().backward();
+      auto y = model->forward(x).sum();
+      log.clear();
+      const bool is_true = setting.index() == 0 && std::get<bool>(setting);
+      const bool is_false = setting.index() == 0 && !std::get<bool>(setting);
+      INFO("setting " << (setting.index() == 0 ? (is_true ? "true" : "false") : "2") << " rank "
+                      << world.rank());
+      std::vector<int64_t> held, full;
+      for (int i = 0; i < kLayers; ++i) {
+        const auto& group = net->blocks[i]->as<fsdp::FullyShardImpl<LoggedBlock>>()->fsdp_unit().group();
+        held.push_back(group.held_bytes());
+        full.push_back(group.unsharded_bytes());
+      }
+      y.backward();
+      for (int i = 0; i < kLayers; ++i) {
+        CAPTURE(i);
+        const bool gathered_over_all = log.find("AG blocks." + std::to_string(i)) >= 0;
+        if (is_true) {
+          CHECK(held[i] == 0);
+          CHECK(gathered_over_all);
+        } else if (is_false) {
+          CHECK(held[i] >= full[i]);
+          CHECK_FALSE(gathered_over_all);
+        } else {
+          CHECK(held[i] > 0);
+          CHECK(held[i] < full[i]);
+          CHECK(2 * held[i] >= full[i]);
+          CHECK_FALSE(gathered_over_all);
+        }
+      }
+    });
 }

@@ -14,6 +14,18 @@ namespace fsdpp {
 // not kept, so callers go from empty to full size (and write it whole) or from full size to empty.
 void resize_storage_bytes(const at::Tensor& t, size_t nbytes);
 
+// Note [unallocated parameters]
+// A tensor with a shape, a dtype and a device but no bytes: what a model built to be loaded by rows
+// holds before sharding (models::Weights::kUnallocated), as PyTorch builds such a model on the
+// meta device. LibTorch's modules cannot move a parameter to the meta device in place (set_data
+// refuses the change of backend), so fsdpp frees the parameter's bytes instead. fully_shard reads
+// no rows of such a parameter: its shard starts as zeros, to be loaded (train/model_files.hpp's
+// load_shards). Reading one otherwise is an error of the caller's, as for a resharded parameter.
+// A contiguous tensor of `sizes` on `options`' device whose storage holds no bytes.
+at::Tensor unallocated_tensor(at::IntArrayRef sizes, const at::TensorOptions& options);
+// Whether `t` has elements but its storage no bytes.
+bool is_unallocated(const at::Tensor& t);
+
 // Note [host buffer cache]
 // fully_shard frees a unit's unsharded parameters and communication buffers on resharding and
 // allocates them again on the next unshard: with many small units, on the CPU, that is several

@@ -213,7 +213,10 @@ class FullyShard : public torch::nn::ModuleHolder<FullyShardImpl<M>> {
   using Impl = FullyShardImpl<M>;
 };
 
-// Shards one unit; collective over `comm`. Throws when it is already sharded.
+// Shards one unit; collective over `comm`. Throws when it is already sharded. A parameter without
+// bytes (Note [unallocated parameters] in base/storage.hpp, PyTorch's meta-device
+// initialization) is not read: its shard starts as zeros, to be loaded (load_full_state_dict, or
+// by rows through shards()).
 template <class M>
 FullyShard<M>& fully_shard(FullyShard<M>& unit, const comm::Comm& comm,
                            const FullyShardOptions& options = {}) {

@@ -99,6 +99,9 @@ class ParamGroup {
   // Bytes of this rank's parameters while gathered (compute dtype; with expert parallelism, this
   // rank's block).
   int64_t unsharded_bytes() const;
+  // Bytes this rank holds now besides its shards and gradients: the unsharded parameters, the
+  // all-gather's buffer, and after reshard_to_group() the 1/N of it kept for the next unshard.
+  int64_t held_bytes() const;
   // Rows and shapes of the whole tensors (with expert parallelism, not just this rank's block).
   std::vector<ShardInfo> shard_infos() const;
   // Full parameters in their original dtype, in the order of shard_infos(); collective (over the

@@ -196,9 +196,15 @@ TORCH_MODULE(Block);
 // full model (same tensors, same names), so stages of one model start from identical weights.
 // The model is a plain LibTorch module; a caller that shards it wraps each block first
 // (wrap_blocks; train/sharding.hpp does that with fsdp::FullyShard units).
+// kUnallocated: every parameter keeps its shape and dtype but no bytes (Note [unallocated
+// parameters] in base/storage.hpp), each freed as soon as its part of the model is built, so a model
+// larger than memory can be built, sharded by fully_shard and loaded by rows. The model's own
+// initialization draws nothing then (LibTorch's Linear and Embedding still initialize themselves).
+enum class Weights { kRandom, kUnallocated };
+
 class MoETransformerImpl : public torch::nn::Module {
  public:
-  explicit MoETransformerImpl(const MoEConfig& c);
+  explicit MoETransformerImpl(const MoEConfig& c, Weights weights = Weights::kRandom);
   MoETransformerImpl(const MoETransformerImpl& full, int64_t first, int64_t last);
 
   // tokens [B, T] (int64) when this holds the embedding, else hidden states [B, T, dim];

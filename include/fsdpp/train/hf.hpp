@@ -15,7 +15,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -23,6 +22,7 @@
 #include <vector>
 
 #include "fsdpp/models/config.hpp"
+#include "fsdpp/train/lazy_tensor.hpp"
 
 namespace fsdpp::train {
 
@@ -44,15 +44,6 @@ nlohmann::json export_config(const models::MoEConfig& c, at::ScalarType dtype);
 // std::invalid_argument naming the field and its value when fsdpp does not implement it (a
 // model_type other than llama and mixtral, rope scaling, attention biases, a sliding window ...).
 models::MoEConfig import_config(const nlohmann::json& config, const std::string& source);
-
-// A tensor of fsdpp's made from a checkpoint's when make() is called: one fsdpp keeps as several
-// in the checkpoint (the attention's projection, stacked experts) is joined only then.
-struct LazyTensor {
-  std::string name;
-  at::ScalarType dtype;
-  std::vector<int64_t> shape;
-  std::function<at::Tensor()> make;
-};
 
 struct ExportOptions {
   std::optional<at::ScalarType> dtype;        // unset: the parameters' own
@@ -81,8 +72,9 @@ struct Imported {
 // and what is wrong.
 Imported import_checkpoint(const std::string& dir);
 
-// The same with the tensors made one at a time (from_hf_lazy): `fsdpp import` writes each before
-// the next is made.
+// The same with fsdpp's tensors made when asked for, whole or by rows (train/lazy_tensor.hpp):
+// `fsdpp import` writes each before the next is made, and a run's ranks read only their shards'
+// rows.
 struct LazyImport {
   models::MoEConfig config;
   std::vector<LazyTensor> tensors;

@@ -10,6 +10,11 @@
 #include <vector>
 
 #include "fsdpp/models/moe.hpp"
+#include "fsdpp/train/lazy_tensor.hpp"
+
+namespace fsdpp::fsdp {
+class UnitHolder;
+}
 
 namespace fsdpp::train {
 
@@ -19,6 +24,21 @@ namespace fsdpp::train {
 void load_full_weights(models::MoETransformerImpl& model,
                        const std::vector<std::pair<std::string, at::Tensor>>& state,
                        const std::string& source);
+
+// The same checks without copying: `weights` name for name and shape against the model's
+// parameters (which need no storage: see Note [unallocated parameters]).
+void check_full_weights(const models::MoETransformerImpl& model, const std::vector<LazyTensor>& weights,
+                        const std::string& source);
+
+// The weights of model.init_from, to be read by rows: a safetensors file under the model's
+// parameter names (mapped into memory) or a transformers checkpoint directory (train/hf.hpp).
+std::vector<LazyTensor> read_weights_by_rows(const std::string& path);
+
+// Sets this rank's shard of every parameter under `root` (a model or stage sharded by fully_shard)
+// from `weights`, checked beforehand by check_full_weights: each rank reads only the rows it
+// keeps, so a model larger than one rank's memory loads. Throws naming `source` and the parameter
+// when `weights` has no tensor for it.
+void load_shards(fsdp::UnitHolder& root, const std::vector<LazyTensor>& weights, const std::string& source);
 
 // An unsharded model with the weights of a checkpoint directory, an output directory, a
 // consolidated safetensors file or a transformers checkpoint directory (train/hf.hpp). `tokenizer`,
