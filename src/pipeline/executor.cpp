@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <set>
 
 namespace fsdpp::pipeline {
@@ -83,19 +84,20 @@ PipelineExecutor::Slot& PipelineExecutor::slot(int stage, int mb) {
   return *p;
 }
 
-double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
-  return step_on_device(inputs, targets).item<double>();
+double PipelineExecutor::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                              bool finalize_gradients) {
+  return step_on_device(inputs, targets, finalize_gradients).item<double>();
 }
 
 at::Tensor PipelineExecutor::step_on_device(const std::vector<at::Tensor>& inputs,
-                                            const std::vector<at::Tensor>& targets) {
+                                            const std::vector<at::Tensor>& targets, bool finalize_gradients) {
   const int m = plan_.spec.microbatches;
   if (static_cast<int>(inputs.size()) != m || static_cast<int>(targets.size()) != m)
     throw ScheduleError(
         fmt::format("executor: a step takes the plan's {} microbatches, got {} inputs and {} targets", m,
                     inputs.size(), targets.size()));
   return run(plan_.lowered[pp_.rank()], inputs, targets,
-             options_.loss_scale > 0 ? options_.loss_scale : 1.0 / m);
+             options_.loss_scale > 0 ? options_.loss_scale : 1.0 / m, finalize_gradients);
 }
 
 at::Tensor PipelineExecutor::forward(const std::vector<at::Tensor>& inputs,
@@ -132,7 +134,8 @@ void PipelineExecutor::register_custom_function(ActionType type, CustomFunction 
 }
 
 at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::vector<at::Tensor>& inputs,
-                                 const std::vector<at::Tensor>& targets, double loss_scale) {
+                                 const std::vector<at::Tensor>& targets, double loss_scale,
+                                 bool finalize_gradients) {
   const int me = pp_.rank(), last = plan_.spec.num_stages() - 1;
   const auto act_options = at::TensorOptions(options_.device).dtype(options_.activation_dtype);
   // Sends in flight, oldest first. Under the budget a send first waits for the oldest, as the
@@ -173,6 +176,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
   };
   for (auto& [index, st] : stages_)
     if (st.sharding) st.sharding->begin_step(options_.keep_stages_unsharded);
+  std::map<int, int> backwards;  // per stage: full backwards and weight halves run so far
   auto run_action = [&](const Action& a) {
     const int s = a.stage, mb = a.microbatch;
     switch (a.type) {
@@ -261,10 +265,14 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
           sharding->unshard_async();  // waited where forward needs it
         break;
       case T::kReshard:
-        if (auto& sharding = stages_.at(s).sharding) sharding->reshard();
+        // Not finalizing, a stage whose every microbatch went backward stays gathered for the next
+        // call (see step()).
+        if (auto& sharding = stages_.at(s).sharding;
+            sharding && (finalize_gradients || backwards[s] < plan_.spec.microbatches))
+          sharding->reshard();
         break;
       case T::kReduceGrad:
-        if (auto& sharding = stages_.at(s).sharding) {
+        if (auto& sharding = stages_.at(s).sharding; sharding && finalize_gradients) {
           sharding->reduce_grads_async();
           reducing.push_back(sharding.get());
         }
@@ -281,6 +289,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
   };
   for (const Action& a : program) {
     comm::OpLabel op_label("pp " + to_string(a));
+    if (a.type == T::kBackward || a.type == T::kBackwardWeight) ++backwards[a.stage];
     if (const auto it = custom_.find(a.type); it != custom_.end()) {
       ActionContext ctx{a, stages_.at(a.stage), inputs, targets, [&] { run_action(a); }};
       it->second(ctx);

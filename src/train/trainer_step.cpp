@@ -144,8 +144,9 @@ at::Tensor Trainer::step_body() {
       const std::vector<at::Tensor> xs(inputs_.begin() + a * m, inputs_.begin() + (a + 1) * m);
       const std::vector<at::Tensor> ys(targets_.begin() + a * m, targets_.begin() + (a + 1) * m);
       const auto b0 = std::chrono::system_clock::now();
-      const auto mean_scaled =
-          executor_->step_on_device(xs, ys);  // sum over microbatches of loss / (accum m)
+      // Sharded stages stay gathered across the accumulation's calls, reducing once at the last.
+      const auto mean_scaled = executor_->step_on_device(xs, ys, /*finalize_gradients=*/a + 1 == accum);
+      // (the sum over microbatches of loss / (accum m))
       span("pipeline step", "compute", b0);
       if (holds_last_stage()) loss_sum.add_(mean_scaled * double(accum * m)), losses += m;
     }

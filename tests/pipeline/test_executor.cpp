@@ -787,3 +787,55 @@ TEST_CASE("FSDP stages stay gathered across their microbatches: one all-gather p
   CHECK(losses[true] == losses[false]);
   CHECK(losses[true].size() == 3);
 }
+
+// PyTorch 2.15's step(finalize_gradients=False): two calls of 4 microbatches before one optimizer
+// step. Deferred, a sharded stage stays gathered across the calls and reduces once: per rank, the
+// 3 units gathered once and the 2 with parameters reduce-scattered once per optimizer step, against
+// twice each when every call finalizes; the gradients are the same sums.
+TEST_CASE("gradients accumulated over schedule calls: FSDP stages stay gathered and reduce once, as 2.15's") {
+  const int pp = 2, dp = 2, m = 4, rows = 4, calls = 2;
+  const auto plan = make_plan(*make_schedule("1F1B"), {pp, 1, m}, {.fsdp_stages = true});
+  auto g = at::detail::createCPUGenerator(7);
+  std::vector<std::vector<at::Tensor>> xs(calls), ys(calls);
+  for (int c = 0; c < calls; ++c)
+    for (int i = 0; i < m; ++i)
+      xs[c].push_back(at::randn({rows, kDim}, g)), ys[c].push_back(at::randn({rows, kDim}, g));
+  std::mutex mu;
+  std::map<std::pair<bool, int>, std::vector<at::Tensor>> grads;  // (deferred, rank) -> shard grads
+  for (bool deferred : {true, false})
+    test::run_ranks(pp * dp, [&](comm::Comm& world) {
+      comm::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
+      auto counter = std::make_shared<test::CountingComm>(mesh.comm("dp").impl_ptr());
+      comm::Comm dp_comm(counter);
+      dp_comm.set_consistency_check(false);
+      const int s = mesh.coord("pp"), d = mesh.coord("dp");
+      TwoBlockStage module;
+      {
+        auto gen = at::detail::createCPUGenerator(200 + s);
+        at::NoGradGuard no_grad;
+        for (auto& p : module->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.5);
+      }
+      auto stage = fsdp::fully_shard(module, dp_comm);
+      auto* root = stage.ptr().get();
+      std::vector<PipelineStage> mine{{s, [root](const at::Tensor& x) { return root->forward(x); },
+                                       root->parameters(), fsdp_sharding(*root)}};
+      PipelineExecutor exec(plan, mesh.comm("pp"), mine, mse,
+                            {.activation_shape = {rows / dp, kDim}, .loss_scale = 1.0 / (calls * m)});
+      counter->reset();  // sharding checked its plan with collectives of its own
+      for (int c = 0; c < calls; ++c)
+        exec.step(dp_rows(xs[c], d, dp), dp_rows(ys[c], d, dp),
+                  /*finalize_gradients=*/!deferred || c + 1 == calls);
+      INFO("deferred=" << deferred << " rank " << world.rank());
+      CHECK(int(counter->all_gathers) == (deferred ? 3 : 3 * calls));
+      CHECK(int(counter->reduce_scatters) == (deferred ? 2 : 2 * calls));
+      std::vector<at::Tensor> mine_grads;
+      for (const auto& p : stage->sharded_parameters()) mine_grads.push_back(p.grad().clone());
+      std::lock_guard<std::mutex> lock(mu);
+      grads[{deferred, world.rank()}] = std::move(mine_grads);
+    });
+  for (int r = 0; r < pp * dp; ++r) {
+    const auto &a = grads[{true, r}], &b = grads[{false, r}];
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) CHECK(rel(a[i], b[i]) < 1e-6);
+  }
+}

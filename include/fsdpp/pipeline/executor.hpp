@@ -98,10 +98,19 @@ class PipelineExecutor {
   // One step over all microbatches: `inputs[mb]` feed the first stage, `targets[mb]` the loss
   // (only the ranks holding those stages read them). Returns the sum of the microbatch losses on
   // the rank holding the last stage, 0 elsewhere. Gradients accumulate into the parameters.
-  double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
+  //
+  // finalize_gradients = false (PyTorch 2.15's step(finalize_gradients=False)): one of several
+  // calls whose gradients add up before one optimizer step. Sharded stages then skip REDUCE_GRAD
+  // and WAIT_REDUCE_GRAD and skip the RESHARD after their last backward: they stay gathered, their
+  // unsharded gradients accumulating into the next call's, whose UNSHARD finds them gathered. The
+  // call with true reduces everything once: one all-gather and one reduce-scatter per unit per
+  // optimizer step instead of per call.
+  double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+              bool finalize_gradients = true);
   // The same, with the sum as a 0-dim float64 tensor on options.device that the host has not
   // read: nothing in the step waits for the device, so it can be captured as a CUDA graph.
-  at::Tensor step_on_device(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
+  at::Tensor step_on_device(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                            bool finalize_gradients = true);
 
   // Forward only, for evaluation, without autograd: `inputs` hold up to the plan's
   // number of microbatches, the same count on every rank. Returns the sum of the unscaled
@@ -124,7 +133,7 @@ class PipelineExecutor {
   comm::Comm& edge(int from, int to);
   Slot& slot(int stage, int mb);
   at::Tensor run(const std::vector<Action>& program, const std::vector<at::Tensor>& inputs,
-                 const std::vector<at::Tensor>& targets, double loss_scale);
+                 const std::vector<at::Tensor>& targets, double loss_scale, bool finalize_gradients = true);
 
   Plan plan_;
   comm::Comm pp_;
