@@ -142,19 +142,20 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
   // plan's simulation assumes. On NCCL that wait is a stream dependency, not a host wait: while
   // the step is being captured as a CUDA graph the host cannot know what has completed (every
   // operation reads as done), so nothing is dropped from the front unwaited, and the budget is
-  // recorded in the graph as dependencies between the sends.
-  std::deque<comm::Work> sends;
+  // recorded in the graph as dependencies between the sends. WAIT_SEND_F / WAIT_SEND_B wait for
+  // their own send, if it is still counted.
+  std::deque<std::pair<Action, comm::Work>> sends;
   const bool captured = options_.device.is_cuda() && fsdpp::stream_capturing(options_.device.index());
   int live_buffers = 0;
-  auto send = [&](int to, const at::Tensor& t) {
+  auto send = [&](const Action& a, int to, const at::Tensor& t) {
     const int budget = plan_.max_outstanding_sends;
     if (!captured)
-      while (!sends.empty() && sends.front().is_completed()) sends.pop_front();
+      while (!sends.empty() && sends.front().second.is_completed()) sends.pop_front();
     while (budget > 0 && static_cast<int>(sends.size()) >= budget) {
-      sends.front().wait();
+      sends.front().second.wait();
       sends.pop_front();
     }
-    sends.push_back(edge(me, to).send(t, 1, kMessageTag));
+    sends.emplace_back(a, edge(me, to).send(t, 1, kMessageTag));
     ++stats_.sends;
     stats_.peak_sends_in_flight = std::max(stats_.peak_sends_in_flight, static_cast<int>(sends.size()));
   };
@@ -217,7 +218,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
         break;
       }
       case T::kSendF:
-        send(plan_.owner[s + 1], slot(s, mb).output.detach().contiguous());
+        send(a, plan_.owner[s + 1], slot(s, mb).output.detach().contiguous());
         release_storage(slot(s, mb).output);
         ++stats_.outputs_released;
         break;
@@ -258,7 +259,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
         break;
       }
       case T::kSendB:
-        send(plan_.owner[s - 1], slot(s, mb).grad_input.contiguous());
+        send(a, plan_.owner[s - 1], slot(s, mb).grad_input.contiguous());
         break;
       case T::kUnshard:
         if (auto& sharding = stages_.at(s).sharding)
@@ -277,6 +278,17 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
           reducing.push_back(sharding.get());
         }
         break;
+      case T::kWaitSendF:
+      case T::kWaitSendB: {
+        const Action sent = *waited_send(a);
+        const auto it =
+            std::find_if(sends.begin(), sends.end(), [&](const auto& p) { return p.first == sent; });
+        if (it != sends.end()) {
+          it->second.wait();
+          sends.erase(it);
+        }
+        break;
+      }
       case T::kWaitReduceGrad:
         if (auto& sharding = stages_.at(s).sharding)
           if (const auto it = std::find(reducing.begin(), reducing.end(), sharding.get());
@@ -298,7 +310,9 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
     }
   }
   finish_reduces();
-  comm::wait_all({sends.begin(), sends.end()});
+  std::vector<comm::Work> left;
+  for (auto& [action, work] : sends) left.push_back(std::move(work));
+  comm::wait_all(left);
   slots_.clear();
   return loss_sum;
 }

@@ -272,6 +272,7 @@ TEST_CASE(
           const auto plan = make_plan(*s, spec, {.max_outstanding_sends = 1});
           auto plain = add_send_recv(plan.compute, plan.owner);
           order_receives(plain, plan.owner);
+          plain = add_send_waits(plain);
           if (plain == plan.lowered) continue;
           ++needed;
           INFO(name << " pp=" << pp << " v=" << v << " m=" << m);

@@ -72,6 +72,37 @@ TEST_CASE("WAIT_REDUCE_GRAD: placed as PyTorch 2.15 places it, and a table that 
                        doctest::Contains("waits for a REDUCE_GRAD that is not pending"), ScheduleError);
 }
 
+TEST_CASE(
+    "WAIT_SEND_F / WAIT_SEND_B: placed as PyTorch 2.15 places them, and a table that misplaces one is "
+    "refused") {
+  // 1F1B, pp 2, 2 microbatches: a forward output's send is waited after the local backward of that
+  // microbatch; input gradients' sends at the end, in the order sent.
+  const auto plan = make_plan(*make_schedule("1F1B"), {2, 1, 2});
+  CHECK(joined(plan.lowered[0]) ==
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0WAIT_SEND_F0 0RECV_B1 0B1 0WAIT_SEND_F1");
+  CHECK(joined(plan.lowered[1]) ==
+        "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1WAIT_SEND_B0 1WAIT_SEND_B1");
+  // A lowered table without waits gets them; one with waits keeps them, and each send needs one.
+  const auto table = [](const std::string& csv) {
+    std::istringstream in(csv);
+    Positions where;
+    auto program = parse_csv(in, &where);
+    return make_plan(TableSchedule("t", std::move(program), std::move(where)), {2, 1, 1});
+  };
+  CHECK(joined(table("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n").lowered[1]) ==
+        "1RECV_F0 1F0 1B0 1SEND_B0 1WAIT_SEND_B0");
+  CHECK(joined(table("0F0,0SEND_F0,0RECV_B0,0WAIT_SEND_F0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0,1WAIT_SEND_B0\n")
+                   .lowered[0]) == "0F0 0SEND_F0 0RECV_B0 0WAIT_SEND_F0 0B0");
+  CHECK(error_of([&] {
+          table("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0,1WAIT_SEND_B0\n");
+        }).find("0SEND_F0 is never waited (add 0WAIT_SEND_F0 after it)") != std::string::npos);
+  CHECK(
+      error_of([&] {
+        table("0F0,0WAIT_SEND_F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0,1WAIT_SEND_B0\n");
+      }).find("line 1, column 5: 0WAIT_SEND_F0 waits for 0SEND_F0, which this rank has not sent before it") !=
+      std::string::npos);
+}
+
 TEST_CASE("JSON action tables, with errors naming the JSON path") {
   std::istringstream ok(R"({"ranks": [["0F0", null, "0B0"], ["1F0", "1B0"]]})");
   const auto p = parse_json_table(ok);

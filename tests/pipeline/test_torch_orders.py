@@ -143,15 +143,57 @@ def check_tables(tmp, failures):
     return cases
 
 
+def check_lowered_tables(tmp, failures):
+    """Lowered tables (PyTorch's compute_comms format, with WAIT_SEND_F / WAIT_SEND_B) both ways,
+    without FSDP: fsdpp's loads as it is in PyTorch's _load_csv(format="compute_comms"), which
+    requires one wait per send, and gives the same program; PyTorch's own lowered program, its
+    FSDP actions left out, passes fsdpp's checks (the messages, their order between ranks, one wait
+    per send) and its simulation."""
+    fsdp_action = re.compile(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD|WAIT_REDUCE_GRAD)")
+    cases = 0
+    for cls_name, cls, ours_name, v, layout in runtime_schedules():
+        for pp in (2, 4):
+            m = 2 * pp
+            what = f"{cls_name}, pp {pp}, {m} microbatches, lowered table"
+            out = os.path.join(tmp, "lowered")
+            fsdpp_order(ours_name, pp, v, m, out)
+            with open(out + ".csv") as f:
+                ours = {r: [a for a in row if a] for r, row in enumerate(csv.reader(f))}
+            back = torch_schedule(cls, pp, v, m, layout)
+            try:
+                back._load_csv(out + ".csv", format="compute_comms")
+            except Exception as e:  # noqa: BLE001 (PyTorch raises several kinds)
+                failures.append(f"{what}: PyTorch refuses fsdpp's lowered table: {e}")
+                continue
+            loaded = {r: [str(a) for a in flat(acts)] for r, acts in back.pipeline_order_with_comms.items()}
+            if loaded != ours:
+                failures.append(f"{what}: fsdpp's lowered table loads in PyTorch as another program")
+            table = os.path.join(tmp, "torch_lowered.csv")
+            with open(table, "w", newline="") as f:
+                writer = csv.writer(f)
+                theirs = torch_schedule(cls, pp, v, m, layout).pipeline_order_with_comms
+                for r in sorted(theirs):
+                    writer.writerow([str(a) for a in flat(theirs[r]) if not fsdp_action.fullmatch(str(a))])
+            try:
+                fsdpp_show(["--csv", table], pp, v, m, os.path.join(tmp, "theirs"))
+            except subprocess.CalledProcessError as e:
+                failures.append(f"{what}: fsdpp refuses PyTorch's lowered table: {e.stdout.decode()}{e.stderr.decode()}")
+                continue
+            cases += 1
+            print(f"{what}: fsdpp's loads in PyTorch as the same program, PyTorch's passes fsdpp's checks")
+    return cases
+
+
 def stage_owner(stage, pp, layout):
     return (stage if stage < pp else 2 * pp - 1 - stage) if layout == "v" else stage % pp
 
 
 def lowered_summary(ranks, pp, layout):
     """What two lowerings must agree on: per (sender, receiver), the messages in the order sent and
-    in the order received (NCCL pairs them by order), and per rank each FSDP action (UNSHARD,
-    RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD of a stage) with the number of compute actions before it."""
-    sent, received, fsdp = {}, {}, {}
+    in the order received (NCCL pairs them by order); per rank each FSDP action (UNSHARD,
+    RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD of a stage) and each send's wait (WAIT_SEND_F,
+    WAIT_SEND_B), with the number of compute actions before it."""
+    sent, received, fsdp, waits = {}, {}, {}, {}
     for r, actions in ranks.items():
         computed = 0
         for a in actions:
@@ -165,9 +207,11 @@ def lowered_summary(ranks, pp, layout):
                 (sent if kind == "SEND" else received).setdefault(key, []).append(message)
             elif re.fullmatch(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD|WAIT_REDUCE_GRAD)", a):
                 fsdp.setdefault(r, []).append(f"{a} after {computed}")
+            elif re.fullmatch(r"\d+WAIT_SEND_[FB]\d+", a):
+                waits.setdefault(r, []).append(f"{a} after {computed}")
             elif is_compute(a):
                 computed += 1
-    return sent, received, fsdp
+    return sent, received, fsdp, waits
 
 
 def compare_lowered(what, theirs, ours_args, pp, v, m, layout, tmp, failures):
@@ -182,7 +226,7 @@ def compare_lowered(what, theirs, ours_args, pp, v, m, layout, tmp, failures):
         return False
     with open(out + ".csv") as f:
         ours = {r: [a for a in row if a] for r, row in enumerate(csv.reader(f))}
-    for part, a, b in zip(("sends", "receives", "FSDP actions"),
+    for part, a, b in zip(("sends", "receives", "FSDP actions", "send waits"),
                           lowered_summary(theirs, pp, layout), lowered_summary(ours, pp, layout)):
         if a != b:
             key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
@@ -193,10 +237,10 @@ def compare_lowered(what, theirs, ours_args, pp, v, m, layout, tmp, failures):
 def check_lowered(tmp, failures):
     """Lowered programs (PyTorch's pipeline_order_with_comms against fsdpp's plan with --fsdp), for
     PyTorch's runtime schedules, with defer_reduce_grad_wait false (PyTorch's default) and true
-    (fsdpp's): the same messages and the same FSDP actions, WAIT_REDUCE_GRAD included. Not
-    compared: PyTorch's WAIT_SEND_* (fsdpp waits for sends inside its executor, under its send
-    budget) and where a receive sits between computations (PyTorch posts some a computation
-    earlier)."""
+    (fsdpp's): the same messages, the same FSDP actions (WAIT_REDUCE_GRAD included) and the same
+    WAIT_SEND_F / WAIT_SEND_B after the same computations. Not compared: where a receive sits
+    between computations (PyTorch posts receives as early as it can unless defer_pp_recv; fsdpp
+    right before their use)."""
     cases = 0
     for cls_name, cls, ours_name, v, layout in runtime_schedules():
         for pp in (2, 4):
@@ -211,7 +255,8 @@ def check_lowered(tmp, failures):
                     args = ["--schedule", ours_name, "--fsdp", "--defer-reduce-grad-wait", str(defer).lower()]
                     if compare_lowered(what, theirs, args, pp, v, m, layout, tmp, failures):
                         cases += 1
-                    print(f"{what}: same messages in the same order between every pair of ranks, same FSDP actions")
+                    print(f"{what}: same messages in the same order between every pair of ranks, same FSDP actions "
+                          "and send waits")
     return cases
 
 
@@ -298,13 +343,14 @@ def main():
                         bad = next(r for r in theirs if theirs[r] != ours.get(r))
                         failures.append(f"{what}: rank {bad} differs:\n  PyTorch {theirs[bad]}\n  fsdpp   {ours.get(bad)}")
         tables = check_tables(tmp, failures)
+        lowered_tables = check_lowered_tables(tmp, failures)
         lowered = check_lowered(tmp, failures)
         staggered = check_lookahead(tmp, failures)
-    print(f"{compared} (schedule, pp, microbatches) orders compared; {tables} tables exchanged both ways; "
-          f"{lowered} lowered programs compared; {staggered} with staggered unshards")
-    if compared < 20 or tables < 8 or lowered < 16 or staggered < 60:
-        failures.append(f"only {compared} orders, {tables} tables, {lowered} lowered programs and "
-                        f"{staggered} staggered lowerings were compared")
+    print(f"{compared} (schedule, pp, microbatches) orders compared; {tables} tables and {lowered_tables} lowered "
+          f"tables exchanged both ways; {lowered} lowered programs compared; {staggered} with staggered unshards")
+    if compared < 20 or tables < 8 or lowered_tables < 8 or lowered < 16 or staggered < 60:
+        failures.append(f"only {compared} orders, {tables} tables, {lowered_tables} lowered tables, {lowered} "
+                        f"lowered programs and {staggered} staggered lowerings were compared")
     for f in failures:
         print("FAIL:", f)
     return 1 if failures else 0

@@ -3,8 +3,8 @@
 //
 // A schedule is a list of actions per pipeline rank, executed in order. An action is written
 // "<stage><TYPE><microbatch>", compatible with PyTorch's pipelining: "0F1" (stage 0 forward of
-// microbatch 1), "2I1", "0W3", "0B3", "1UNSHARD", "2SEND_B2", "1RECV_F1", "0REDUCE_GRAD",
-// "0WAIT_REDUCE_GRAD". A CSV
+// microbatch 1), "2I1", "0W3", "0B3", "1UNSHARD", "2SEND_B2", "1RECV_F1", "0WAIT_SEND_F1",
+// "0REDUCE_GRAD", "0WAIT_REDUCE_GRAD". A CSV
 // holds one rank per row, one action per cell; an empty cell is an idle slot and is skipped.
 
 #include <algorithm>
@@ -31,6 +31,8 @@ enum class ActionType {
   kReshard,
   kReduceGrad,
   kWaitReduceGrad,  // waits for the stage's REDUCE_GRAD (PyTorch 2.15's WAIT_REDUCE_GRAD)
+  kWaitSendF,       // waits for this rank's SEND_F of the same stage and microbatch (WAIT_SEND_F)
+  kWaitSendB,       // likewise for a SEND_B (WAIT_SEND_B)
 };
 
 struct Action {
@@ -76,6 +78,10 @@ inline const char* type_token(ActionType t) {
       return "REDUCE_GRAD";
     case ActionType::kWaitReduceGrad:
       return "WAIT_REDUCE_GRAD";
+    case ActionType::kWaitSendF:
+      return "WAIT_SEND_F";
+    case ActionType::kWaitSendB:
+      return "WAIT_SEND_B";
   }
   return "?";
 }
@@ -88,6 +94,20 @@ inline bool is_compute(ActionType t) {
 inline bool is_send_recv(ActionType t) {
   return t == ActionType::kSendF || t == ActionType::kRecvF || t == ActionType::kSendB ||
          t == ActionType::kRecvB;
+}
+
+inline bool is_send_wait(ActionType t) { return t == ActionType::kWaitSendF || t == ActionType::kWaitSendB; }
+
+// The send a WAIT_SEND_F / WAIT_SEND_B waits for, and the wait of a send; nullopt for other actions.
+inline std::optional<Action> waited_send(const Action& wait) {
+  if (!is_send_wait(wait.type)) return std::nullopt;
+  return Action{wait.stage, wait.type == ActionType::kWaitSendF ? ActionType::kSendF : ActionType::kSendB,
+                wait.microbatch};
+}
+inline std::optional<Action> send_wait(const Action& send) {
+  if (send.type != ActionType::kSendF && send.type != ActionType::kSendB) return std::nullopt;
+  return Action{send.stage, send.type == ActionType::kSendF ? ActionType::kWaitSendF : ActionType::kWaitSendB,
+                send.microbatch};
 }
 
 inline bool has_microbatch(ActionType t) {
@@ -125,9 +145,10 @@ inline Action parse_action(const std::string& text, int line = 0, int column = 0
   while (j < text.size() && !std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
   const std::string token = text.substr(i, j - i);
   static const ActionType kTypes[] = {
-      ActionType::kSendF,   ActionType::kRecvF,    ActionType::kSendB,         ActionType::kRecvB,
-      ActionType::kUnshard, ActionType::kReshard,  ActionType::kReduceGrad,    ActionType::kWaitReduceGrad,
-      ActionType::kForward, ActionType::kBackward, ActionType::kBackwardInput, ActionType::kBackwardWeight};
+      ActionType::kSendF,     ActionType::kRecvF,    ActionType::kSendB,         ActionType::kRecvB,
+      ActionType::kUnshard,   ActionType::kReshard,  ActionType::kReduceGrad,    ActionType::kWaitReduceGrad,
+      ActionType::kForward,   ActionType::kBackward, ActionType::kBackwardInput, ActionType::kBackwardWeight,
+      ActionType::kWaitSendF, ActionType::kWaitSendB};
   bool found = false;
   for (auto t : kTypes)
     if (token == type_token(t)) {
@@ -135,9 +156,10 @@ inline Action parse_action(const std::string& text, int line = 0, int column = 0
       found = true;
     }
   if (!found)
-    fail("unknown type '" + token +
-         "' (expected F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, UNSHARD, RESHARD, REDUCE_GRAD or "
-         "WAIT_REDUCE_GRAD)");
+    fail(
+        "unknown type '" + token +
+        "' (expected F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, WAIT_SEND_F, WAIT_SEND_B, UNSHARD, RESHARD, "
+        "REDUCE_GRAD or WAIT_REDUCE_GRAD)");
   const std::string mb = text.substr(j);
   if (has_microbatch(a.type)) {
     if (mb.empty()) fail("a microbatch number must follow " + token);

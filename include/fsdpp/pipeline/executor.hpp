@@ -13,8 +13,9 @@
 // producing op saved it, keep what they need); backward only needs its shape and autograd edge.
 // Sends are asynchronous. With a budget (Plan::max_outstanding_sends), when that many sends are in
 // flight a new one first waits for the oldest of them (sends seen complete leave the count at
-// once); the plan's simulation has shown this can never deadlock. Every send is waited at the end
-// of the step. On NCCL every wait is a stream dependency, so a step can be captured as a CUDA
+// once); the plan's simulation has shown this can never deadlock. WAIT_SEND_F / WAIT_SEND_B wait
+// for their send where the plan puts them (when it is still counted), and every send is waited at
+// the end of the step. On NCCL every wait is a stream dependency, so a step can be captured as a CUDA
 // graph: its receive buffers then come from the graph's pool, and the budget is recorded as
 // dependencies between the sends.
 //

@@ -262,7 +262,7 @@ inline void validate_send_recv(const Program& lowered, const std::vector<int>& o
   Program compute(ranks);
   for (int r = 0; r < ranks; ++r)
     for (const auto& a : lowered[r])
-      if (!matching_recv(a) && !matching_send(a)) compute[r].push_back(a);
+      if (!matching_recv(a) && !matching_send(a) && !is_send_wait(a.type)) compute[r].push_back(a);
   const Program needed = add_send_recv(compute, owner);
   for (int r = 0; r < ranks; ++r) {
     std::vector<Action> need;
@@ -464,6 +464,62 @@ inline void validate_reduce_waits(const Program& program) {
       throw ScheduleError("rank " + std::to_string(r) + ": " + std::to_string(*pending) +
                           "REDUCE_GRAD is never waited (add " + std::to_string(*pending) +
                           "WAIT_REDUCE_GRAD)");
+  }
+}
+
+// One WAIT_SEND_F / WAIT_SEND_B for every send, as PyTorch 2.15's _add_wait_send places them: a
+// forward output's send is waited right after this rank's backward (B or I) of the same stage and
+// microbatch, which could not have run unless the peer had consumed that output; every other send
+// (input gradients, and outputs whose backward this rank never runs) at the end of the program, in
+// the order they were sent. The executor also waits for the oldest send when the plan's
+// max_outstanding_sends are in flight; a wait finds such a send done.
+inline Program add_send_waits(const Program& program) {
+  Program out(program.size());
+  for (size_t r = 0; r < program.size(); ++r) {
+    std::vector<Action> pending;  // sends in the order they were issued
+    for (const auto& a : program[r]) {
+      out[r].push_back(a);
+      if (send_wait(a)) pending.push_back(a);
+      if (a.type != ActionType::kBackward && a.type != ActionType::kBackwardInput) continue;
+      const Action output{a.stage, ActionType::kSendF, a.microbatch};
+      if (const auto it = std::find(pending.begin(), pending.end(), output); it != pending.end()) {
+        out[r].push_back(*send_wait(output));
+        pending.erase(it);
+      }
+    }
+    for (const auto& send : pending) out[r].push_back(*send_wait(send));
+  }
+  return out;
+}
+
+inline bool has_send_waits(const Program& program) {
+  for (const auto& rank : program)
+    for (const auto& a : rank)
+      if (is_send_wait(a.type)) return true;
+  return false;
+}
+
+// Every send is waited exactly once, by a later WAIT_SEND_F / WAIT_SEND_B of this rank, and every
+// wait has its send before it (PyTorch 2.15's _validate_send_waits). Throws ScheduleError naming
+// the action (by its place in a table file when `where` is given).
+inline void validate_send_waits(const Program& program, const Positions* where = nullptr) {
+  for (size_t r = 0; r < program.size(); ++r) {
+    std::vector<Action> pending;
+    for (size_t i = 0; i < program[r].size(); ++i) {
+      const Action& a = program[r][i];
+      if (send_wait(a)) pending.push_back(a);
+      if (const auto send = waited_send(a)) {
+        const auto it = std::find(pending.begin(), pending.end(), *send);
+        if (it == pending.end())
+          throw ScheduleError(detail::action_at(program, int(r), i, where) + " waits for " +
+                              to_string(*send) +
+                              ", which this rank has not sent before it (or whose wait came earlier)");
+        pending.erase(it);
+      }
+    }
+    if (!pending.empty())
+      throw ScheduleError("rank " + std::to_string(r) + ": " + to_string(pending.front()) +
+                          " is never waited (add " + to_string(*send_wait(pending.front())) + " after it)");
   }
 }
 

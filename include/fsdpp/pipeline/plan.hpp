@@ -15,7 +15,7 @@ struct Plan {
   ScheduleSpec spec;
   Program compute;                // each rank's compute actions
   std::vector<int> owner;         // stage -> rank
-  Program lowered;                // with sends and receives (and the FSDP actions when asked)
+  Program lowered;                // with sends, receives and their waits (and FSDP actions when asked)
   int max_outstanding_sends = 0;  // 0: unlimited
 };
 
@@ -73,6 +73,8 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const 
   }
   if (fsdp_stages) p.lowered = add_reduce_grad(p.lowered, spec.microbatches, options.defer_reduce_grad_wait);
   validate_reduce_waits(p.lowered);
+  if (!has_send_waits(p.lowered)) p.lowered = add_send_waits(p.lowered);  // a table may place its own
+  validate_send_waits(p.lowered);
   p.max_outstanding_sends = max_outstanding_sends;
   // Prove the lowered program runs to the end. Under a send budget, a send may wait for a receive
   // its peer has not posted yet because the peer itself waits; then that receive is posted earlier

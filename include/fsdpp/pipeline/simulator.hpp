@@ -148,6 +148,15 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
         }
         return {};
       }
+      case T::kWaitSendF:
+      case T::kWaitSendB: {  // until the peer has posted the receive that takes the send
+        const bool fwd = a.type == T::kWaitSendF;
+        const int to = fwd ? s + 1 : s - 1;
+        const T recv = fwd ? T::kRecvF : T::kRecvB;
+        return posted.count(key(to, recv, mb))
+                   ? Block{}
+                   : Block{false, "waits for " + name(to, recv, mb) + " to be posted"};
+      }
       default:
         return {};
     }
@@ -178,6 +187,11 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
           in_flight[r].push_back(key(fwd ? s + 1 : s - 1, fwd ? T::kRecvF : T::kRecvB, mb));
           res.peak_sends_in_flight[r] =
               std::max(res.peak_sends_in_flight[r], static_cast<int>(in_flight[r].size()));
+        } else if (is_send_wait(a.type)) {  // the send leaves the count, wherever it is in it
+          const bool fwd = a.type == T::kWaitSendF;
+          auto& f = in_flight[r];
+          f.erase(std::remove(f.begin(), f.end(), key(fwd ? s + 1 : s - 1, fwd ? T::kRecvF : T::kRecvB, mb)),
+                  f.end());
         } else if (is_compute(a.type)) {
           if (auto in = input_of(r, a)) {
             t = std::max(t, sent.at(in->second) + costs.comm);

@@ -39,7 +39,7 @@ class TableSchedule : public Schedule {
                               std::to_string(s.microbatches));
       }
   }
-  // Without its SEND/RECV actions, if it has any.
+  // Without its SEND/RECV and WAIT_SEND actions, if it has any.
   Program compute_actions(const ScheduleSpec& s) const override {
     if (static_cast<int>(program_.size()) != s.pp)
       throw ScheduleError(name_ + ": the table has " + std::to_string(program_.size()) + " rows but pp is " +
@@ -47,16 +47,17 @@ class TableSchedule : public Schedule {
     Program compute(program_.size());
     for (size_t r = 0; r < program_.size(); ++r)
       for (const auto& a : program_[r])
-        if (!is_send_recv(a.type)) compute[r].push_back(a);
+        if (!is_send_recv(a.type) && !is_send_wait(a.type)) compute[r].push_back(a);
     return compute;
   }
   // A table with SEND/RECV actions is taken as lowered: they must be the ones its computations need,
-  // and come in the same order on both ranks of each pair (Note [point-to-point order]). Errors name
-  // the table and the action's place in it.
+  // and come in the same order on both ranks of each pair (Note [point-to-point order]); its
+  // WAIT_SEND actions, if it has any, one after each send (without any, the plan adds them as for a
+  // compute-only table). Errors name the table and the action's place in it.
   std::optional<Program> lowered_actions(const ScheduleSpec& s) const override {
     bool lowered = false;
     for (const auto& rank : program_)
-      for (const auto& a : rank) lowered = lowered || is_send_recv(a.type);
+      for (const auto& a : rank) lowered = lowered || is_send_recv(a.type) || is_send_wait(a.type);
     if (!lowered) return std::nullopt;
     if (static_cast<int>(program_.size()) != s.pp)
       throw ScheduleError(name_ + ": the table has " + std::to_string(program_.size()) + " rows but pp is " +
@@ -65,6 +66,7 @@ class TableSchedule : public Schedule {
       const auto owner = infer_stage_ranks(program_, s.num_stages());
       validate_send_recv(program_, owner, &where_);
       check_point_to_point_order(program_, owner, &where_);
+      if (has_send_waits(program_)) validate_send_waits(program_, &where_);
     } catch (const ScheduleError& e) {
       throw ScheduleError(name_ + ": " + e.what());
     }
