@@ -118,7 +118,8 @@ int schedule_show(const ShowOptions& o) {
                                .max_outstanding_sends = o.max_outstanding_sends,
                                .max_active_stages = o.max_active_stages,
                                .unshard_lookahead = UnshardLookahead::parse(o.unshard_lookahead),
-                               .defer_reduce_grad_wait = o.defer_reduce_grad_wait});
+                               .defer_reduce_grad_wait = o.defer_reduce_grad_wait,
+                               .defer_pp_recv = o.defer_pp_recv});
   const Costs costs{o.costs[0], o.costs[1], o.costs[2], o.costs[3], 0};
   const auto sim = simulate(plan.lowered, plan.owner, costs, o.max_outstanding_sends);
   const std::string title = fmt::format("{} pp={} stages/rank={} microbatches={}", schedule->name(), spec.pp,

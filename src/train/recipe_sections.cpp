@@ -233,6 +233,7 @@ void read_parallel(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& 
   p.boolean("keep_stages_unsharded", rc.parallel.keep_stages_unsharded);
   p.integer("max_active_stages", rc.parallel.max_active_stages, 1, 64);
   p.boolean("defer_reduce_grad_wait", rc.parallel.defer_reduce_grad_wait);
+  p.boolean("defer_pp_recv", rc.parallel.defer_pp_recv);
   if (const json* l = p.find("unshard_lookahead")) {
     if (l->is_string() && (*l == "full" || *l == "auto")) {
       rc.parallel.unshard_lookahead = pipeline::UnshardLookahead::parse(l->get<std::string>());
@@ -424,7 +425,8 @@ void check_layout(Reader& top, Recipe& rc, const std::string& base_dir, std::opt
            .max_outstanding_sends = par.max_outstanding_sends,
            .max_active_stages = par.max_active_stages,
            .unshard_lookahead = par.unshard_lookahead,
-           .defer_reduce_grad_wait = par.defer_reduce_grad_wait}));
+           .defer_reduce_grad_wait = par.defer_reduce_grad_wait,
+           .defer_pp_recv = par.defer_pp_recv}));
     } catch (const std::exception& e) {
       top.fail("parallel.schedule", e.what());
     }
@@ -460,6 +462,7 @@ void check_layout(Reader& top, Recipe& rc, const std::string& base_dir, std::opt
     top.fail("parallel.max_active_stages", "only used with pp > 1");
   if (par.pp == 1 && par.defer_reduce_grad_wait)
     top.fail("parallel.defer_reduce_grad_wait", "only used with pp > 1");
+  if (par.pp == 1 && !par.defer_pp_recv) top.fail("parallel.defer_pp_recv", "only used with pp > 1");
   if (par.pp == 1 && par.unshard_lookahead.policy != pipeline::UnshardLookahead::Policy::kFull)
     top.fail("parallel.unshard_lookahead", "only used with pp > 1");
   if (par.pp > 1 && !par.reshard_after_forward && !par.keep_stages_unsharded)

@@ -76,12 +76,15 @@ inline void validate_compute(const Program& program, int num_stages, int microba
 }
 
 // Inserts SEND_F/RECV_F and SEND_B/RECV_B around computations whose neighbour stage is on another
-// rank. Ranks advance in turns, each emitting its next compute action once the input exists
-// (produced on the same rank, or sent by the peer). A send is emitted right after the computation
-// that produced the data; the matching receive right before the computation that consumes it, so
-// a receive buffer lives no longer than needed. Throws naming every rank's blocked action when the
-// compute order cannot run (a deadlock).
-inline Program add_send_recv(const Program& compute, const std::vector<int>& owner) {
+// rank. Ranks advance in turns, each emitting its next action once its input exists (produced on
+// the same rank, or sent by the peer); other actions (UNSHARD, REDUCE_GRAD ...) take a turn each,
+// as in PyTorch 2.15's _add_send_recv. A send is emitted right after the computation that produced
+// the data; the matching receive right before the computation that consumes it, so that a receive
+// buffer lives no longer than needed, or with `early_receives` on the receiver's program when the
+// send is emitted (2.15's placement without defer_pp_recv). Throws naming every rank's blocked
+// action when the compute order cannot run (a deadlock).
+inline Program add_send_recv(const Program& compute, const std::vector<int>& owner,
+                             bool early_receives = false) {
   const int ranks = static_cast<int>(compute.size()), stages = static_cast<int>(owner.size());
   Program out(ranks);
   std::vector<size_t> next(ranks, 0);
@@ -121,7 +124,7 @@ inline Program add_send_recv(const Program& compute, const std::vector<int>& own
         continue;
       }
       if (!ready(r, a)) continue;
-      if (auto recv = needed_recv(r, a)) out[r].push_back(*recv);
+      if (auto recv = needed_recv(r, a); recv && !early_receives) out[r].push_back(*recv);
       out[r].push_back(a);
       done[r].insert(k(a.stage, a.type, a.microbatch));
       ++next[r];
@@ -129,10 +132,12 @@ inline Program add_send_recv(const Program& compute, const std::vector<int>& own
       if (a.type == T::kForward && a.stage + 1 < stages && owner[a.stage + 1] != r) {
         out[r].push_back({a.stage, T::kSendF, a.microbatch});
         inbox[owner[a.stage + 1]].insert(k(a.stage + 1, T::kRecvF, a.microbatch));
+        if (early_receives) out[owner[a.stage + 1]].push_back({a.stage + 1, T::kRecvF, a.microbatch});
       }
       if ((a.type == T::kBackward || a.type == T::kBackwardInput) && a.stage > 0 && owner[a.stage - 1] != r) {
         out[r].push_back({a.stage, T::kSendB, a.microbatch});
         inbox[owner[a.stage - 1]].insert(k(a.stage - 1, T::kRecvB, a.microbatch));
+        if (early_receives) out[owner[a.stage - 1]].push_back({a.stage - 1, T::kRecvB, a.microbatch});
       }
     }
     if (finished) return out;

@@ -37,6 +37,12 @@ struct PlanOptions {
   // PyTorch 2.15's `defer_reduce_grad_wait` defaults), or before the rank's next REDUCE_GRAD (or at
   // the end), so that the reduction overlaps the computations in between (true).
   bool defer_reduce_grad_wait = false;
+  // Where a receive is posted: right before the computation that uses it (true, as PyTorch 2.15's
+  // `defer_pp_recv=True`: its buffer lives no longer than needed), or as soon as the lowering has
+  // its sender emit the send (false, 2.15's default: on the receiving rank's program at that point,
+  // as _add_send_recv places it). Either way a receive comes earlier where the order between two
+  // ranks needs it (Note [point-to-point order]).
+  bool defer_pp_recv = true;
 };
 
 // Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.
@@ -65,13 +71,18 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const 
     check_point_to_point_order(*own, p.owner);
     p.lowered =
         fsdp_stages ? add_unshard_reshard(*own, options.max_active_stages, lookahead) : std::move(*own);
+    if (fsdp_stages)
+      p.lowered = add_reduce_grad(p.lowered, spec.microbatches, options.defer_reduce_grad_wait);
   } else {
-    p.lowered = add_send_recv(
-        fsdp_stages ? add_unshard_reshard(p.compute, options.max_active_stages, lookahead) : p.compute,
-        p.owner);
+    // The FSDP actions go in before the messages, as 2.15's passes run: each takes its turn in the
+    // lowering as a computation does, which decides where an early receive lands.
+    auto actions = p.compute;
+    if (fsdp_stages)
+      actions = add_reduce_grad(add_unshard_reshard(actions, options.max_active_stages, lookahead),
+                                spec.microbatches, options.defer_reduce_grad_wait);
+    p.lowered = add_send_recv(actions, p.owner, /*early_receives=*/!options.defer_pp_recv);
     order_receives(p.lowered, p.owner);
   }
-  if (fsdp_stages) p.lowered = add_reduce_grad(p.lowered, spec.microbatches, options.defer_reduce_grad_wait);
   validate_reduce_waits(p.lowered);
   if (!has_send_waits(p.lowered)) p.lowered = add_send_waits(p.lowered);  // a table may place its own
   validate_send_waits(p.lowered);
