@@ -28,7 +28,7 @@ struct ShowOptions {
   int pp = 2, microbatches = 4, max_outstanding_sends = 0, max_active_stages = 3;
   std::string unshard_lookahead = "full";
   std::optional<int> stages_per_rank;  // unset: 2 for V schedules, else 1
-  bool fsdp = false, defer_reduce_grad_wait = false, defer_pp_recv = true;
+  bool fsdp = false, defer_reduce_grad_wait = false, defer_pp_recv = false;
   std::vector<double> costs{1, 2, 1, 1};
 };
 

@@ -462,7 +462,7 @@ void check_layout(Reader& top, Recipe& rc, const std::string& base_dir, std::opt
     top.fail("parallel.max_active_stages", "only used with pp > 1");
   if (par.pp == 1 && par.defer_reduce_grad_wait)
     top.fail("parallel.defer_reduce_grad_wait", "only used with pp > 1");
-  if (par.pp == 1 && !par.defer_pp_recv) top.fail("parallel.defer_pp_recv", "only used with pp > 1");
+  if (par.pp == 1 && par.defer_pp_recv) top.fail("parallel.defer_pp_recv", "only used with pp > 1");
   if (par.pp == 1 && par.unshard_lookahead.policy != pipeline::UnshardLookahead::Policy::kFull)
     top.fail("parallel.unshard_lookahead", "only used with pp > 1");
   if (par.pp > 1 && !par.reshard_after_forward && !par.keep_stages_unsharded)

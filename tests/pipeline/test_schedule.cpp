@@ -75,9 +75,9 @@ TEST_CASE("WAIT_REDUCE_GRAD: placed as PyTorch 2.15 places it, and a table that 
 TEST_CASE(
     "WAIT_SEND_F / WAIT_SEND_B: placed as PyTorch 2.15 places them, and a table that misplaces one is "
     "refused") {
-  // 1F1B, pp 2, 2 microbatches: a forward output's send is waited after the local backward of that
+  // 1F1B, pp 2, 2 microbatches (receives deferred): a forward output's send is waited after the local backward of that
   // microbatch; input gradients' sends at the end, in the order sent.
-  const auto plan = make_plan(*make_schedule("1F1B"), {2, 1, 2});
+  const auto plan = make_plan(*make_schedule("1F1B"), {2, 1, 2}, {.defer_pp_recv = true});
   CHECK(joined(plan.lowered[0]) ==
         "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0WAIT_SEND_F0 0RECV_B1 0B1 0WAIT_SEND_F1");
   CHECK(joined(plan.lowered[1]) ==

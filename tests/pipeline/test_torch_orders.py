@@ -238,10 +238,9 @@ def check_lowered(tmp, failures):
     """Lowered programs (PyTorch's pipeline_order_with_comms against fsdpp's plan with --fsdp), for
     PyTorch's runtime schedules, with defer_reduce_grad_wait false (PyTorch's default) and true
     (fsdpp's): the same messages, the same FSDP actions (WAIT_REDUCE_GRAD included) and the same
-    WAIT_SEND_F / WAIT_SEND_B after the same computations; and with fsdpp's `--defer-pp-recv false`
-    (PyTorch's default placement of receives), the whole program, action for action, except
-    DualPipeV's OVERLAP_F_B pairs. (fsdpp's default posts each receive right before its use, as
-    PyTorch's defer_pp_recv=True does.)"""
+    WAIT_SEND_F / WAIT_SEND_B after the same computations; and with receives where both post them by
+    default (defer_pp_recv false), the whole program, action for action, except DualPipeV's
+    OVERLAP_F_B pairs."""
     cases = exact = 0
     for cls_name, cls, ours_name, v, layout in runtime_schedules():
         for pp in (2, 4):

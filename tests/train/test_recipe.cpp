@@ -198,7 +198,7 @@ TEST_CASE("recipe: parallel.max_active_stages and unshard_lookahead go into the 
          "parallel.max_active_stages: only used with pp > 1");
   expect(problems(base(), {"parallel.unshard_lookahead=auto"}),
          "parallel.unshard_lookahead: only used with pp > 1");
-  expect(problems(base(), {"parallel.defer_pp_recv=false"}), "parallel.defer_pp_recv: only used with pp > 1");
+  expect(problems(base(), {"parallel.defer_pp_recv=true"}), "parallel.defer_pp_recv: only used with pp > 1");
   const std::vector<std::string> pp2 = {"parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2"};
   const auto with = [&](const std::string& o) {
     auto all = pp2;
@@ -214,13 +214,15 @@ TEST_CASE("recipe: parallel.max_active_stages and unshard_lookahead go into the 
   expect(
       with("parallel.unshard_lookahead=[1,4]"),
       "parallel.unshard_lookahead: unshard lookahead of rank 1 must be in [1, max_active_stages=3], got 4");
-  // defer_pp_recv reaches the plan: early receives (PyTorch 2.15's default) sit elsewhere.
+  // defer_pp_recv reaches the plan: deferred receives sit elsewhere than early ones (the default).
   const auto plan_of = [&](std::vector<std::string> o) {
     o.insert(o.end(), pp2.begin(), pp2.end());
     return train::parse_recipe(base(), "test.json", kSource + "/recipes", o).plan->lowered;
   };
-  CHECK(plan_of({"parallel.defer_pp_recv=false"}) != plan_of({}));
-  CHECK(plan_of({"parallel.defer_pp_recv=true"}) == plan_of({}));
+  const bool deferred_differ = plan_of({"parallel.defer_pp_recv=true"}) != plan_of({});
+  const bool early_by_default = plan_of({"parallel.defer_pp_recv=false"}) == plan_of({});
+  CHECK(deferred_differ);
+  CHECK(early_by_default);
 }
 
 TEST_CASE("recipe: parallel.reshard_after_forward") {

@@ -8,7 +8,7 @@
 //
 // Communication: each directed edge between two pipeline ranks gets its own two-rank communicator,
 // created and connected in the constructor (collective over `pp`). Receive buffers are allocated
-// when their RECV action runs, which the lowering places right before the consuming computation.
+// when their RECV action runs, where the lowering posts it (PlanOptions::defer_pp_recv).
 // A forward output gives up its storage once its send is issued (the send, and autograd where the
 // producing op saved it, keep what they need); backward only needs its shape and autograd edge.
 // Sends are asynchronous. With a budget (Plan::max_outstanding_sends), when that many sends are in

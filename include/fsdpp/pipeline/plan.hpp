@@ -37,12 +37,12 @@ struct PlanOptions {
   // PyTorch 2.15's `defer_reduce_grad_wait` defaults), or before the rank's next REDUCE_GRAD (or at
   // the end), so that the reduction overlaps the computations in between (true).
   bool defer_reduce_grad_wait = false;
-  // Where a receive is posted: right before the computation that uses it (true, as PyTorch 2.15's
-  // `defer_pp_recv=True`: its buffer lives no longer than needed), or as soon as the lowering has
-  // its sender emit the send (false, 2.15's default: on the receiving rank's program at that point,
-  // as _add_send_recv places it). Either way a receive comes earlier where the order between two
-  // ranks needs it (Note [point-to-point order]).
-  bool defer_pp_recv = true;
+  // Where a receive is posted: as soon as the lowering has its sender emit the send (false, PyTorch
+  // 2.15's default: on the receiving rank's program at that point, as _add_send_recv places it), or
+  // right before the computation that uses it (true, 2.15's `defer_pp_recv=True`: its buffer lives
+  // no longer than needed). Either way a receive comes earlier where the order between two ranks
+  // needs it (Note [point-to-point order]). bench/results/defer_pp_recv.md times both.
+  bool defer_pp_recv = false;
 };
 
 // Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.

@@ -111,9 +111,9 @@ struct ParallelOptions {
   // does by default; true waits before the rank's next stage reduces (or at the end of the step),
   // overlapping the computations in between (pipeline::PlanOptions::defer_reduce_grad_wait).
   bool defer_reduce_grad_wait = false;
-  // pp > 1: true posts each receive right before the computation that uses it; false as soon as
-  // the sender's send is in the plan, PyTorch 2.15's default (pipeline::PlanOptions::defer_pp_recv).
-  bool defer_pp_recv = true;
+  // pp > 1: false posts each receive as soon as the sender's send is in the plan, PyTorch 2.15's
+  // default; true right before the computation that uses it (pipeline::PlanOptions::defer_pp_recv).
+  bool defer_pp_recv = false;
   // pp = 1: true frees each block's gathered parameters after its forward and gathers them again
   // for backward (least memory; 2 all-gathers per block and microbatch). false gathers each block
   // once per step and keeps it until the step's last backward (the whole model's parameters held,
