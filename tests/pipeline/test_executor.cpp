@@ -738,6 +738,32 @@ struct TwoBlockStageImpl : torch::nn::Module {
 };
 TORCH_MODULE(TwoBlockStage);
 
+// This rank's TwoBlockStage of a dp x pp mesh, seeded per stage (weights seed + stage), sharded
+// over the dp communicator, whose collectives `counter` counts.
+struct ShardedTwoBlockStage {
+  std::shared_ptr<test::CountingComm> counter;
+  fsdp::FullyShard<TwoBlockStageImpl> stage{nullptr};
+  std::vector<PipelineStage> mine;
+  int s = 0, d = 0;
+  ShardedTwoBlockStage(comm::DeviceMesh& mesh, uint64_t seed)
+      : counter(std::make_shared<test::CountingComm>(mesh.comm("dp").impl_ptr())),
+        s(mesh.coord("pp")),
+        d(mesh.coord("dp")) {
+    comm::Comm dp_comm(counter);
+    dp_comm.set_consistency_check(false);
+    TwoBlockStage module;
+    {
+      auto gen = at::detail::createCPUGenerator(seed + s);
+      at::NoGradGuard no_grad;
+      for (auto& p : module->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.5);
+    }
+    stage = fsdp::fully_shard(module, dp_comm);
+    auto* root = stage.ptr().get();
+    mine.push_back({s, [root](const at::Tensor& x) { return root->forward(x); }, root->parameters(),
+                    fsdp_sharding(*root)});
+  }
+};
+
 }  // namespace
 
 TEST_CASE("FSDP stages stay gathered across their microbatches: one all-gather per unit per step") {
@@ -755,20 +781,11 @@ TEST_CASE("FSDP stages stay gathered across their microbatches: one all-gather p
   for (bool keep : {true, false})
     test::run_ranks(pp * dp, [&](comm::Comm& world) {
       comm::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
-      auto counter = std::make_shared<test::CountingComm>(mesh.comm("dp").impl_ptr());
-      comm::Comm dp_comm(counter);
-      dp_comm.set_consistency_check(false);
-      const int s = mesh.coord("pp"), d = mesh.coord("dp");
-      TwoBlockStage module;
-      {
-        auto gen = at::detail::createCPUGenerator(100 + s);  // the same weights for both runs, per stage
-        at::NoGradGuard no_grad;
-        for (auto& p : module->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.5);
-      }
-      auto stage = fsdp::fully_shard(module, dp_comm);
-      auto* root = stage.ptr().get();
-      std::vector<PipelineStage> mine{{s, [root](const at::Tensor& x) { return root->forward(x); },
-                                       root->parameters(), fsdp_sharding(*root)}};
+      ShardedTwoBlockStage rig(mesh, 100);  // the same weights for both runs, per stage
+      const auto& counter = rig.counter;
+      const int s = rig.s, d = rig.d;
+      auto& stage = rig.stage;
+      auto& mine = rig.mine;
       ExecutorOptions eo{.activation_shape = {rows / dp, kDim}, .keep_stages_unsharded = keep};
       PipelineExecutor exec(plan, mesh.comm("pp"), mine, mse, eo);
       const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);
@@ -812,20 +829,11 @@ TEST_CASE("gradients accumulated over schedule calls: FSDP stages stay gathered 
   for (bool deferred : {true, false})
     test::run_ranks(pp * dp, [&](comm::Comm& world) {
       comm::DeviceMesh mesh(world, {{"pp", pp}, {"dp", dp}});
-      auto counter = std::make_shared<test::CountingComm>(mesh.comm("dp").impl_ptr());
-      comm::Comm dp_comm(counter);
-      dp_comm.set_consistency_check(false);
-      const int s = mesh.coord("pp"), d = mesh.coord("dp");
-      TwoBlockStage module;
-      {
-        auto gen = at::detail::createCPUGenerator(200 + s);
-        at::NoGradGuard no_grad;
-        for (auto& p : module->parameters()) p.copy_(at::randn(p.sizes(), gen) * 0.5);
-      }
-      auto stage = fsdp::fully_shard(module, dp_comm);
-      auto* root = stage.ptr().get();
-      std::vector<PipelineStage> mine{{s, [root](const at::Tensor& x) { return root->forward(x); },
-                                       root->parameters(), fsdp_sharding(*root)}};
+      ShardedTwoBlockStage rig(mesh, 200);
+      const auto& counter = rig.counter;
+      const int s = rig.s, d = rig.d;
+      auto& stage = rig.stage;
+      auto& mine = rig.mine;
       PipelineExecutor exec(plan, mesh.comm("pp"), mine, mse,
                             {.activation_shape = {rows / dp, kDim}, .loss_scale = 1.0 / (calls * m)});
       counter->reset();  // sharding checked its plan with collectives of its own
