@@ -191,7 +191,7 @@ int main(int argc, char** argv) {
                      "stages are sharded: add UNSHARD, RESHARD, REDUCE_GRAD and WAIT_REDUCE_GRAD");
   cmd_show->add_option("--defer-pp-recv", show.defer_pp_recv,
                        "post each receive as soon as its send is in the plan (false, the default, as "
-                       "PyTorch 2.15) or right before its use (true)");
+                       "PyTorch 2.15) or as late as 2.15's defer_pp_recv posts it, before its use (true)");
   cmd_show->add_option("--defer-reduce-grad-wait", show.defer_reduce_grad_wait,
                        "with --fsdp: wait for a stage's REDUCE_GRAD right after it (false, the default, "
                        "as PyTorch 2.15) or before the rank's next one (true)");

@@ -13,6 +13,7 @@
 #include <deque>
 #include <map>
 #include <set>
+#include <thread>
 
 namespace fsdpp::pipeline {
 
@@ -113,8 +114,10 @@ at::Tensor PipelineExecutor::forward(const std::vector<at::Tensor>& inputs,
   std::vector<Action> program;
   for (const Action& a : plan_.lowered[pp_.rank()]) {
     const bool forward_part = a.type == T::kForward || a.type == T::kSendF || a.type == T::kRecvF;
-    if ((forward_part && a.microbatch < count) || a.type == T::kUnshard || a.type == T::kReshard)
+    if ((forward_part && a.microbatch < count) || a.type == T::kUnshard || a.type == T::kReshard) {
       program.push_back(a);
+      program.back().with_previous = false;  // a group's other computations are not here
+    }
   }
   at::NoGradGuard no_grad;
   return run(program, inputs, targets, 1.0);
@@ -146,7 +149,6 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
   // their own send, if it is still counted.
   std::deque<std::pair<Action, comm::Work>> sends;
   const bool captured = options_.device.is_cuda() && fsdpp::stream_capturing(options_.device.index());
-  int live_buffers = 0;
   auto send = [&](const Action& a, int to, const at::Tensor& t) {
     const int budget = plan_.max_outstanding_sends;
     if (!captured)
@@ -164,6 +166,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
     if (options_.on_compute) options_.on_compute(a, begin, std::chrono::system_clock::now());
   };
   slots_.clear();
+  int live_buffers = 0;
   auto new_buffer = [&] {
     ++stats_.recv_buffers_allocated;
     stats_.peak_recv_buffers = std::max(stats_.peak_recv_buffers, ++live_buffers);
@@ -299,7 +302,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
         break;
     }
   };
-  for (const Action& a : program) {
+  auto perform = [&](const Action& a) {
     comm::OpLabel op_label("pp " + to_string(a));
     if (a.type == T::kBackward || a.type == T::kBackwardWeight) ++backwards[a.stage];
     if (const auto it = custom_.find(a.type); it != custom_.end()) {
@@ -307,6 +310,58 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
       it->second(ctx);
     } else {
       run_action(a);
+    }
+  };
+  // Whether a computation's input is here: produced on this rank, or its receive completed. While
+  // a step is captured as a CUDA graph every receive reads as completed.
+  auto input_here = [&](const Action& a) {
+    auto& sl = slot(a.stage, a.microbatch);
+    if (a.type == T::kForward) return !sl.recv_f.defined() || sl.recv_f_work->is_completed();
+    if (a.type == T::kBackward || a.type == T::kBackwardInput)
+      return !sl.recv_b.defined() || sl.recv_b_work->is_completed();
+    return true;
+  };
+  for (size_t i = 0; i < program.size();) {
+    const size_t end = group_end(program, i);
+    if (end == i + 1) {
+      perform(program[i++]);
+      continue;
+    }
+    // An overlap group (Note [overlap groups]): its computations one after the other, each as soon
+    // as it can start (the first in the plan whose input is here, so that one computes while
+    // another's input is still arriving), and after each, what follows the group as far as it
+    // is ready, in the plan's order: the sends of the computations done (in flight while the
+    // others compute) and waits for earlier sends. On CPU, with no input here yet, this thread
+    // watches for the first to arrive; on CUDA the host does not wait for the device, and the
+    // computations are queued in the plan's order.
+    std::vector<Action> todo(program.begin() + static_cast<std::ptrdiff_t>(i),
+                             program.begin() + static_cast<std::ptrdiff_t>(end));
+    std::vector<Action> done;
+    auto computed_here = [&](const Action& send) {
+      return std::any_of(done.begin(), done.end(), [&](const Action& c) {
+        return c.stage == send.stage && c.microbatch == send.microbatch &&
+               (send.type == T::kSendF ? c.type == T::kForward
+                                       : c.type == T::kBackward || c.type == T::kBackwardInput);
+      });
+    };
+    i = end;
+    while (!todo.empty()) {
+      auto next = std::find_if(todo.begin(), todo.end(), input_here);
+      while (next == todo.end() && options_.device.is_cpu()) {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        next = std::find_if(todo.begin(), todo.end(), input_here);
+      }
+      if (next == todo.end()) next = todo.begin();
+      perform(*next);
+      done.push_back(*next);
+      todo.erase(next);
+      for (; i < program.size(); ++i) {
+        const Action& a = program[i];
+        const bool ready =
+            is_send_wait(a.type) || ((a.type == T::kSendF || a.type == T::kSendB) && computed_here(a));
+        if (!ready) break;
+        perform(a);
+      }
     }
   }
   finish_reduces();

@@ -10,32 +10,11 @@
 
 #include "fsdpp/pipeline/plan.hpp"
 #include "fsdpp/pipeline/table.hpp"
+#include "pipeline/schedule_test_util.hpp"
 
 using namespace fsdpp::pipeline;
 
-namespace {
-
-std::string joined(const std::vector<Action>& actions) {
-  std::string s;
-  for (const auto& a : actions) s += (s.empty() ? "" : " ") + to_string(a);
-  return s;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ScheduleError& e) {
-    return e.what();
-  }
-  return "no error";
-}
-
-Program from_csv(const std::string& text) {
-  std::istringstream in(text);
-  return parse_csv(in);
-}
-
-}  // namespace
+using namespace schedule_test;
 
 TEST_CASE("actions print and parse losslessly, in PyTorch's notation") {
   for (const std::string s : {"0F1", "2I1", "0W3", "0B3", "1UNSHARD", "3RESHARD", "2SEND_B2", "1RECV_F1",
@@ -125,17 +104,6 @@ TEST_CASE("CSV round trip, with empty cells as idle slots") {
   std::ostringstream out;
   write_csv(out, p);
   CHECK(from_csv(out.str()) == p);
-}
-
-TEST_CASE("PyTorch's OVERLAP_F_B groups read as their actions in order; bad groups are named") {
-  const auto p = from_csv("0F0,(0F1;3B0)OVERLAP_F_B,3W0\n1F0,( 1F1;2B0 )OVERLAP_F_B\n");
-  CHECK(joined(p[0]) == "0F0 0F1 3B0 3W0");
-  CHECK(error_of([] { from_csv("0F0,(0F1;0SEND_F0)OVERLAP_F_B\n"); })
-            .find("line 1, column 10: '0SEND_F0' in (0F1;0SEND_F0)OVERLAP_F_B: a group holds compute actions "
-                  "only") != std::string::npos);
-  CHECK(error_of([] {
-          from_csv("(0F1;0B0)OVERLAP\n");
-        }).find("a group must read (action;action...)OVERLAP_F_B") != std::string::npos);
 }
 
 TEST_CASE("built-in orders follow their published rules") {

@@ -2,8 +2,8 @@
 
 1. Orders: for every schedule class that torch.distributed.pipelining ships, the per-rank compute
    order (F, B, I, W) that fsdpp lowers equals the one PyTorch generates, for pp 2 and 4 and several
-   microbatch counts (odd ones where the schedule allows them). DualPipeV's OVERLAP_F_B pairs
-   count as their two actions in order (fsdpp runs them one after the other).
+   microbatch counts (odd ones where the schedule allows them), DualPipeV's OVERLAP_F_B groups
+   included (fsdpp's tables write them as PyTorch does, "(0F1;3B0)OVERLAP_F_B").
 2. Action tables, both ways: a compute-only CSV that PyTorch's runtime writes (_dump_csv) loads in
    `fsdpp schedule show --csv` with the same order, and the compute CSV fsdpp writes loads in
    PyTorch's runtime (_load_csv, which lowers it with PyTorch's own passes) with the same order.
@@ -12,7 +12,8 @@
 3. Lowered programs, for PyTorch's runtime schedules: between every pair of ranks the same messages
    in the same order (sent and received), and on every rank the same UNSHARD, RESHARD and
    REDUCE_GRAD actions after the same number of computations (fsdpp lowered with --fsdp), also
-   with max_active_stages 1 to 3 and unshard_lookahead "full", "auto" and one value per rank.
+   with max_active_stages 1 to 3 and unshard_lookahead "full", "auto" and one value per rank; and
+   under a send budget (max_outstanding_sends 1 to 3), the whole program action for action.
 
 PyTorch's orders come from its schedule classes, built on stub stages (the schedule only reads their
 indices); fsdpp's from `fsdpp schedule show`.
@@ -57,8 +58,9 @@ class StubStage:
 
 
 def is_compute(token):
-    """F, B, I or W of a stage and microbatch: "2F0", "0W3"."""
-    return re.fullmatch(r"\d+[FBIW]\d+", token) is not None
+    """F, B, I or W of a stage and microbatch ("2F0", "0W3"), or an overlap group of them
+    ("(0F1;3B0)OVERLAP_F_B")."""
+    return re.fullmatch(r"\d+[FBIW]\d+|\(\d+[FBIW]\d+(;\d+[FBIW]\d+)+\)OVERLAP_F_B", token) is not None
 
 
 def torch_schedule(cls, pp, v, m, layout, **options):
@@ -68,17 +70,13 @@ def torch_schedule(cls, pp, v, m, layout, **options):
     return cls(stages[0], m, **options) if issubclass(cls, S.PipelineScheduleSingle) else cls(stages, m, **options)
 
 
-def flat(actions):
-    """Actions with each OVERLAP_F_B group replaced by its sub-actions, in order."""
-    for a in actions:
-        if a is not None and getattr(a, "sub_actions", None):
-            yield from a.sub_actions
-        elif a is not None:
-            yield a
+def texts(actions):
+    """The actions as a table writes them, an OVERLAP_F_B group in one cell."""
+    return [str(a) for a in actions if a is not None]
 
 
 def compute_of(order):
-    return {r: [str(a) for a in flat(actions) if is_compute(str(a))] for r, actions in order.items()}
+    return {r: [a for a in texts(actions) if is_compute(a)] for r, actions in order.items()}
 
 
 def torch_order(cls, pp, v, m, layout):
@@ -165,7 +163,7 @@ def check_lowered_tables(tmp, failures):
             except Exception as e:  # noqa: BLE001 (PyTorch raises several kinds)
                 failures.append(f"{what}: PyTorch refuses fsdpp's lowered table: {e}")
                 continue
-            loaded = {r: [str(a) for a in flat(acts)] for r, acts in back.pipeline_order_with_comms.items()}
+            loaded = {r: texts(acts) for r, acts in back.pipeline_order_with_comms.items()}
             if loaded != ours:
                 failures.append(f"{what}: fsdpp's lowered table loads in PyTorch as another program")
             table = os.path.join(tmp, "torch_lowered.csv")
@@ -173,7 +171,7 @@ def check_lowered_tables(tmp, failures):
                 writer = csv.writer(f)
                 theirs = torch_schedule(cls, pp, v, m, layout).pipeline_order_with_comms
                 for r in sorted(theirs):
-                    writer.writerow([str(a) for a in flat(theirs[r]) if not fsdp_action.fullmatch(str(a))])
+                    writer.writerow([a for a in texts(theirs[r]) if not fsdp_action.fullmatch(a)])
             try:
                 fsdpp_show(["--csv", table], pp, v, m, os.path.join(tmp, "theirs"))
             except subprocess.CalledProcessError as e:
@@ -192,7 +190,7 @@ def lowered_summary(ranks, pp, layout):
     """What two lowerings must agree on: per (sender, receiver), the messages in the order sent and
     in the order received (NCCL pairs them by order); per rank each FSDP action (UNSHARD,
     RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD of a stage) and each send's wait (WAIT_SEND_F,
-    WAIT_SEND_B), with the number of compute actions before it."""
+    WAIT_SEND_B), with the number of compute actions (an overlap group counting as one) before it."""
     sent, received, fsdp, waits = {}, {}, {}, {}
     for r, actions in ranks.items():
         computed = 0
@@ -212,6 +210,26 @@ def lowered_summary(ranks, pp, layout):
             elif is_compute(a):
                 computed += 1
     return sent, received, fsdp, waits
+
+
+def order_broken(ranks, pp, layout):
+    """Whether some rank receives a peer's messages in another order than the peer sends them
+    (NCCL pairs a pair's sends and receives by order; fsdpp posts such a receive earlier)."""
+    sent, received, _, _ = lowered_summary(ranks, pp, layout)
+    return any(sent.get(k) != received.get(k) for k in set(sent) | set(received))
+
+
+def same_or_reordered(what, theirs, ours, pp, layout, failures):
+    """True when the programs are the same; False, and nothing reported, where they differ only
+    because PyTorch's receives (with defer_pp_recv) break a pair's message order, which fsdpp's do
+    not; otherwise reported."""
+    bad = [r for r in theirs if theirs[r] != ours.get(r)]
+    if not bad:
+        return True
+    if order_broken(theirs, pp, layout) and not order_broken(ours, pp, layout):
+        return False
+    failures.append(f"{what}: rank {bad[0]} differs:\n  PyTorch {theirs[bad[0]]}\n  fsdpp   {ours.get(bad[0])}")
+    return False
 
 
 def compare_lowered(what, theirs, ours_args, pp, v, m, layout, tmp, failures):
@@ -238,10 +256,9 @@ def check_lowered(tmp, failures):
     """Lowered programs (PyTorch's pipeline_order_with_comms against fsdpp's plan with --fsdp), for
     PyTorch's runtime schedules, with defer_reduce_grad_wait false (PyTorch's default) and true
     (fsdpp's): the same messages, the same FSDP actions (WAIT_REDUCE_GRAD included) and the same
-    WAIT_SEND_F / WAIT_SEND_B after the same computations; and with receives where both post them by
-    default (defer_pp_recv false), the whole program, action for action, except DualPipeV's
-    OVERLAP_F_B pairs."""
-    cases = exact = 0
+    WAIT_SEND_F / WAIT_SEND_B after the same computations; and with defer_pp_recv false and true,
+    the whole program, action for action (DualPipeV's OVERLAP_F_B groups included)."""
+    cases = exact = reordered = 0
     for cls_name, cls, ours_name, v, layout in runtime_schedules():
         for pp in (2, 4):
             for m in (2 * pp, 2 * pp + 1):
@@ -249,7 +266,7 @@ def check_lowered(tmp, failures):
                     what = f"{cls_name}, pp {pp}, {m} microbatches, defer_reduce_grad_wait {defer}, lowered"
                     try:
                         sched = torch_schedule(cls, pp, v, m, layout, defer_reduce_grad_wait=defer)
-                        theirs = {r: [str(a) for a in flat(acts)] for r, acts in sched.pipeline_order_with_comms.items()}
+                        theirs = {r: texts(acts) for r, acts in sched.pipeline_order_with_comms.items()}
                     except ValueError:
                         continue  # a count PyTorch refuses
                     args = ["--schedule", ours_name, "--fsdp", "--defer-reduce-grad-wait", str(defer).lower()]
@@ -257,22 +274,68 @@ def check_lowered(tmp, failures):
                         cases += 1
                     print(f"{what}: same messages in the same order between every pair of ranks, same FSDP actions "
                           "and send waits")
-                    if cls_name == "ScheduleDualPipeV":
-                        # 2.15 lowers an OVERLAP_F_B pair as one action, its sends after both halves;
-                        # fsdpp's programs hold the pair's actions (README: differences).
+                    for defer_recv in (False, True):
+                        sched = torch_schedule(cls, pp, v, m, layout, defer_reduce_grad_wait=defer,
+                                               defer_pp_recv=defer_recv)
+                        theirs = {r: texts(acts) for r, acts in sched.pipeline_order_with_comms.items()}
+                        out = os.path.join(tmp, "exact")
+                        fsdpp_show(args + ["--defer-pp-recv", str(defer_recv).lower()], pp, v, m, out)
+                        with open(out + ".csv") as f:
+                            ours = {r: [a for a in row if a] for r, row in enumerate(csv.reader(f))}
+                        if same_or_reordered(f"{what}, defer_pp_recv {defer_recv}", theirs, ours, pp, layout,
+                                             failures):
+                            exact += 1
+                            print(f"{what}, defer_pp_recv {defer_recv}: the same program, action for action")
+                        else:
+                            reordered += 1
+    return cases, exact, reordered
+
+
+def check_budget(tmp, failures):
+    """max_outstanding_sends: PyTorch's lowering with the budget (its _add_wait_send_budget moving
+    WAIT_SEND_F / WAIT_SEND_B earlier) against fsdpp's plan with --max-outstanding-sends, for
+    PyTorch's runtime schedules at pp 2 and 4, budgets 1 to 3, receives posted early and late
+    (defer_pp_recv), with FSDP actions: the whole program, action for action. Where PyTorch cannot
+    keep a budget, fsdpp's plan must still be made (it keeps the budget at run time); those cases
+    are counted apart."""
+    cases = refused = reordered = 0
+    for cls_name, cls, ours_name, v, layout in runtime_schedules():
+        for pp in (2, 4):
+            m = 2 * pp
+            for budget, defer in [(b, d) for b in (1, 2, 3) for d in (False, True)]:
+                what = f"{cls_name}, pp {pp}, {m} microbatches, max_outstanding_sends {budget}, defer_pp_recv {defer}"
+                args = ["--schedule", ours_name, "--fsdp", "--max-outstanding-sends", str(budget),
+                        "--defer-pp-recv", str(defer).lower()]
+                try:
+                    sched = torch_schedule(cls, pp, v, m, layout, max_outstanding_sends=budget, defer_pp_recv=defer)
+                    theirs = {r: texts(acts) for r, acts in sched.pipeline_order_with_comms.items()}
+                except ValueError as e:
+                    if "Cannot satisfy max_outstanding_sends" not in str(e):
+                        failures.append(f"{what}: PyTorch refuses: {e}")
                         continue
-                    early = os.path.join(tmp, "early")
-                    fsdpp_show(args + ["--defer-pp-recv", "false"], pp, v, m, early)
-                    with open(early + ".csv") as f:
-                        ours = {r: [a for a in row if a] for r, row in enumerate(csv.reader(f))}
-                    bad = [r for r in theirs if theirs[r] != ours.get(r)]
-                    if bad:
-                        failures.append(f"{what}, defer_pp_recv false: rank {bad[0]} differs:\n"
-                                        f"  PyTorch {theirs[bad[0]]}\n  fsdpp   {ours.get(bad[0])}")
-                    else:
-                        exact += 1
-                        print(f"{what}, defer_pp_recv false: the same program, action for action")
-    return cases, exact
+                    try:
+                        fsdpp_show(args, pp, v, m, os.path.join(tmp, "b"))
+                    except subprocess.CalledProcessError as err:
+                        failures.append(f"{what}: PyTorch cannot keep the budget and fsdpp refuses: "
+                                        f"{err.stdout.decode()}{err.stderr.decode()}")
+                    refused += 1
+                    continue
+                out = os.path.join(tmp, "b")
+                try:
+                    fsdpp_show(args, pp, v, m, out)
+                except subprocess.CalledProcessError as e:
+                    failures.append(f"{what}: PyTorch accepts it, fsdpp refuses: {e.stdout.decode()}{e.stderr.decode()}")
+                    continue
+                with open(out + ".csv") as f:
+                    ours = {r: [a for a in row if a] for r, row in enumerate(csv.reader(f))}
+                if same_or_reordered(what, theirs, ours, pp, layout, failures):
+                    cases += 1
+                else:
+                    reordered += 1
+    print(f"{cases} lowerings under a send budget equal to PyTorch's action for action; {reordered} where PyTorch's "
+          f"deferred receives break a pair's message order and fsdpp's do not; {refused} budgets PyTorch cannot keep, "
+          "which fsdpp keeps at run time")
+    return cases
 
 
 def check_lookahead(tmp, failures):
@@ -294,8 +357,7 @@ def check_lookahead(tmp, failures):
                         try:
                             sched = torch_schedule(cls, pp, v, m, layout, max_active_stages=active,
                                                    unshard_lookahead=lookahead)
-                            theirs = {r: [str(a) for a in flat(acts)]
-                                      for r, acts in sched.pipeline_order_with_comms.items()}
+                            theirs = {r: texts(acts) for r, acts in sched.pipeline_order_with_comms.items()}
                         except ValueError as e:
                             if "max_active_stages" in str(e):
                                 continue  # DualPipeV's overlapped pairs need 2 active stages
@@ -359,12 +421,15 @@ def main():
                         failures.append(f"{what}: rank {bad} differs:\n  PyTorch {theirs[bad]}\n  fsdpp   {ours.get(bad)}")
         tables = check_tables(tmp, failures)
         lowered_tables = check_lowered_tables(tmp, failures)
-        lowered, exact = check_lowered(tmp, failures)
+        lowered, exact, reordered = check_lowered(tmp, failures)
         staggered = check_lookahead(tmp, failures)
+        budgets = check_budget(tmp, failures)
     print(f"{compared} (schedule, pp, microbatches) orders compared; {tables} tables and {lowered_tables} lowered "
-          f"tables exchanged both ways; {lowered} lowered programs compared, {exact} action for action; "
-          f"{staggered} with staggered unshards")
-    if compared < 20 or tables < 8 or lowered_tables < 8 or lowered < 16 or exact < 16 or staggered < 60:
+          f"tables exchanged both ways; {lowered} lowered programs compared, {exact} action for action "
+          f"(with receives posted early and late; {reordered} where PyTorch's deferred receives break a pair's message "
+          f"order); {staggered} with staggered unshards, {budgets} under a send budget")
+    if (compared < 20 or tables < 8 or lowered_tables < 8 or lowered < 16 or exact + reordered < 2 * lowered
+            or exact < lowered or staggered < 60 or budgets < 30):
         failures.append(f"only {compared} orders, {tables} tables, {lowered_tables} lowered tables, {lowered} "
                         f"lowered programs and {staggered} staggered lowerings were compared")
     for f in failures:

@@ -6,6 +6,16 @@
 // microbatch 1), "2I1", "0W3", "0B3", "1UNSHARD", "2SEND_B2", "1RECV_F1", "0WAIT_SEND_F1",
 // "0REDUCE_GRAD", "0WAIT_REDUCE_GRAD". A CSV
 // holds one rank per row, one action per cell; an empty cell is an idle slot and is skipped.
+//
+// Note [overlap groups]
+// PyTorch 2.15's OVERLAP_F_B: computations of different stages, written "(0F1;3B0)OVERLAP_F_B",
+// meant to overlap so that one's communication hides behind the other's compute (DualPipeV pairs
+// the forward of one stage with the backward of the other). Here a group is its actions in order,
+// each after the first marked `with_previous`: every pass that does not care sees plain actions,
+// and the passes that do keep a group whole (nothing is placed between its actions; its sends
+// follow it, as 2.15 lowers it). The executor runs first whichever computation has its input,
+// and issues each one's sends as soon as it is done (executor.hpp). A group's actions must be
+// independent: different stages, none consuming what another produces (validate_groups).
 
 #include <algorithm>
 #include <cctype>
@@ -39,6 +49,8 @@ struct Action {
   int stage = 0;
   ActionType type = ActionType::kForward;
   int microbatch = -1;  // -1 for UNSHARD, RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD
+  // In an OVERLAP_F_B group with the computation before it (Note [overlap groups]).
+  bool with_previous = false;
 
   bool operator==(const Action&) const = default;
 };
@@ -172,9 +184,16 @@ inline Action parse_action(const std::string& text, int line = 0, int column = 0
   return a;
 }
 
-// Parses one cell of a table: an action, or a group PyTorch's runtime writes as
-// "(0F1;3B0)OVERLAP_F_B" (compute actions meant to overlap on separate streams), which becomes its
-// actions in order. `line` and `column` locate the cell; a group's errors name the inner column.
+// The end (one past the last action) of the group that starts at `i`: i + 1 for a lone action.
+inline size_t group_end(const std::vector<Action>& actions, size_t i) {
+  size_t j = i + 1;
+  while (j < actions.size() && actions[j].with_previous) ++j;
+  return j;
+}
+
+// Parses one cell of a table: an action, or an overlap group written as PyTorch's runtime writes it,
+// "(0F1;3B0)OVERLAP_F_B" (Note [overlap groups]). `line` and `column` locate the cell; a group's
+// errors name the inner column.
 inline std::vector<Action> parse_cell(const std::string& text, int line = 0, int column = 0) {
   if (text.empty() || text.front() != '(') return {parse_action(text, line, column)};
   const size_t close = text.find(')');
@@ -196,8 +215,11 @@ inline std::vector<Action> parse_cell(const std::string& text, int line = 0, int
       throw ScheduleError(detail::where(line, inner_column) + "'" + inner + "' in " + text +
                           ": a group holds compute actions only (F, B, I, W)");
     out.push_back(a);
+    out.back().with_previous = out.size() > 1;
     start = end + 1;
   }
+  if (out.size() < 2)
+    throw ScheduleError(detail::where(line, column) + "'" + text + "': a group holds at least two actions");
   return out;
 }
 
@@ -240,9 +262,27 @@ inline Program parse_csv(std::istream& in, Positions* where = nullptr) {
   return program;
 }
 
+// One cell per action, a group in one cell as PyTorch writes it.
+inline std::vector<std::string> cells(const std::vector<Action>& actions) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < actions.size();) {
+    const size_t end = group_end(actions, i);
+    std::string cell = to_string(actions[i]);
+    if (end > i + 1) {
+      cell = "(" + cell;
+      for (size_t j = i + 1; j < end; ++j) cell += ";" + to_string(actions[j]);
+      cell += ")OVERLAP_F_B";
+    }
+    out.push_back(std::move(cell));
+    i = end;
+  }
+  return out;
+}
+
 inline void write_csv(std::ostream& out, const Program& program) {
   for (const auto& rank : program) {
-    for (size_t i = 0; i < rank.size(); ++i) out << (i ? "," : "") << to_string(rank[i]);
+    const auto row = cells(rank);
+    for (size_t i = 0; i < row.size(); ++i) out << (i ? "," : "") << row[i];
     out << "\n";
   }
 }

@@ -176,8 +176,8 @@ class ZBVZeroBubble : public Schedule {
 
 // DualPipeV: DeepSeek's DualPipe folded into a V (rank r holds stages r and 2p-1-r), as PyTorch
 // 2.15's ScheduleDualPipeV. In the steady state a rank pairs the forward of one of its stages with
-// the full backward of the other (on GPUs each pair's communication can then hide behind the
-// other's compute; PyTorch marks the pairs OVERLAP_F_B, here they run as F then B). The ramp-up
+// the full backward of the other in an OVERLAP_F_B group (Note [overlap groups]): the two run at
+// once, so that each one's communication hides behind the other's compute. The ramp-up
 // splits the backwards of each rank's second stage (2p-1-r) into I and W to fill its bubbles, and
 // the drain splits both stages' backwards from its middle on, each W deferred to a slot that
 // would otherwise idle. Needs m >= 2p.
@@ -216,9 +216,15 @@ class DualPipeV : public Schedule {
       for (int k = 0; k < 2 * below; ++k) forward(0);
       for (int k = 0; k <= r; ++k) forward(0), forward(1);
       for (int k = 0; k < below; ++k) backward(1, true), deferred_weight(), forward(1);
-      for (int k = 0; k < m - 2 * pp + r + 1; ++k)
-        forward(0), backward(1, false), forward(1), backward(0, false);
-      for (int k = 0; k < below; ++k) backward(1, false), forward(1), backward(0, false);
+      // The steady state's pairs are overlap groups, as 2.15 marks them (all but the last rank's
+      // first, which runs alone to shorten the bubble).
+      auto with_previous = [&] { out.back().with_previous = true; };
+      for (int k = 0; k < m - 2 * pp + r + 1; ++k) {
+        forward(0), backward(1, false);
+        if (k > 0 || r < pp - 1) with_previous();
+        forward(1), backward(0, false), with_previous();
+      }
+      for (int k = 0; k < below; ++k) backward(1, false), forward(1), backward(0, false), with_previous();
       // Drain: full backwards, then I's from the middle on (odd ranks switch one action earlier).
       bool split = false;
       for (int k = 0; k <= r; ++k) {

@@ -11,11 +11,17 @@
 // when their RECV action runs, where the lowering posts it (PlanOptions::defer_pp_recv).
 // A forward output gives up its storage once its send is issued (the send, and autograd where the
 // producing op saved it, keep what they need); backward only needs its shape and autograd edge.
-// Sends are asynchronous. With a budget (Plan::max_outstanding_sends), when that many sends are in
+// Sends are asynchronous. WAIT_SEND_F / WAIT_SEND_B wait for their send where the plan puts them
+// (when it is still counted), which keeps a send budget (Plan::max_outstanding_sends) where the
+// plan could place it; where it could not, the budget is kept here: when that many sends are in
 // flight a new one first waits for the oldest of them (sends seen complete leave the count at
-// once); the plan's simulation has shown this can never deadlock. WAIT_SEND_F / WAIT_SEND_B wait
-// for their send where the plan puts them (when it is still counted), and every send is waited at
-// the end of the step. On NCCL every wait is a stream dependency, so a step can be captured as a CUDA
+// once), which the plan's simulation has shown can never deadlock. Every send is waited at the
+// end of the step.
+//
+// OVERLAP_F_B groups (Note [overlap groups] in action.hpp): a group's computations run one after
+// the other, first the one whose input is here, and after each, the sends of the computations done
+// that follow the group in the plan (in the plan's order), so that one's message travels while
+// another computes. On NCCL every wait is a stream dependency, so a step can be captured as a CUDA
 // graph: its receive buffers then come from the graph's pool, and the budget is recorded as
 // dependencies between the sends.
 //

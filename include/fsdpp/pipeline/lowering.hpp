@@ -35,6 +35,48 @@ inline std::vector<int> infer_stage_ranks(const Program& program, int num_stages
   return owner;
 }
 
+// Whether `later` consumes what `earlier` produces: its input (the previous stage's output, or
+// the next stage's input gradient), its own forward, or its own I.
+inline bool depends_on(const Action& later, const Action& earlier) {
+  using T = ActionType;
+  const bool backward = later.type == T::kBackward || later.type == T::kBackwardInput;
+  const bool earlier_backward = earlier.type == T::kBackward || earlier.type == T::kBackwardInput;
+  if (later.microbatch != earlier.microbatch) return false;
+  if (later.type == T::kForward) return earlier.type == T::kForward && earlier.stage == later.stage - 1;
+  if (backward) return (earlier_backward && earlier.stage == later.stage + 1) || earlier.stage == later.stage;
+  return later.type == T::kBackwardWeight && earlier.stage == later.stage;
+}
+
+// The groups of one rank's actions (Note [overlap groups]): each opens with a computation and holds
+// only computations, of different stages, none consuming what another produces; nothing else
+// comes between them. Throws ScheduleError naming the rank and the group.
+inline void validate_groups(const std::vector<Action>& actions, int rank) {
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const size_t end = group_end(actions, i);
+    const std::string at = "rank " + std::to_string(rank) + ": ";
+    if (actions[i].with_previous)  // group_end takes every marked action after a group's first
+      throw ScheduleError(at + to_string(actions[i]) +
+                          " is marked as in a group but opens the rank's actions");
+    if (end == i + 1) continue;
+    std::string group;
+    for (size_t j = i; j < end; ++j) group += (j > i ? ";" : "(") + to_string(actions[j]);
+    group += ")OVERLAP_F_B";
+    for (size_t j = i; j < end; ++j) {
+      if (!is_compute(actions[j].type))
+        throw ScheduleError(at + group + ": a group holds computations only (F, B, I, W)");
+      for (size_t k = i; k < j; ++k) {
+        if (actions[k].stage == actions[j].stage)
+          throw ScheduleError(at + group + ": " + to_string(actions[k]) + " and " + to_string(actions[j]) +
+                              " are on one stage; a group's computations run at once, on different stages");
+        if (depends_on(actions[j], actions[k]))
+          throw ScheduleError(at + group + ": " + to_string(actions[j]) + " needs what " +
+                              to_string(actions[k]) + " produces, so they cannot run at once");
+      }
+    }
+    i = end - 1;
+  }
+}
+
 // Checks a compute-only program: only F/B/I/W; for every stage and microbatch exactly one F and
 // either one B or one I and one W; B or I after that F, W after that I, on the stage's rank.
 inline void validate_compute(const Program& program, int num_stages, int microbatches) {
@@ -64,6 +106,7 @@ inline void validate_compute(const Program& program, int num_stages, int microba
                             std::to_string(a.stage) + " has both B and I");
       seen.insert({a.stage, static_cast<int>(a.type), a.microbatch});
     }
+  for (int r = 0; r < static_cast<int>(program.size()); ++r) validate_groups(program[r], r);
   for (int s = 0; s < num_stages; ++s)
     for (int mb = 0; mb < microbatches; ++mb) {
       const std::string what = " for microbatch " + std::to_string(mb) + " of stage " + std::to_string(s) +
@@ -79,10 +122,10 @@ inline void validate_compute(const Program& program, int num_stages, int microba
 // rank. Ranks advance in turns, each emitting its next action once its input exists (produced on
 // the same rank, or sent by the peer); other actions (UNSHARD, REDUCE_GRAD ...) take a turn each,
 // as in PyTorch 2.15's _add_send_recv. A send is emitted right after the computation that produced
-// the data; the matching receive right before the computation that consumes it, so that a receive
-// buffer lives no longer than needed, or with `early_receives` on the receiver's program when the
-// send is emitted (2.15's placement without defer_pp_recv). Throws naming every rank's blocked
-// action when the compute order cannot run (a deadlock).
+// the data (after its group); the matching receive with `early_receives` on the receiver's program
+// when the send is emitted (2.15's placement, which make_plan uses), or else right before the
+// computation that consumes it (what validate_send_recv compares a table with). Throws naming
+// every rank's blocked action when the compute order cannot run (a deadlock).
 inline Program add_send_recv(const Program& compute, const std::vector<int>& owner,
                              bool early_receives = false) {
   const int ranks = static_cast<int>(compute.size()), stages = static_cast<int>(owner.size());
@@ -123,21 +166,30 @@ inline Program add_send_recv(const Program& compute, const std::vector<int>& own
         progress = true;
         continue;
       }
-      if (!ready(r, a)) continue;
-      if (auto recv = needed_recv(r, a); recv && !early_receives) out[r].push_back(*recv);
-      out[r].push_back(a);
-      done[r].insert(k(a.stage, a.type, a.microbatch));
-      ++next[r];
-      progress = true;
-      if (a.type == T::kForward && a.stage + 1 < stages && owner[a.stage + 1] != r) {
-        out[r].push_back({a.stage, T::kSendF, a.microbatch});
-        inbox[owner[a.stage + 1]].insert(k(a.stage + 1, T::kRecvF, a.microbatch));
-        if (early_receives) out[owner[a.stage + 1]].push_back({a.stage + 1, T::kRecvF, a.microbatch});
+      // An overlap group goes whole, once every computation in it can run; its sends follow it.
+      const size_t end = group_end(compute[r], next[r]);
+      const std::vector<Action> group(compute[r].begin() + next[r], compute[r].begin() + end);
+      if (!std::all_of(group.begin(), group.end(), [&](const Action& g) { return ready(r, g); })) continue;
+      for (const auto& g : group)
+        if (auto recv = needed_recv(r, g); recv && !early_receives) out[r].push_back(*recv);
+      for (const auto& g : group) {
+        out[r].push_back(g);
+        done[r].insert(k(g.stage, g.type, g.microbatch));
       }
-      if ((a.type == T::kBackward || a.type == T::kBackwardInput) && a.stage > 0 && owner[a.stage - 1] != r) {
-        out[r].push_back({a.stage, T::kSendB, a.microbatch});
-        inbox[owner[a.stage - 1]].insert(k(a.stage - 1, T::kRecvB, a.microbatch));
-        if (early_receives) out[owner[a.stage - 1]].push_back({a.stage - 1, T::kRecvB, a.microbatch});
+      next[r] = end;
+      progress = true;
+      for (const auto& g : group) {
+        if (g.type == T::kForward && g.stage + 1 < stages && owner[g.stage + 1] != r) {
+          out[r].push_back({g.stage, T::kSendF, g.microbatch});
+          inbox[owner[g.stage + 1]].insert(k(g.stage + 1, T::kRecvF, g.microbatch));
+          if (early_receives) out[owner[g.stage + 1]].push_back({g.stage + 1, T::kRecvF, g.microbatch});
+        }
+        if ((g.type == T::kBackward || g.type == T::kBackwardInput) && g.stage > 0 &&
+            owner[g.stage - 1] != r) {
+          out[r].push_back({g.stage, T::kSendB, g.microbatch});
+          inbox[owner[g.stage - 1]].insert(k(g.stage - 1, T::kRecvB, g.microbatch));
+          if (early_receives) out[owner[g.stage - 1]].push_back({g.stage - 1, T::kRecvB, g.microbatch});
+        }
       }
     }
     if (finished) return out;
@@ -160,9 +212,10 @@ inline Program add_send_recv(const Program& compute, const std::vector<int>& own
 // mismatch; the plan does not rely on them, so that every schedule runs on both backends and can be
 // captured in a CUDA graph.
 //
-// add_send_recv places each receive right before the computation that consumes it, which is not
-// always the order the peer sends in: a zero-bubble rank may run I of microbatch 3 before the
-// backward of microbatch 2 reaches its peer. order_receives() then posts such a receive earlier,
+// A receive placed late (defer_receives, or add_send_recv without early receives), right before the
+// computation that consumes it, is not always in the order the peer sends: a zero-bubble rank may
+// run I of microbatch 3 before the backward of microbatch 2 reaches its peer. order_receives() then
+// posts such a receive earlier,
 // right before the receive of the message its peer sends next. Posting a receive earlier never
 // blocks anything (a receive waits on the device, not in the program); it only keeps its buffer
 // alive longer. make_plan checks the result for every schedule, and a table that places its own
@@ -254,6 +307,53 @@ inline void order_receives(Program& lowered, const std::vector<int>& owner) {
       }
     }
   }
+}
+
+// Receives posted late, as PyTorch 2.15's `_defer_recv_ops` moves them (its `defer_pp_recv`):
+// from a program whose receives are posted early, each receive moves down to just before the
+// computation that consumes it (before its group), except that a rank sending to a higher-numbered
+// peer first posts the receives from that peer it has deferred, so that of two ranks the lower
+// always receives first and neither waits on the other's send. order_receives then restores the
+// peers' send order where moving a receive broke it (Note [point-to-point order]).
+inline Program defer_receives(const Program& lowered, const std::vector<int>& owner) {
+  using T = ActionType;
+  Program out(lowered.size());
+  for (int r = 0; r < static_cast<int>(lowered.size()); ++r) {
+    std::vector<Action> deferred;  // in the order they were posted
+    auto flush = [&](auto&& which) {
+      for (auto it = deferred.begin(); it != deferred.end();)
+        if (which(*it)) {
+          out[r].push_back(*it);
+          it = deferred.erase(it);
+        } else {
+          ++it;
+        }
+    };
+    const auto& p = lowered[r];
+    for (size_t i = 0; i < p.size(); ++i) {
+      const Action& a = p[i];
+      if (matching_send(a)) {
+        deferred.push_back(a);
+        continue;
+      }
+      if (const auto recv = matching_recv(a); recv && r < owner.at(recv->stage)) {
+        const int peer = owner.at(recv->stage);
+        flush([&](const Action& d) { return owner.at(matching_send(d)->stage) == peer; });
+      }
+      if (is_compute(a.type) && !a.with_previous)
+        for (size_t j = i; j < group_end(p, i); ++j) {
+          const Action& c = p[j];
+          const T type = c.type == T::kForward ? T::kRecvF : T::kRecvB;
+          if (c.type != T::kBackwardWeight)
+            flush([&](const Action& d) { return d == Action{c.stage, type, c.microbatch}; });
+        }
+      out[r].push_back(a);
+    }
+    if (!deferred.empty())
+      throw ScheduleError("rank " + std::to_string(r) + ": " + to_string(deferred.front()) +
+                          " is never consumed by a computation");
+  }
+  return out;
 }
 
 // Checks the sends and receives of a program that places its own (a lowered table): exactly those
@@ -374,15 +474,28 @@ inline Program add_unshard_reshard(const Program& compute, int max_active_stages
   Program out(compute.size());
   for (size_t r = 0; r < compute.size(); ++r) {
     const auto& p = compute[r];
-    // The stages gathered ahead are the first of those kept resident.
+    // The next `count` distinct stages from action i on, the current first. An overlap group counts
+    // whole: all its stages, even past `count` (as in 2.15).
+    auto next_stages = [&](size_t i, size_t count) {
+      std::vector<int> stages;
+      for (size_t j = i; j < p.size() && stages.size() < count;) {
+        const size_t end = group_end(p, j);
+        for (; j < end; ++j)
+          if (std::find(stages.begin(), stages.end(), p[j].stage) == stages.end())
+            stages.push_back(p[j].stage);
+      }
+      return stages;
+    };
     const auto ahead = static_cast<size_t>(
         std::min(r < lookahead.size() ? lookahead[r] : max_active_stages, max_active_stages));
     std::vector<int> active;  // in the order gathered, which is the order resharded at the end
-    for (size_t i = 0; i < p.size(); ++i) {
-      std::vector<int> resident;  // the next max_active_stages distinct stages, the current first
-      for (size_t j = i; j < p.size() && static_cast<int>(resident.size()) < max_active_stages; ++j)
-        if (std::find(resident.begin(), resident.end(), p[j].stage) == resident.end())
-          resident.push_back(p[j].stage);
+    for (size_t i = 0; i < p.size();) {
+      const size_t end = group_end(p, i);
+      if (end - i > static_cast<size_t>(max_active_stages))
+        throw ScheduleError("rank " + std::to_string(r) + ": the group at " + to_string(p[i]) + " computes " +
+                            std::to_string(end - i) + " stages at once, more than max_active_stages (" +
+                            std::to_string(max_active_stages) + ")");
+      const auto resident = next_stages(i, static_cast<size_t>(max_active_stages));
       for (auto it = active.begin(); it != active.end();) {
         if (std::find(resident.begin(), resident.end(), *it) == resident.end()) {
           out[r].push_back({*it, ActionType::kReshard, -1});
@@ -391,12 +504,13 @@ inline Program add_unshard_reshard(const Program& compute, int max_active_stages
           ++it;
         }
       }
-      for (size_t k = 0; k < std::min(ahead, resident.size()); ++k)
-        if (std::find(active.begin(), active.end(), resident[k]) == active.end()) {
-          out[r].push_back({resident[k], ActionType::kUnshard, -1});
-          active.push_back(resident[k]);
+      for (int s : next_stages(i, ahead))
+        if (std::find(active.begin(), active.end(), s) == active.end()) {
+          out[r].push_back({s, ActionType::kUnshard, -1});
+          active.push_back(s);
         }
-      out[r].push_back(p[i]);
+      out[r].insert(out[r].end(), p.begin() + i, p.begin() + end);
+      i = end;
     }
     for (int s : active) out[r].push_back({s, ActionType::kReshard, -1});
   }
@@ -407,6 +521,7 @@ inline Program add_unshard_reshard(const Program& compute, int max_active_stages
 // allowed; it only keeps its buffer alive longer.
 inline void hoist_recv(Program& program, int rank, const Action& recv, size_t to) {
   auto& p = program[rank];
+  while (to > 0 && to < p.size() && p[to].with_previous) --to;  // before the group, not inside it
   auto it = std::find(p.begin(), p.end(), recv);
   if (it == p.end() || static_cast<size_t>(it - p.begin()) <= to) return;
   p.erase(it);
@@ -424,19 +539,27 @@ inline Program add_reduce_grad(const Program& program, int microbatches, bool de
     std::map<int, int> count;
     std::optional<int> pending;
     const auto& p = program[r];
-    for (size_t i = 0; i < p.size(); ++i) {
-      const auto& a = p[i];
-      out[r].push_back(a);
-      if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardWeight) &&
-          ++count[a.stage] == microbatches) {
-        if (i + 1 < p.size() && p[i + 1].type == ActionType::kSendB && p[i + 1].stage == a.stage)
-          out[r].push_back(p[++i]);
+    for (size_t i = 0; i < p.size();) {
+      // A group goes whole; the stages whose last backward is in it are reduced after it.
+      const size_t end = group_end(p, i);
+      std::vector<int> finished;
+      for (; i < end; ++i) {
+        out[r].push_back(p[i]);
+        if ((p[i].type == ActionType::kBackward || p[i].type == ActionType::kBackwardWeight) &&
+            ++count[p[i].stage] == microbatches)
+          finished.push_back(p[i].stage);
+      }
+      if (finished.empty()) continue;
+      while (i < p.size() && p[i].type == ActionType::kSendB &&
+             std::find(finished.begin(), finished.end(), p[i].stage) != finished.end())
+        out[r].push_back(p[i++]);
+      for (int stage : finished) {
         if (pending) out[r].push_back({*pending, ActionType::kWaitReduceGrad, -1});
-        out[r].push_back({a.stage, ActionType::kReduceGrad, -1});
+        out[r].push_back({stage, ActionType::kReduceGrad, -1});
         if (defer_wait)
-          pending = a.stage;
+          pending = stage;
         else
-          out[r].push_back({a.stage, ActionType::kWaitReduceGrad, -1});
+          out[r].push_back({stage, ActionType::kWaitReduceGrad, -1});
       }
     }
     if (pending) out[r].push_back({*pending, ActionType::kWaitReduceGrad, -1});
@@ -472,60 +595,6 @@ inline void validate_reduce_waits(const Program& program) {
   }
 }
 
-// One WAIT_SEND_F / WAIT_SEND_B for every send, as PyTorch 2.15's _add_wait_send places them: a
-// forward output's send is waited right after this rank's backward (B or I) of the same stage and
-// microbatch, which could not have run unless the peer had consumed that output; every other send
-// (input gradients, and outputs whose backward this rank never runs) at the end of the program, in
-// the order they were sent. The executor also waits for the oldest send when the plan's
-// max_outstanding_sends are in flight; a wait finds such a send done.
-inline Program add_send_waits(const Program& program) {
-  Program out(program.size());
-  for (size_t r = 0; r < program.size(); ++r) {
-    std::vector<Action> pending;  // sends in the order they were issued
-    for (const auto& a : program[r]) {
-      out[r].push_back(a);
-      if (send_wait(a)) pending.push_back(a);
-      if (a.type != ActionType::kBackward && a.type != ActionType::kBackwardInput) continue;
-      const Action output{a.stage, ActionType::kSendF, a.microbatch};
-      if (const auto it = std::find(pending.begin(), pending.end(), output); it != pending.end()) {
-        out[r].push_back(*send_wait(output));
-        pending.erase(it);
-      }
-    }
-    for (const auto& send : pending) out[r].push_back(*send_wait(send));
-  }
-  return out;
-}
-
-inline bool has_send_waits(const Program& program) {
-  for (const auto& rank : program)
-    for (const auto& a : rank)
-      if (is_send_wait(a.type)) return true;
-  return false;
-}
-
-// Every send is waited exactly once, by a later WAIT_SEND_F / WAIT_SEND_B of this rank, and every
-// wait has its send before it (PyTorch 2.15's _validate_send_waits). Throws ScheduleError naming
-// the action (by its place in a table file when `where` is given).
-inline void validate_send_waits(const Program& program, const Positions* where = nullptr) {
-  for (size_t r = 0; r < program.size(); ++r) {
-    std::vector<Action> pending;
-    for (size_t i = 0; i < program[r].size(); ++i) {
-      const Action& a = program[r][i];
-      if (send_wait(a)) pending.push_back(a);
-      if (const auto send = waited_send(a)) {
-        const auto it = std::find(pending.begin(), pending.end(), *send);
-        if (it == pending.end())
-          throw ScheduleError(detail::action_at(program, int(r), i, where) + " waits for " +
-                              to_string(*send) +
-                              ", which this rank has not sent before it (or whose wait came earlier)");
-        pending.erase(it);
-      }
-    }
-    if (!pending.empty())
-      throw ScheduleError("rank " + std::to_string(r) + ": " + to_string(pending.front()) +
-                          " is never waited (add " + to_string(*send_wait(pending.front())) + " after it)");
-  }
-}
-
 }  // namespace fsdpp::pipeline
+
+#include "fsdpp/pipeline/send_waits.hpp"  // the passes over send waits, which build on these

@@ -7,6 +7,7 @@
 
 #include "fsdpp/pipeline/lowering.hpp"
 #include "fsdpp/pipeline/schedule.hpp"
+#include "fsdpp/pipeline/send_waits.hpp"
 #include "fsdpp/pipeline/simulator.hpp"
 
 namespace fsdpp::pipeline {
@@ -23,8 +24,11 @@ struct PlanOptions {
   // Stages sharded over data-parallel ranks: UNSHARD/RESHARD around each stage's use and
   // REDUCE_GRAD after its last backward.
   bool fsdp_stages = false;
-  // A rank never has more sends in flight (0: unlimited); the simulation proves the budget cannot
-  // deadlock the schedule, hoisting receives where it must, or the plan is refused saying so.
+  // A rank never has more sends in flight (0: unlimited). The plan keeps it as PyTorch 2.15 does,
+  // moving send waits earlier (send_budget.hpp); where no wait can move without the program waiting
+  // on itself (2.15 refuses the budget there), the waits stay and the executor keeps the budget as
+  // it runs, the simulation posting receives earlier until it cannot deadlock, or the plan is
+  // refused saying so.
   int max_outstanding_sends = 0;
   // With fsdp_stages: how many of a rank's stages stay gathered at once, counted in the distinct
   // stages of its next compute actions (the current one first). 1 keeps only the stage being
@@ -39,7 +43,8 @@ struct PlanOptions {
   bool defer_reduce_grad_wait = false;
   // Where a receive is posted: as soon as the lowering has its sender emit the send (false, PyTorch
   // 2.15's default: on the receiving rank's program at that point, as _add_send_recv places it), or
-  // right before the computation that uses it (true, 2.15's `defer_pp_recv=True`: its buffer lives
+  // as late as it can be (true, 2.15's `defer_pp_recv=True`, defer_receives: before the computation
+  // that uses it, or before a send to a higher-numbered peer that it comes from; its buffer lives
   // no longer than needed). Either way a receive comes earlier where the order between two ranks
   // needs it (Note [point-to-point order]). bench/results/defer_pp_recv.md times both.
   bool defer_pp_recv = false;
@@ -80,17 +85,26 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const 
     if (fsdp_stages)
       actions = add_reduce_grad(add_unshard_reshard(actions, options.max_active_stages, lookahead),
                                 spec.microbatches, options.defer_reduce_grad_wait);
-    p.lowered = add_send_recv(actions, p.owner, /*early_receives=*/!options.defer_pp_recv);
+    p.lowered = add_send_recv(actions, p.owner, /*early_receives=*/true);
+    if (options.defer_pp_recv) p.lowered = defer_receives(p.lowered, p.owner);
     order_receives(p.lowered, p.owner);
   }
   validate_reduce_waits(p.lowered);
   if (!has_send_waits(p.lowered)) p.lowered = add_send_waits(p.lowered);  // a table may place its own
   validate_send_waits(p.lowered);
   p.max_outstanding_sends = max_outstanding_sends;
-  // Prove the lowered program runs to the end. Under a send budget, a send may wait for a receive
-  // its peer has not posted yet because the peer itself waits; then that receive is posted earlier
-  // (where the peer is stuck), which breaks the cycle at the cost of a longer-lived buffer, and the
-  // receives it overtook on its edge move with it (Note [point-to-point order]).
+  if (max_outstanding_sends > 0) {
+    try {
+      p.lowered = add_send_budget_waits(p.lowered, p.owner, max_outstanding_sends);
+      validate_send_waits(p.lowered);
+    } catch (const ScheduleError&) {  // the budget is kept at run time instead (see below)
+    }
+  }
+  // Prove the lowered program runs to the end. Under a send budget kept at run time, a send may
+  // wait for a receive its peer has not posted yet because the peer itself waits; then that
+  // receive is posted earlier (where the peer is stuck), which breaks the cycle at the cost of a
+  // longer-lived buffer, and the receives it overtook on its edge move with it (Note
+  // [point-to-point order]).
   for (int attempt = 0;; ++attempt) {
     std::vector<BudgetBlocker> blockers;
     try {
@@ -103,6 +117,7 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const 
     }
   }
   check_point_to_point_order(p.lowered, p.owner);
+  for (int r = 0; r < spec.pp; ++r) validate_groups(p.lowered[r], r);  // every pass kept them whole
   return p;
 }
 
