@@ -125,12 +125,13 @@ at::Tensor PipelineExecutor::forward(const std::vector<at::Tensor>& inputs,
 
 void PipelineExecutor::register_custom_function(ActionType type, CustomFunction function) {
   using T = ActionType;
-  static const std::set<T> replaceable{T::kForward, T::kBackward, T::kBackwardInput, T::kBackwardWeight,
-                                       T::kUnshard, T::kReshard,  T::kReduceGrad,    T::kWaitReduceGrad};
+  static const std::set<T> replaceable{T::kForward,        T::kBackward,       T::kBackwardInput,
+                                       T::kBackwardWeight, T::kUnshard,        T::kReshard,
+                                       T::kReduceGrad,     T::kWaitReduceGrad, T::kOverlapFB};
   if (!replaceable.count(type))
     throw std::invalid_argument(fmt::format(
         "executor: register_custom_function: {} carries the schedule's messages and cannot be replaced; "
-        "custom functions run F, B, I, W, UNSHARD, RESHARD, REDUCE_GRAD or WAIT_REDUCE_GRAD",
+        "custom functions run F, B, I, W, UNSHARD, RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD or OVERLAP_F_B",
         type_token(type)));
   if (!function) throw std::invalid_argument("executor: register_custom_function: an empty function");
   custom_[type] = std::move(function);
@@ -300,6 +301,8 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
             reducing.erase(it);
           }
         break;
+      case T::kOverlapFB:  // names a group for custom functions; a program holds its actions
+        break;
     }
   };
   auto perform = [&](const Action& a) {
@@ -321,20 +324,15 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
       return !sl.recv_b.defined() || sl.recv_b_work->is_completed();
     return true;
   };
-  for (size_t i = 0; i < program.size();) {
-    const size_t end = group_end(program, i);
-    if (end == i + 1) {
-      perform(program[i++]);
-      continue;
-    }
-    // An overlap group (Note [overlap groups]): its computations one after the other, each as soon
-    // as it can start (the first in the plan whose input is here, so that one computes while
-    // another's input is still arriving), and after each, what follows the group as far as it
-    // is ready, in the plan's order: the sends of the computations done (in flight while the
-    // others compute) and waits for earlier sends. On CPU, with no input here yet, this thread
-    // watches for the first to arrive; on CUDA the host does not wait for the device, and the
-    // computations are queued in the plan's order.
-    std::vector<Action> todo(program.begin() + static_cast<std::ptrdiff_t>(i),
+  // An overlap group (Note [overlap groups]) from program[first] to program[end]: its computations
+  // one after the other, each as soon as it can start (the first in the plan whose input is here,
+  // so that one computes while another's input is still arriving), and after each, what follows
+  // the group as far as it is ready, in the plan's order: the sends of the computations done (in
+  // flight while the others compute) and waits for earlier sends. On CPU, with no input here yet,
+  // this thread watches for the first to arrive; on CUDA the host does not wait for the device,
+  // and the computations are queued in the plan's order. Returns where the program goes on.
+  auto run_group = [&](size_t first, size_t end) {
+    std::vector<Action> todo(program.begin() + static_cast<std::ptrdiff_t>(first),
                              program.begin() + static_cast<std::ptrdiff_t>(end));
     std::vector<Action> done;
     auto computed_here = [&](const Action& send) {
@@ -344,7 +342,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
                                        : c.type == T::kBackward || c.type == T::kBackwardInput);
       });
     };
-    i = end;
+    size_t i = end;
     while (!todo.empty()) {
       auto next = std::find_if(todo.begin(), todo.end(), input_here);
       while (next == todo.end() && options_.device.is_cpu()) {
@@ -363,6 +361,46 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
         perform(a);
       }
     }
+    return i;
+  };
+  for (size_t i = 0; i < program.size();) {
+    const size_t end = group_end(program, i);
+    if (end == i + 1) {
+      perform(program[i++]);
+      continue;
+    }
+    const auto custom = custom_.find(T::kOverlapFB);
+    if (custom == custom_.end()) {
+      i = run_group(i, end);
+      continue;
+    }
+    // A custom function takes the group: it runs each computation once (or the executor's way).
+    std::vector<Action> group(program.begin() + static_cast<std::ptrdiff_t>(i),
+                              program.begin() + static_cast<std::ptrdiff_t>(end)),
+        ran;
+    size_t next = end;
+    ActionContext ctx{program[i], stages_.at(program[i].stage), inputs, targets, [&] {
+                        if (!ran.empty())
+                          throw ScheduleError("executor: OVERLAP_F_B's run_default after the group's run");
+                        next = run_group(i, end);
+                        ran = group;
+                      }};
+    ctx.group = group;
+    ctx.run = [&](const Action& a) {
+      if (std::find(group.begin(), group.end(), a) == group.end() ||
+          std::find(ran.begin(), ran.end(), a) != ran.end())
+        throw ScheduleError("executor: the custom function for OVERLAP_F_B ran " + to_string(a) +
+                            ", which is not one of its group's computations left to run");
+      perform(a);
+      ran.push_back(a);
+    };
+    comm::OpLabel op_label("pp OVERLAP_F_B");
+    custom->second(ctx);
+    for (const auto& a : group)
+      if (std::find(ran.begin(), ran.end(), a) == ran.end())
+        throw ScheduleError("executor: the custom function for OVERLAP_F_B returned without running " +
+                            to_string(a) + " of its group");
+    i = next;
   }
   finish_reduces();
   std::vector<comm::Work> left;

@@ -110,3 +110,44 @@ TEST_CASE("OVERLAP_F_B: a group runs first the computation whose input is here")
   CHECK(micros(spans.at("0B0").second) < input_sent);
   CHECK(spans.at("0B0").second <= spans.at("3F1").first);
 }
+
+// A custom function for OVERLAP_F_B (2.15's register_custom_function(OVERLAP_F_B, ...)) takes each
+// group whole: here it runs the group's computations in reverse, or the executor's way, and the
+// gradients are the unpipelined model's either way. One that leaves a computation unrun, or runs
+// one that is not its group's, is named (on one rank, DualPipeV at pp 1, where no peer waits).
+TEST_CASE("a custom function for OVERLAP_F_B takes each group whole") {
+  for (const std::string how : {"reverse", "default", "skip", "stranger"}) {
+    const int pp = how == "reverse" || how == "default" ? 2 : 1;
+    const auto plan = make_plan(*make_schedule("DualPipeV"), {pp, 2, 2 * pp + 1});
+    const auto want = reference_grads(plan.spec.num_stages(), plan.spec.microbatches);
+    test::run_ranks(pp, [&](comm::Comm& comm) {
+      Model model(plan.spec.num_stages());
+      auto mine = plain_stages(plan, model, comm.rank());
+      PipelineExecutor exec(plan, comm, mine, mse, {{kMicro, kDim}});
+      std::vector<std::string> seen;
+      exec.register_custom_function(ActionType::kOverlapFB, [&](ActionContext& ctx) {
+        seen.push_back(cells(ctx.group).front());
+        CHECK(ctx.action == ctx.group.front());
+        if (how == "default") return ctx.run_default();
+        if (how == "stranger") return ctx.run({ctx.action.stage, ActionType::kForward, 99});
+        for (auto it = ctx.group.rbegin(); it != ctx.group.rend() - (how == "skip"); ++it) ctx.run(*it);
+      });
+      const auto b = make_batch(plan.spec.microbatches);
+      INFO(how << " rank " << comm.rank());
+      if (pp == 1) {
+        CHECK_THROWS_WITH_AS(
+            exec.step(b.x, b.y),
+            doctest::Contains(how == "skip" ? "returned without running" : "F99, which is not"),
+            ScheduleError);
+        return;
+      }
+      exec.step(b.x, b.y);
+      std::vector<std::string> groups;
+      for (const auto& cell : cells(plan.lowered[comm.rank()]))
+        if (cell.front() == '(') groups.push_back(cell);
+      CHECK(seen == groups);
+      CHECK(!groups.empty());
+      for (const auto& st : mine) CHECK(rel(model.layers[st.index]->weight.grad(), want[st.index][0]) < 1e-5);
+    });
+  }
+}

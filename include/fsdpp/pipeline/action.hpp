@@ -43,6 +43,9 @@ enum class ActionType {
   kWaitReduceGrad,  // waits for the stage's REDUCE_GRAD (PyTorch 2.15's WAIT_REDUCE_GRAD)
   kWaitSendF,       // waits for this rank's SEND_F of the same stage and microbatch (WAIT_SEND_F)
   kWaitSendB,       // likewise for a SEND_B (WAIT_SEND_B)
+  // OVERLAP_F_B names a whole overlap group (Note [overlap groups]) where an API takes a type
+  // (PipelineExecutor::register_custom_function); a program holds the group's own actions.
+  kOverlapFB,
 };
 
 struct Action {
@@ -94,6 +97,8 @@ inline const char* type_token(ActionType t) {
       return "WAIT_SEND_F";
     case ActionType::kWaitSendB:
       return "WAIT_SEND_B";
+    case ActionType::kOverlapFB:
+      return "OVERLAP_F_B";
   }
   return "?";
 }
@@ -161,6 +166,8 @@ inline Action parse_action(const std::string& text, int line = 0, int column = 0
       ActionType::kUnshard,   ActionType::kReshard,  ActionType::kReduceGrad,    ActionType::kWaitReduceGrad,
       ActionType::kForward,   ActionType::kBackward, ActionType::kBackwardInput, ActionType::kBackwardWeight,
       ActionType::kWaitSendF, ActionType::kWaitSendB};
+  if (token == "OVERLAP_F_B")
+    fail("OVERLAP_F_B is a group of computations: write it (action;action)OVERLAP_F_B");
   bool found = false;
   for (auto t : kTypes)
     if (token == type_token(t)) {

@@ -84,6 +84,12 @@ struct ActionContext {
   // received input and the loss, a backward with the received gradient ...), for a function that
   // wraps rather than replaces it.
   std::function<void()> run_default;
+  // For OVERLAP_F_B (`action` is then the group's first computation): the group's computations, in
+  // the plan's order, and `run`, which runs one of them as the executor does (through any custom
+  // function for its type). The function must run each exactly once, in any order it likes (they
+  // are independent), or call run_default; the sends that follow the group go out after it.
+  std::vector<Action> group;
+  std::function<void(const Action&)> run;
 };
 using CustomFunction = std::function<void(ActionContext&)>;
 
@@ -126,7 +132,8 @@ class PipelineExecutor {
 
   // Runs `function` in place of the executor's own for every action of `type` (PyTorch 2.15's
   // _PipelineScheduleRuntime.register_custom_function): FORWARD, FULL_BACKWARD, BACKWARD_INPUT,
-  // BACKWARD_WEIGHT, UNSHARD, RESHARD, REDUCE_GRAD or WAIT_REDUCE_GRAD; sends and receives carry the schedule's
+  // BACKWARD_WEIGHT, UNSHARD, RESHARD, REDUCE_GRAD, WAIT_REDUCE_GRAD, or OVERLAP_F_B for each
+  // overlap group as a whole (see ActionContext::group); sends and receives carry the schedule's
   // messages and cannot be replaced (std::invalid_argument). A second registration for a type
   // replaces the first. The function may call ctx.run_default() to do what the executor would
   // have, before or after its own work.
