@@ -82,6 +82,18 @@ inline double rel(const at::Tensor& a, const at::Tensor& b) {
 // The tests' loss.
 inline at::Tensor mse(const at::Tensor& out, const at::Tensor& y) { return at::mse_loss(out, y); }
 
+// Stage s of `model` over its fully_shard unit, computing what Model::stage does.
+inline PipelineStage sharded_stage(Model& model, int s, fsdp::FullyShard<torch::nn::LinearImpl>& unit) {
+  auto* u = unit.ptr().get();
+  const bool last = s + 1 == static_cast<int>(model.layers.size());
+  return {s,
+          [u, last](const at::Tensor& x) {
+            auto y = u->forward(x);
+            return last ? y : at::tanh(y);
+          },
+          model.layers[s]->parameters(), fsdp_sharding(*u)};
+}
+
 // The stages of `model` that `plan` puts on `rank`, unsharded.
 inline std::vector<PipelineStage> plain_stages(const Plan& plan, Model& model, int rank) {
   std::vector<PipelineStage> mine;

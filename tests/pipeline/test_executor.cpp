@@ -267,14 +267,7 @@ TEST_CASE(
           log.add("wgrad " + std::to_string(s));
           return grad;
         });
-        auto* unit = units.back().ptr().get();
-        const bool last = s == stages - 1;
-        mine.push_back({s,
-                        [unit, last](const at::Tensor& x) {
-                          auto y = unit->forward(x);
-                          return last ? y : at::tanh(y);
-                        },
-                        model.layers[s]->parameters(), fsdp_sharding(*unit)});
+        mine.push_back(sharded_stage(model, s, units.back()));
       }
       PipelineExecutor exec(plan, mesh.comm("pp"), mine, mse, {{rows / dp, kDim}});
       const auto lx = dp_rows(xs, d, dp), ly = dp_rows(ys, d, dp);

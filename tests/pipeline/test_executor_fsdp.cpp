@@ -58,15 +58,8 @@ TEST_CASE("dp=2 x pp=2 with fully_shard stages matches unpipelined, unsharded tr
       for (int s = 0; s < stages; ++s)
         if (plan.owner[s] == mesh.coord("pp")) {
           units.push_back(fsdp::fully_shard(model.layers[s].ptr(), mesh.comm("dp")));
-          auto* unit = units.back().ptr().get();
-          const bool last = s == stages - 1;
-          mine.push_back({s,
-                          [unit, last](const at::Tensor& x) {
-                            auto y = unit->forward(x);
-                            return last ? y : at::tanh(y);
-                          },
-                          model.layers[s]->parameters(), fsdp_sharding(*unit)});
-          for (auto& p : unit->sharded_parameters()) sharded.push_back(p);
+          mine.push_back(sharded_stage(model, s, units.back()));
+          for (auto& p : units.back()->sharded_parameters()) sharded.push_back(p);
         }
       PipelineExecutor exec(plan, mesh.comm("pp"), mine, mse, {{rows / dp, kDim}});
       const bool last = plan.owner[stages - 1] == mesh.coord("pp");
