@@ -90,7 +90,11 @@ int run_recipe(RunArgs& a) {
         std::chrono::milliseconds(static_cast<int64_t>(recipe.dist.watchdog_timeout_s * 1000));
     init.flight_record_dir = (std::filesystem::path(recipe.output_dir()) / "flight_records").string();
     if (recipe.dist.check_collectives) setenv("FSDPP_CHECK_COLLECTIVES", "1", /*overwrite=*/0);
-    train::run_training(recipe, comm::init_from_env(init), a.options);
+    auto world = comm::init_from_env(init);
+    if (const char* order = std::getenv("FSDPP_CHECK_NCCL_ORDER");
+        order && std::string(order) == "1" && init.backend == comm::Backend::kGloo && world.rank() == 0)
+      std::cerr << "fsdpp run: Gloo under NCCL's ordering rules (FSDPP_CHECK_NCCL_ORDER=1, docs/comm.md)\n";
+    train::run_training(recipe, std::move(world), a.options);
     return 0;
   }
   // Check everything before any rank starts.

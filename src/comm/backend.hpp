@@ -27,6 +27,10 @@ std::shared_ptr<CommImpl> make_gloo_comm(std::shared_ptr<Store> store, int rank,
 std::shared_ptr<CommImpl> make_nccl_comm(std::shared_ptr<Store> store, int rank, int size,
                                          const BackendConfig& config);
 bool gloo_available();
+// The NCCL-order check over a Gloo communicator (Note [NCCL order on the CPU] in nccl_order.cpp);
+// `store` is the communicator's own. Returns `inner` itself at one rank.
+std::shared_ptr<CommImpl> make_nccl_order_comm(std::shared_ptr<CommImpl> inner, std::shared_ptr<Store> store,
+                                               std::chrono::milliseconds timeout);
 // The file that defines the Gloo functions fsdpp's backend calls ("" without Gloo); throws a
 // CommError when the backend's plugin cannot be opened.
 std::string gloo_library();

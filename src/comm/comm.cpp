@@ -251,20 +251,29 @@ Work Comm::all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptio
   return recorded("all_to_all", &in, &out, -1, [&] { return impl().all_to_all(out, in, opts); });
 }
 
-Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) {
-  Checker c(*this, "send");
-  c.tensor(t, "tensor");
-  c.peer(dst, "destination");
-  if (dst == rank()) c.fail("send to self (rank {}) is not supported", dst);
-  return recorded("send", &t, nullptr, dst, [&] { return impl().send(t, dst, tag); });
-}
+Work Comm::send(const at::Tensor& t, int dst, uint32_t tag) { return batch_p2p({P2POp::send(t, dst, tag)}); }
 
-Work Comm::recv(const at::Tensor& t, int src, uint32_t tag) {
-  Checker c(*this, "recv");
-  c.tensor(t, "tensor");
-  c.peer(src, "source");
-  if (src == rank()) c.fail("receive from self (rank {}) is not supported", src);
-  return recorded("recv", nullptr, &t, src, [&] { return impl().recv(t, src, tag); });
+Work Comm::recv(const at::Tensor& t, int src, uint32_t tag) { return batch_p2p({P2POp::recv(t, src, tag)}); }
+
+Work Comm::batch_p2p(const std::vector<P2POp>& ops) {
+  if (ops.empty()) return Work();
+  for (const auto& op : ops) {
+    const bool send = op.kind == P2POp::Kind::kSend;
+    Checker c(*this, send ? "send" : "recv");
+    c.tensor(op.tensor, "tensor");
+    c.peer(op.peer, send ? "destination" : "source");
+    if (op.peer == rank())
+      c.fail("{} self (rank {}) is not supported", send ? "send to" : "receive from", op.peer);
+  }
+  if (!recorder_ || !recorder_->enabled()) return impl().p2p(ops);
+  const auto issued = std::chrono::system_clock::now();
+  Work work = impl().p2p(ops);
+  for (const auto& op : ops) {
+    const bool send = op.kind == P2POp::Kind::kSend;
+    recorder_->record(send ? "send" : "recv", send ? &op.tensor : nullptr, send ? nullptr : &op.tensor,
+                      op.peer, work, issued);
+  }
+  return work;
 }
 
 Work Comm::barrier() {

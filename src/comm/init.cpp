@@ -104,6 +104,17 @@ detail::BackendConfig backend_config(const InitOptions& options, const std::stri
   return config;
 }
 
+// The backend's communicator over `store` (already joined), under the NCCL-order check when asked.
+std::shared_ptr<detail::CommImpl> make_backend(const std::shared_ptr<Store>& store, int rank, int size,
+                                               const InitOptions& options,
+                                               const detail::BackendConfig& config) {
+  if (options.backend == Backend::kNccl) return detail::make_nccl_comm(store, rank, size, config);
+  auto comm = detail::make_gloo_comm(store, rank, size, config);
+  if (options.check_nccl_order || env_or("FSDPP_CHECK_NCCL_ORDER", "") == "1")
+    comm = detail::make_nccl_order_comm(std::move(comm), store, options.timeout);
+  return comm;
+}
+
 }  // namespace
 
 namespace detail {
@@ -209,10 +220,7 @@ Comm init_from_env(const InitOptions& options) {
   const std::string prefix = attempt == "0" ? "fsdpp" : "fsdpp/restart" + attempt;
   auto world = make_prefix_store(prefix + "/world", store);
   detail::join(*world, env.rank, env.world_size, options.timeout);
-  Comm comm(options.backend == Backend::kNccl
-                ? detail::make_nccl_comm(world, env.rank, env.world_size, config)
-                : detail::make_gloo_comm(world, env.rank, env.world_size, config),
-            "world");
+  Comm comm(make_backend(world, env.rank, env.world_size, options, config), "world");
   auto watchdog_timeout = options.watchdog_timeout;
   if (const char* t = std::getenv("FSDPP_WATCHDOG_TIMEOUT_S"); t && *t)
     watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(std::atof(t) * 1000));
@@ -238,9 +246,7 @@ Comm connect(std::shared_ptr<Store> store, int rank, int size, const InitOptions
     throw CommError(fmt::format("connect: rank {} is outside [0, {})", rank, size));
   const auto config = backend_config(options, "");
   detail::join(*store, rank, size, options.timeout);
-  return Comm(options.backend == Backend::kNccl ? detail::make_nccl_comm(store, rank, size, config)
-                                                : detail::make_gloo_comm(store, rank, size, config),
-              "world");
+  return Comm(make_backend(store, rank, size, options, config), "world");
 }
 
 bool has_backend(Backend backend) {

@@ -329,8 +329,10 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     out = (y.index_select(0, slots) * w_kept.unsqueeze(1)).view({k, T, -1}).sum(0);
     dropped = double(T * k) - keep.sum().to(at::kDouble);
   } else {
-    // Dropless: the assignments sorted by expert, every expert on exactly its rows (on a device
-    // the counts stay a tensor: no host read, so the layer can be captured).
+    // Dropless: the assignments sorted by expert, every expert on exactly its rows. The sort keeps
+    // the counts in a tensor, but the experts' grouped products size their work by them on the
+    // host, so this path is not capturable: a CUDA graph needs capacity routing (the recipe
+    // checks say so).
     const auto o = sort_by_expert(r.experts, E);
     const bool fused = config.fused_kernels;
     const auto y = run_experts(fused ? dispatch_rows(flat, o) : dispatch_rows_reference(flat, o), o.counts);

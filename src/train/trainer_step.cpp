@@ -195,7 +195,11 @@ double Trainer::train_step(int64_t step) {
     std::vector<std::string> found;
     {
       fsdpp::DefaultDeviceCheck check;
-      sums = step_body();
+      const auto body = [&] { sums = step_body(); };
+      if (recipe_.train.cuda_graph)
+        fsdpp::CapturedStep::warm_up(body);  // it is one of the eager warm-up steps (below)
+      else
+        body();
       found = check.findings();
     }
     if (!found.empty())
@@ -211,7 +215,7 @@ double Trainer::train_step(int64_t step) {
     // Eager warm-up steps first: they create gradients, optimizer state and the communicators'
     // buffers, which the captured step then uses in place.
     if (++warmup_steps_done_ <= kGraphWarmupSteps) {
-      sums = step_body();
+      fsdpp::CapturedStep::warm_up([&] { sums = step_body(); });
     } else {
       const auto c0 = std::chrono::system_clock::now();
       graph_ = fsdpp::CapturedStep::capture([this] { graph_sums_ = step_body(); });

@@ -1,6 +1,7 @@
 // A rank for the real-process tests, started under `fsdpp launch` (or by hand with torchrun's
 // variables). Modes:
-//   collectives         check all_reduce, all_gather, reduce_scatter, send/recv across processes
+//   collectives         every operation, as the GPU rank program checks them (tests/gpu/collectives.hpp)
+//                       on CPU tensors, then its captured sequence run eagerly
 //   exit CODE RANK      RANK exits with CODE after init; the others block in a receive from it
 //   kill RANK           RANK kills itself with SIGKILL; the others block likewise
 //   sleep               every rank prints "ready" and sleeps (for Ctrl-C and orphan tests)
@@ -19,6 +20,7 @@
 
 #include "fsdpp/comm/flight_recorder.hpp"
 #include "fsdpp/comm/init.hpp"
+#include "gpu/collectives.hpp"
 
 using namespace fsdpp;
 
@@ -31,26 +33,10 @@ int fail(const std::string& what) {
 
 int collectives(comm::Comm& comm) {
   const int r = comm.rank(), n = comm.size();
-  auto t = at::full({1000}, r + 1.0);
-  comm.all_reduce(t).wait();
-  if (!at::all(t == n * (n + 1) / 2.0).item<bool>()) return fail("all_reduce");
-  auto g = at::empty({n * 3}, at::kLong);
-  comm.all_gather(g, at::full({3}, r, at::kLong)).wait();
-  if (!at::equal(g, at::arange(n, at::kLong).repeat_interleave(3))) return fail("all_gather");
-  auto in = at::arange(n * 4, at::kFloat).to(at::kBFloat16), out = at::empty({4}, at::kBFloat16);
-  comm.reduce_scatter(out, in).wait();
-  if (!at::equal(out, (at::arange(4, at::kFloat) + 4 * r).mul(n).to(at::kBFloat16)))
-    return fail("reduce_scatter");
-  if (n > 1) {
-    auto recv = at::empty({2}, at::kInt);
-    auto w = comm.recv(recv, (r + n - 1) % n, 1);
-    comm.send(at::full({2}, r, at::kInt), (r + 1) % n, 1).wait();
-    w.wait();
-    if (recv[0].item<int>() != (r + n - 1) % n) return fail("send/recv");
-  }
+  for (const auto& bad : test::check_collectives(comm, at::kCPU)) return fail(bad);
+  auto t = at::arange(8 * n, at::kFloat).add(r);
+  for (int i = 0; i < 3; ++i) test::round_trip(comm, t);
   comm.barrier().wait();
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
   std::cout << "rank " << r << "/" << n << " ok" << std::endl;
   return 0;
 }

@@ -45,6 +45,10 @@ TEST_CASE("[no gpu] nccl core: a captured event counts as done, not as a device 
   CHECK(completion_of(cudaSuccess, false, ncclSuccess) == Completion::kDone);
   CHECK(completion_of(cudaErrorCapturedEvent, false, ncclSuccess) == Completion::kDone);
   CHECK(completion_of(cudaErrorNotReady, false, ncclSuccess) == Completion::kInFlight);
+  // A non-blocking communicator finishing a call in the background (Note [non-blocking
+  // communicators]): the watchdog's query must not take it for a failure and abort.
+  CHECK(completion_of(cudaErrorNotReady, false, ncclInProgress) == Completion::kInFlight);
+  CHECK(completion_of(cudaSuccess, false, ncclInProgress) == Completion::kDone);
   // Not ready, but the communicator was aborted or NCCL failed: it will never complete.
   CHECK(completion_of(cudaErrorNotReady, true, ncclSuccess) == Completion::kFailed);
   CHECK(completion_of(cudaErrorNotReady, false, ncclRemoteError) == Completion::kFailed);

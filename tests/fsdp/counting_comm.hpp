@@ -51,13 +51,9 @@ class CountingComm : public comm::detail::CommImpl {
     ++others;
     return inner_->all_to_all(o, i, x);
   }
-  comm::Work send(const at::Tensor& t, int d, uint32_t tag) override {
+  comm::Work p2p(const std::vector<comm::P2POp>& ops) override {
     ++others;
-    return inner_->send(t, d, tag);
-  }
-  comm::Work recv(const at::Tensor& t, int s, uint32_t tag) override {
-    ++others;
-    return inner_->recv(t, s, tag);
+    return inner_->p2p(ops);
   }
   comm::Work barrier() override {
     ++others;

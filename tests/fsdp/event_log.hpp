@@ -133,8 +133,12 @@ class SlowSendComm : public CountingComm {
   };
   SlowSendComm(std::shared_ptr<comm::detail::CommImpl> inner, std::shared_ptr<Flights> flights)
       : CountingComm(inner), inner_(std::move(inner)), flights_(std::move(flights)) {}
-  comm::Work send(const at::Tensor& t, int dst, uint32_t tag) override {
-    auto real = CountingComm::send(t, dst, tag);
+  // A send (a group with sends counts once: the executor sends one message at a time).
+  comm::Work p2p(const std::vector<comm::P2POp>& ops) override {
+    auto real = CountingComm::p2p(ops);
+    if (std::none_of(ops.begin(), ops.end(),
+                     [](const comm::P2POp& op) { return op.kind == comm::P2POp::Kind::kSend; }))
+      return real;
     auto state = std::make_shared<comm::detail::WorkState>(real.description());
     state->start();
     std::lock_guard<std::mutex> lock(flights_->mu);

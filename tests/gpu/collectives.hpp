@@ -1,8 +1,10 @@
 #pragma once
-// Every comm::Comm operation on CUDA tensors, each value checked against its closed form, in float32
-// and bfloat16 (values small integers, exact in both). Shared by the GPU test (ranks as threads, one
-// GPU each) and the GPU rank program (ranks as processes under `fsdpp launch`, which may share one
-// GPU). Returns what went wrong, one line each; empty when everything matched.
+// Every comm::Comm operation, each value checked against its closed form, in float32 and bfloat16
+// (values small integers, exact in both). Shared by the GPU test (ranks as threads, one GPU each),
+// the GPU rank program (ranks as processes under `fsdpp launch`, which may share one GPU) and, on
+// CPU tensors, the NCCL-order check of the comm tests (tests/comm/test_nccl_order.cpp), which runs
+// this very code under NCCL's ordering rules. Returns what went wrong, one line each; empty when
+// everything matched.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -13,20 +15,20 @@
 
 namespace fsdpp::test {
 
-inline std::vector<std::string> check_collectives(comm::Comm& comm, int device) {
+inline std::vector<std::string> check_collectives(comm::Comm& comm, at::Device device) {
   const int r = comm.rank(), n = comm.size();
   std::vector<std::string> bad;
   const auto expect = [&](bool ok, const std::string& what) {
     if (!ok) bad.push_back(fmt::format("rank {}/{}: {}", r, n, what));
   };
-  const auto on = [device](at::ScalarType t) {
-    return at::TensorOptions(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))).dtype(t);
-  };
+  const auto on = [device](at::ScalarType t) { return at::TensorOptions(device).dtype(t); };
   // Compares on the CPU in float64: exact for the small integers used here, in either dtype.
   const auto same = [](const at::Tensor& got, const at::Tensor& want) {
     return at::equal(got.cpu().to(at::kDouble), want.to(at::kDouble));
   };
-  expect(std::string(comm.backend()) == "nccl", fmt::format("backend {}", comm.backend()));
+  const char* backend = device.is_cuda() ? "nccl" : "gloo";
+  expect(std::string(comm.backend()) == backend,
+         fmt::format("backend {}, expected {}", comm.backend(), backend));
   for (const auto dt : {at::kFloat, at::kBFloat16}) {
     const std::string type = c10::toString(dt);
     auto t = at::full({5}, double(r + 1), on(dt));
@@ -64,12 +66,12 @@ inline std::vector<std::string> check_collectives(comm::Comm& comm, int device) 
     comm.broadcast(b).wait();
     expect(same(b, at::full({2}, 7.0)), type + " broadcast");
 
-    auto a2a_in = at::arange(2 * n, on(at::kFloat)).add(100.0 * r).to(dt),
+    auto a2a_in = at::arange(2 * n, on(at::kFloat)).add(10.0 * r).to(dt),
          a2a_out = at::empty({2 * n}, on(dt));
     comm.all_to_all(a2a_out, a2a_in).wait();
     bool a2a = true;
     for (int q = 0; q < n; ++q)
-      a2a &= same(a2a_out.narrow(0, 2 * q, 2), at::arange(2, at::kDouble) + 2.0 * r + 100.0 * q);
+      a2a &= same(a2a_out.narrow(0, 2 * q, 2), at::arange(2, at::kDouble) + 2.0 * r + 10.0 * q);
     expect(a2a, type + " all_to_all");
 
     // Uneven splits: rank q sends q + 1 + p elements to rank p, each holding its own rank.
@@ -82,12 +84,40 @@ inline std::vector<std::string> check_collectives(comm::Comm& comm, int device) 
     expect(same(v_out, at::arange(n, at::kDouble).repeat_interleave(at::tensor(out_splits))),
            type + " all_to_all, uneven splits");
 
-    if (n > 1) {  // a ring: receive from the left, send to the right
+    if (n > 1) {
+      // A ring: receive from the left and send to the right, in one group (Note [point-to-point
+      // groups] in fsdpp/comm/comm.hpp: issued one after the other, every rank would wait in its
+      // receive for a send queued behind it).
+      const int left = (r + n - 1) % n, right = (r + 1) % n;
       auto got = at::empty({6}, on(dt));
-      auto w = comm.recv(got, (r + n - 1) % n, 3);
-      comm.send(at::full({6}, double(r), on(dt)), (r + 1) % n, 3).wait();
-      w.wait();
-      expect(same(got, at::full({6}, double((r + n - 1) % n))), type + " send/recv ring");
+      comm.batch_p2p({comm::P2POp::recv(got, left, 3),
+                      comm::P2POp::send(at::full({6}, double(r), on(dt)), right, 3)})
+          .wait();
+      expect(same(got, at::full({6}, double(left))), type + " batch_p2p ring");
+      // Both ways with one peer in one group, twice to the same peer: rank r and its partner r ^ 1.
+      if (const int peer = r ^ 1; peer < n) {
+        auto a = at::empty({3}, on(dt)), b = at::empty({2}, on(dt));
+        comm.batch_p2p({comm::P2POp::send(at::full({3}, double(r + 10), on(dt)), peer),
+                        comm::P2POp::send(at::full({2}, double(r + 20), on(dt)), peer),
+                        comm::P2POp::recv(a, peer), comm::P2POp::recv(b, peer)})
+            .wait();
+        expect(same(a, at::full({3}, double(peer + 10))) && same(b, at::full({2}, double(peer + 20))),
+               type + " batch_p2p both ways with one peer");
+      }
+      // Single sends and receives in an order NCCL runs: even ranks send first, odd ranks receive
+      // first, each towards its partner.
+      if (const int peer = r ^ 1; peer < n) {
+        auto got1 = at::empty({4}, on(dt));
+        const auto mine = at::full({4}, double(r + 30), on(dt));
+        if (r % 2 == 0) {
+          comm.send(mine, peer, 4).wait();
+          comm.recv(got1, peer, 4).wait();
+        } else {
+          comm.recv(got1, peer, 4).wait();
+          comm.send(mine, peer, 4).wait();
+        }
+        expect(same(got1, at::full({4}, double(peer + 30))), type + " send and recv in matching order");
+      }
     }
   }
   comm.barrier().wait();
@@ -99,6 +129,23 @@ inline std::vector<std::string> check_collectives(comm::Comm& comm, int device) 
     expect(s.cpu().item<float>() == float(n), "split: all_reduce");
   }
   return bad;
+}
+
+// The sequence the GPU rank program captures into a CUDA graph: all-reduce, all-to-all, a ring
+// exchange. Leaves its result in `t`.
+inline void round_trip(comm::Comm& comm, at::Tensor& t) {
+  const int r = comm.rank(), n = comm.size();
+  t.mul_(0.5).add_(r);
+  comm.all_reduce(t).wait();
+  auto out = at::empty_like(t);
+  comm.all_to_all(out, t).wait();
+  if (n > 1) {  // one group: Note [point-to-point groups] in fsdpp/comm/comm.hpp
+    auto got = at::empty_like(out);
+    comm.batch_p2p({comm::P2POp::recv(got, (r + n - 1) % n, 5), comm::P2POp::send(out, (r + 1) % n, 5)})
+        .wait();
+    out = got;
+  }
+  t.copy_(out);
 }
 
 }  // namespace fsdpp::test

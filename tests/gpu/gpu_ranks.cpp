@@ -16,28 +16,6 @@
 
 using namespace fsdpp;
 
-namespace {
-
-// A captured sequence: all-reduce, all-to-all, a ring exchange. Returns the values it leaves.
-at::Tensor round_trip(comm::Comm& comm, at::Tensor& t) {
-  const int r = comm.rank(), n = comm.size();
-  t.mul_(0.5).add_(r);
-  comm.all_reduce(t).wait();
-  auto out = at::empty_like(t);
-  comm.all_to_all(out, t).wait();
-  if (n > 1) {
-    auto got = at::empty_like(out);
-    auto w = comm.recv(got, (r + n - 1) % n, 5);
-    comm.send(out, (r + 1) % n, 5).wait();
-    w.wait();
-    out = got;
-  }
-  t.copy_(out);
-  return t;
-}
-
-}  // namespace
-
 int main() {
   try {
     comm::InitOptions o;
@@ -45,14 +23,14 @@ int main() {
     o.watchdog_timeout = std::chrono::seconds(30);  // polls every 100 ms, as under fsdpp run
     auto comm = comm::init_from_env(o);
     const int r = comm.rank(), n = comm.size(), d = current_cuda_device();
-    auto bad = test::check_collectives(comm, d);
+    auto bad = test::check_collectives(comm, at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
 
     const auto opts = at::TensorOptions(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
     auto eager = at::arange(8 * n, opts).add(r);
     auto graphed = eager.clone();
-    for (int i = 0; i < 4; ++i) round_trip(comm, eager);
-    round_trip(comm, graphed);  // warm-up, as the trainer's eager steps
-    auto step = CapturedStep::capture([&] { round_trip(comm, graphed); });
+    for (int i = 0; i < 4; ++i) test::round_trip(comm, eager);
+    CapturedStep::warm_up([&] { test::round_trip(comm, graphed); });  // as the trainer's eager steps
+    auto step = CapturedStep::capture([&] { test::round_trip(comm, graphed); });
     for (int i = 0; i < 3; ++i) step->replay();
     if (!at::equal(eager.cpu(), graphed.cpu())) bad.push_back("captured collectives differ from eager ones");
     auto after = at::full({2}, 1.0, opts);

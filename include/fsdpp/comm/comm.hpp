@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "fsdpp/comm/types.hpp"
 #include "fsdpp/comm/work.hpp"
@@ -23,6 +24,23 @@ namespace fsdpp::comm {
 
 class Comm;
 class FlightRecorder;
+
+// One send or receive of a group (Comm::batch_p2p).
+struct P2POp {
+  enum class Kind { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  at::Tensor tensor;
+  int peer = -1;
+  uint32_t tag = 0;
+  static P2POp send(at::Tensor t, int dst, uint32_t tag = 0) { return {Kind::kSend, std::move(t), dst, tag}; }
+  static P2POp recv(at::Tensor t, int src, uint32_t tag = 0) { return {Kind::kRecv, std::move(t), src, tag}; }
+  // "send to rank 1 tag 3 Float n=6", as errors and descriptions name it.
+  std::string describe() const {
+    return std::string(kind == Kind::kSend ? "send to" : "recv from") + " rank " + std::to_string(peer) +
+           " tag " + std::to_string(tag) + " " + c10::toString(tensor.scalar_type()) +
+           " n=" + std::to_string(tensor.numel());
+  }
+};
 
 namespace detail {
 
@@ -40,8 +58,9 @@ class CommImpl {
   virtual Work all_reduce(const at::Tensor& t, const AllReduceOptions& opts) = 0;
   virtual Work broadcast(const at::Tensor& t, const BroadcastOptions& opts) = 0;
   virtual Work all_to_all(const at::Tensor& out, const at::Tensor& in, const AllToAllOptions& opts) = 0;
-  virtual Work send(const at::Tensor& t, int dst, uint32_t tag) = 0;
-  virtual Work recv(const at::Tensor& t, int src, uint32_t tag) = 0;
+  // Sends and receives that progress together (one of them alone is Comm::send or Comm::recv); the
+  // Work completes when all of them have.
+  virtual Work p2p(const std::vector<P2POp>& ops) = 0;
   virtual Work barrier() = 0;
   // Collective over this communicator; returns null for ranks with a negative color.
   virtual std::shared_ptr<CommImpl> split(int color, int key) = 0;
@@ -73,8 +92,20 @@ class Comm {
   Work all_to_all(const at::Tensor& out, const at::Tensor& in, AllToAllOptions opts = {});
   // Point-to-point. A send matches the receive on `dst` with the same tag; messages between two
   // ranks with the same tag arrive in the order they were sent.
+  //
+  // Note [point-to-point groups]
+  // On NCCL a communicator runs its operations one after another on one stream, and a send or a
+  // receive holds that stream until its peer reaches the matching operation: a rank that issues
+  // recv(left) then send(right) while its neighbours do the same waits forever (Gloo's
+  // asynchronous transport hides this). Sends and receives that must progress together go into
+  // one batch_p2p call, PyTorch's batch_isend_irecv: one NCCL group on CUDA, plain asynchronous
+  // operations on Gloo. Separate communicators (one per direction) are the other way out. Run with
+  // FSDPP_CHECK_NCCL_ORDER=1 to have a CPU communicator refuse what NCCL would not run
+  // (docs/comm.md).
   Work send(const at::Tensor& t, int dst, uint32_t tag = 0);
   Work recv(const at::Tensor& t, int src, uint32_t tag = 0);
+  // One Work for the whole group, complete when every operation in it is.
+  Work batch_p2p(const std::vector<P2POp>& ops);
   Work barrier();
 
   // Collective: ranks passing the same color form a new communicator, ordered by (key, rank).

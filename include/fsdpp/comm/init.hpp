@@ -44,6 +44,11 @@ struct InitOptions {
   // FSDPP_WATCHDOG_TIMEOUT_S and FSDPP_FR_DUMP_DIR override both.
   std::chrono::milliseconds watchdog_timeout{0};
   std::string flight_record_dir = "fsdpp-flight-records";
+  // Gloo only: run operations under NCCL's ordering rules (one queue per communicator, a send
+  // completes only once its receive has started, groups through Comm::batch_p2p), and fail an
+  // operation that would hang on NCCL, naming every rank's operation in the cycle. A check for
+  // tests (slower than plain Gloo); FSDPP_CHECK_NCCL_ORDER=1 turns it on too.
+  bool check_nccl_order = false;
 };
 
 // The world communicator of a launched process (env://).

@@ -5,9 +5,11 @@
 // Each communicator owns a worker thread that runs its collectives one after another, in issue
 // order. That gives stream semantics (issue many, wait later) and lets compute continue while
 // communication runs, and since a gloo context is never used by two collectives at once, each
-// collective can use a fresh tag without any cross-thread coordination. Point-to-point operations
-// are posted by the worker (so they keep issue order) but completed by a second thread, so that a
-// posted receive never blocks the collectives behind it.
+// collective can use a fresh tag without any cross-thread coordination: the count of collectives
+// before it, which every rank agrees on (point-to-point operations count for nothing: ranks issue
+// different numbers of them). Point-to-point operations are posted by the worker (so they keep
+// issue order) but completed by a second thread, so that a posted receive never blocks the
+// collectives behind it.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <gloo/allgatherv.h>
@@ -130,9 +132,10 @@ void dispatch(at::ScalarType t, F&& f) {
   }
 }
 
-struct P2p {
-  std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
-  bool is_send;
+// A posted group of sends and receives, completed together by a waiter thread.
+struct P2pGroup {
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> buffers;
+  std::vector<bool> is_send;
   std::shared_ptr<WorkState> state;
 };
 
@@ -288,8 +291,7 @@ class GlooComm : public CommImpl {
     });
   }
 
-  Work send(const at::Tensor& t, int dst, uint32_t tag) override { return post_p2p(true, t, dst, tag); }
-  Work recv(const at::Tensor& t, int src, uint32_t tag) override { return post_p2p(false, t, src, tag); }
+  Work p2p(const std::vector<P2POp>& ops) override { return post_p2p(ops); }
 
   Work barrier() override {
     return enqueue(OpSummary{.op = "barrier", .rank = rank_, .size = size_}, {}, [this](uint32_t tag) {
@@ -325,6 +327,9 @@ class GlooComm : public CommImpl {
     std::shared_ptr<WorkState> state;
     // Returns false when the operation completes elsewhere (point-to-point).
     std::function<bool(uint32_t tag)> run;
+    // A collective takes the next tag. Point-to-point operations take none: ranks issue different
+    // numbers of them, and the tags of the collectives after them must still agree.
+    bool collective = true;
   };
 
   // Alone in the group, every collective is a local copy: run it here rather than pay two thread
@@ -395,7 +400,7 @@ class GlooComm : public CommImpl {
       }
       try {
         task.state->start();
-        if (task.run(tag++)) task.state->finish();
+        if (task.run(task.collective ? tag++ : 0)) task.state->finish();
       } catch (...) {
         // A failed gloo operation leaves the context unusable; later operations fail fast with
         // the original cause instead of hanging.
@@ -406,40 +411,55 @@ class GlooComm : public CommImpl {
     }
   }
 
-  Work post_p2p(bool is_send, const at::Tensor& t, int peer, uint32_t tag) {
-    auto state = std::make_shared<WorkState>(fmt::format("rank {}/{} {} rank {} tag {} {} n={}", rank_, size_,
-                                                         is_send ? "send to" : "recv from", peer, tag,
-                                                         c10::toString(t.scalar_type()), t.numel()));
-    if (t.numel() == 0) {
+  // Gloo's sends and receives are asynchronous: every operation of a group is posted at once, so
+  // a group needs nothing more than one Work over all of them.
+  Work post_p2p(const std::vector<P2POp>& ops) {
+    std::string what = fmt::format("rank {}/{} ", rank_, size_);
+    for (size_t i = 0; i < ops.size(); ++i) what += (i ? ", " : "") + ops[i].describe();
+    auto state = std::make_shared<WorkState>(std::move(what));
+    std::vector<P2POp> posted;
+    for (const auto& op : ops)
+      if (op.tensor.numel() > 0) posted.push_back(op), state->tensors.push_back(op.tensor);
+    if (posted.empty()) {
       state->finish();
       return Work(state);
     }
-    state->tensors = {t};
-    push({state, [this, is_send, t, peer, tag, state](uint32_t) {
-            auto buf = context_->createUnboundBuffer(t.data_ptr(), t.nbytes());
-            const auto slot = gloo::Slot::build(kPointToPointSlotPrefix, tag);
-            if (is_send)
-              buf->send(peer, slot, 0, t.nbytes());
-            else
-              buf->recv(peer, slot, 0, t.nbytes());
-            start_waiter({std::move(buf), is_send, state});
+    push({state,
+          [this, posted = std::move(posted), state](uint32_t) {
+            P2pGroup group{{}, {}, state};
+            for (const auto& op : posted) {
+              const auto& t = op.tensor;
+              auto buf = context_->createUnboundBuffer(t.data_ptr(), t.nbytes());
+              const auto slot = gloo::Slot::build(kPointToPointSlotPrefix, op.tag);
+              const bool is_send = op.kind == P2POp::Kind::kSend;
+              if (is_send)
+                buf->send(op.peer, slot, 0, t.nbytes());
+              else
+                buf->recv(op.peer, slot, 0, t.nbytes());
+              group.buffers.push_back(std::move(buf));
+              group.is_send.push_back(is_send);
+            }
+            start_waiter(std::move(group));
             return false;
-          }});
+          },
+          false});
     return Work(state);
   }
 
-  void start_waiter(P2p op) {
+  void start_waiter(P2pGroup group) {
     auto done = std::make_shared<std::atomic<bool>>(false);
-    std::thread thread([this, op = std::move(op), done]() mutable {
+    std::thread thread([this, group = std::move(group), done]() mutable {
       try {
-        if (op.is_send)
-          op.buffer->waitSend(config_.timeout);
-        else
-          op.buffer->waitRecv(config_.timeout);
-        op.state->finish();
+        for (size_t i = 0; i < group.buffers.size(); ++i) {
+          if (group.is_send[i])
+            group.buffers[i]->waitSend(config_.timeout);
+          else
+            group.buffers[i]->waitRecv(config_.timeout);
+        }
+        group.state->finish();
       } catch (...) {
-        note_failure(op.state->what(), std::current_exception());
-        op.state->finish(std::current_exception());
+        note_failure(group.state->what(), std::current_exception());
+        group.state->finish(std::current_exception());
       }
       done->store(true);
     });

@@ -187,20 +187,18 @@ class NcclComm final : public CommImpl {
     });
   }
 
-  Work send(const at::Tensor& t, int dst, uint32_t tag) override {
-    auto what = fmt::format("rank {}/{} send to rank {} tag {} {} n={}", rank(), size(), dst, tag,
-                            c10::toString(t.scalar_type()), t.numel());
-    return run(what, {t}, [&](cudaEvent_t ready) {
-      return core_->send(t.data_ptr(), size_t(t.numel()), nccl_type(t.scalar_type()), dst, ready);
-    });
-  }
-
-  Work recv(const at::Tensor& t, int src, uint32_t tag) override {
-    auto what = fmt::format("rank {}/{} recv from rank {} tag {} {} n={}", rank(), size(), src, tag,
-                            c10::toString(t.scalar_type()), t.numel());
-    return run(what, {t}, [&](cudaEvent_t ready) {
-      return core_->recv(t.data_ptr(), size_t(t.numel()), nccl_type(t.scalar_type()), src, ready);
-    });
+  Work p2p(const std::vector<P2POp>& ops) override {
+    std::string what = fmt::format("rank {}/{} ", rank(), size());
+    std::vector<Core::P2p> group;
+    std::vector<at::Tensor> tensors;
+    for (const auto& op : ops) {
+      const bool send = op.kind == P2POp::Kind::kSend;
+      what += (group.empty() ? "" : ", ") + op.describe();
+      group.push_back({send, op.tensor.data_ptr(), size_t(op.tensor.numel()),
+                       nccl_type(op.tensor.scalar_type()), op.peer});
+      tensors.push_back(op.tensor);
+    }
+    return run(what, tensors, [&](cudaEvent_t ready) { return core_->p2p(group, ready); });
   }
 
   // Unlike the other operations, waiting for a barrier blocks the host until every rank has reached
@@ -238,8 +236,8 @@ class NcclComm final : public CommImpl {
 
   // Orders the operation after the work already on the caller's stream, enqueues it, and returns
   // a Work whose wait() orders the caller's stream after it.
-  template <typename What, typename F>
-  Work run(What&& what, std::initializer_list<at::Tensor> tensors, F&& enqueue) {
+  template <typename What, typename Tensors = std::initializer_list<at::Tensor>, typename F>
+  Work run(What&& what, const Tensors& tensors, F&& enqueue) {
     auto state = std::make_shared<WorkState>(std::forward<What>(what));
     state->start();
     const auto device = static_cast<c10::DeviceIndex>(core_->device());
@@ -350,7 +348,7 @@ std::shared_ptr<CommImpl> make_nccl_comm(std::shared_ptr<Store> store, int rank,
   nccl::Rendezvous rendezvous{[&](const std::string& k, const std::vector<uint8_t>& v) { store->set(k, v); },
                               [&](const std::string& k) { return store->get(k); }};
   try {
-    auto core = std::make_unique<Core>(rank, size, device, rendezvous, "nccl_unique_id");
+    auto core = std::make_unique<Core>(rank, size, device, rendezvous, "nccl_unique_id", config.timeout);
     return std::make_shared<NcclComm>(std::move(core));
   } catch (const nccl::NcclError& e) {
     throw CommError(e.what());

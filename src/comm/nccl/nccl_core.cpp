@@ -1,7 +1,9 @@
 #include "nccl_core.hpp"
 
 #include <cstring>
+#include <algorithm>
 #include <mutex>
+#include <thread>
 #include <sstream>
 
 namespace fsdpp::comm::nccl {
@@ -61,7 +63,8 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
 
 Completion completion_of(cudaError_t query, bool aborted, ncclResult_t async_error) {
   if (query == cudaSuccess || query == cudaErrorCapturedEvent) return Completion::kDone;
-  if (query == cudaErrorNotReady && !aborted && async_error == ncclSuccess) return Completion::kInFlight;
+  const bool nccl_fine = async_error == ncclSuccess || async_error == ncclInProgress;
+  if (query == cudaErrorNotReady && !aborted && nccl_fine) return Completion::kInFlight;
   return Completion::kFailed;
 }
 
@@ -95,8 +98,9 @@ size_t Core::element_size(ncclDataType_t type) {
   }
 }
 
-Core::Core(int rank, int size, int device, const Rendezvous& rendezvous, const std::string& key)
-    : rank_(rank), size_(size), device_(device), events_(std::make_shared<EventPool>()) {
+Core::Core(int rank, int size, int device, const Rendezvous& rendezvous, const std::string& key,
+           std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), device_(device), timeout_(timeout), events_(std::make_shared<EventPool>()) {
   check_init(cudaSetDevice(device), rank, size, "cudaSetDevice");
   ncclUniqueId id;
   if (rank == 0) {
@@ -111,13 +115,22 @@ Core::Core(int rank, int size, int device, const Rendezvous& rendezvous, const s
     std::memcpy(&id, bytes.data(), sizeof(id));
   }
   check_init(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), rank, size, "cudaStreamCreate");
-  check_init(ncclCommInitRank(&comm_, size, id, rank), rank, size, "ncclCommInitRank");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // Note [non-blocking communicators]
+  const ncclResult_t r = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+  check_init(r, rank, size, "ncclCommInitRankConfig");
+  settle(r, "ncclCommInitRankConfig");
   check(cudaMalloc(&scratch_, sizeof(float)), "cudaMalloc");
   check(cudaMemsetAsync(scratch_, 0, sizeof(float), stream_), "cudaMemsetAsync");
 }
 
-Core::Core(int rank, int size, int device, ncclComm_t comm)
-    : rank_(rank), size_(size), device_(device), events_(std::make_shared<EventPool>()), comm_(comm) {
+Core::Core(int rank, int size, int device, ncclComm_t comm, std::chrono::milliseconds timeout)
+    : rank_(rank),
+      size_(size),
+      device_(device),
+      timeout_(timeout),
+      events_(std::make_shared<EventPool>()),
+      comm_(comm) {
   check(cudaSetDevice(device), "cudaSetDevice");
   check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaMalloc(&scratch_, sizeof(float)), "cudaMalloc");
@@ -129,7 +142,20 @@ Core::~Core() {
   // neither synchronised nor destroyed again.
   if (!aborted_.load()) {
     if (stream_) cudaStreamSynchronize(stream_);
-    if (comm_) ncclCommDestroy(comm_);
+    if (comm_) {
+      // Finalising a non-blocking communicator may go on in the background: wait for it, within
+      // the timeout, then destroy (an abort where it did not finish).
+      bool finalized = false;
+      try {
+        settle(ncclCommFinalize(comm_), "ncclCommFinalize");
+        finalized = true;
+      } catch (const NcclError&) {
+      }
+      if (finalized)
+        ncclCommDestroy(comm_);
+      else
+        ncclCommAbort(comm_);
+    }
   }
   if (scratch_) cudaFree(scratch_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -137,6 +163,7 @@ Core::~Core() {
 
 ncclResult_t Core::async_error() const {
   if (!comm_ || aborted_.load()) return ncclSuccess;
+  // ncclInProgress while a call is finishing in the background (Note [non-blocking communicators]).
   ncclResult_t result = ncclSuccess;
   if (ncclCommGetAsyncError(comm_, &result) != ncclSuccess) return ncclSystemError;
   return result;
@@ -168,6 +195,25 @@ void Core::check(ncclResult_t r, const char* what) const {
   throw NcclError(msg);
 }
 
+void Core::settle(ncclResult_t r, const char* what) const {
+  if (r != ncclInProgress) return check(r, what);
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  auto pause = std::chrono::microseconds(1);
+  for (;;) {
+    if (aborted_.load())
+      throw NcclError(prefix(rank_, size_, what) +
+                      "the communicator was aborted while the call was in progress");
+    ncclResult_t state = ncclSuccess;
+    check(ncclCommGetAsyncError(comm_, &state), what);
+    if (state != ncclInProgress) return check(state, what);
+    if (std::chrono::steady_clock::now() >= deadline)
+      throw NcclError(prefix(rank_, size_, what) + "still in progress after " +
+                      std::to_string(timeout_.count() / 1000.0) + " s (is every rank making this call?)");
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+}
+
 void Core::wait_for(cudaEvent_t ready, const char* what) {
   if (aborted_.load())
     throw NcclError(prefix(rank_, size_, what) + "the communicator was aborted after an earlier failure");
@@ -185,37 +231,43 @@ EventPtr Core::finished(const char* what) {
 std::unique_ptr<Core> Core::split(int color, int key) {
   ncclComm_t child = nullptr;
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  check(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config), "ncclCommSplit");
-  if (color < 0 || !child) return nullptr;
-  int rank = 0, size = 0;
-  check(ncclCommUserRank(child, &rank), "ncclCommUserRank");
-  check(ncclCommCount(child, &size), "ncclCommCount");
-  return std::unique_ptr<Core>(new Core(rank, size, device_, child));
+  config.blocking = 0;  // Note [non-blocking communicators]
+  const ncclResult_t r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
+  if (color < 0 || !child) {
+    settle(r, "ncclCommSplit");
+    return nullptr;
+  }
+  // The new communicator's state tells when the split has finished.
+  auto core = std::unique_ptr<Core>(new Core(rank_, size_, device_, child, timeout_));
+  core->settle(r, "ncclCommSplit");
+  check(ncclCommUserRank(child, &core->rank_), "ncclCommUserRank");
+  check(ncclCommCount(child, &core->size_), "ncclCommCount");
+  return core;
 }
 
 EventPtr Core::all_gather(const void* in, void* out, size_t count, ncclDataType_t type, cudaEvent_t ready) {
   wait_for(ready, "all_gather");
-  check(ncclAllGather(in, out, count, type, comm_, stream_), "all_gather");
+  settle(ncclAllGather(in, out, count, type, comm_, stream_), "all_gather");
   return finished("all_gather");
 }
 
 EventPtr Core::reduce_scatter(const void* in, void* out, size_t count, ncclDataType_t type, ncclRedOp_t op,
                               cudaEvent_t ready) {
   wait_for(ready, "reduce_scatter");
-  check(ncclReduceScatter(in, out, count, type, op, comm_, stream_), "reduce_scatter");
+  settle(ncclReduceScatter(in, out, count, type, op, comm_, stream_), "reduce_scatter");
   return finished("reduce_scatter");
 }
 
 EventPtr Core::all_reduce(const void* in, void* out, size_t count, ncclDataType_t type, ncclRedOp_t op,
                           cudaEvent_t ready) {
   wait_for(ready, "all_reduce");
-  check(ncclAllReduce(in, out, count, type, op, comm_, stream_), "all_reduce");
+  settle(ncclAllReduce(in, out, count, type, op, comm_, stream_), "all_reduce");
   return finished("all_reduce");
 }
 
 EventPtr Core::broadcast(void* buffer, size_t count, ncclDataType_t type, int root, cudaEvent_t ready) {
   wait_for(ready, "broadcast");
-  check(ncclBroadcast(buffer, buffer, count, type, root, comm_, stream_), "broadcast");
+  settle(ncclBroadcast(buffer, buffer, count, type, root, comm_, stream_), "broadcast");
   return finished("broadcast");
 }
 
@@ -231,25 +283,26 @@ EventPtr Core::all_to_all(const void* in, void* out, const std::vector<size_t>& 
     if (send_counts[p]) check(ncclSend(src, send_counts[p], type, p, comm_, stream_), "all_to_all");
     if (recv_counts[p]) check(ncclRecv(dst, recv_counts[p], type, p, comm_, stream_), "all_to_all");
   }
-  check(ncclGroupEnd(), "all_to_all");
+  settle(ncclGroupEnd(), "all_to_all");
   return finished("all_to_all");
 }
 
-EventPtr Core::send(const void* buffer, size_t count, ncclDataType_t type, int peer, cudaEvent_t ready) {
-  wait_for(ready, "send");
-  check(ncclSend(buffer, count, type, peer, comm_, stream_), "send");
-  return finished("send");
-}
-
-EventPtr Core::recv(void* buffer, size_t count, ncclDataType_t type, int peer, cudaEvent_t ready) {
-  wait_for(ready, "recv");
-  check(ncclRecv(buffer, count, type, peer, comm_, stream_), "recv");
-  return finished("recv");
+EventPtr Core::p2p(const std::vector<P2p>& ops, cudaEvent_t ready) {
+  wait_for(ready, "p2p");
+  check(ncclGroupStart(), "p2p");
+  for (const auto& op : ops) {
+    if (op.send)
+      check(ncclSend(op.buffer, op.count, op.type, op.peer, comm_, stream_), "send");
+    else
+      check(ncclRecv(op.buffer, op.count, op.type, op.peer, comm_, stream_), "recv");
+  }
+  settle(ncclGroupEnd(), "p2p");
+  return finished("p2p");
 }
 
 EventPtr Core::barrier() {
   wait_for(nullptr, "barrier");
-  check(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_), "barrier");
+  settle(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_), "barrier");
   return finished("barrier");
 }
 

@@ -10,6 +10,14 @@
 // host never blocks, collectives overlap compute, and operations on one communicator run in issue
 // order, as on the Gloo backend's worker thread.
 //
+// Note [non-blocking communicators]
+// Communicators are created non-blocking (ncclConfig_t::blocking = 0), as PyTorch creates them: an
+// NCCL call may then return ncclInProgress and finish in the background, and the host polls
+// ncclCommGetAsyncError until it has (settle()). So a call never blocks where nothing can interrupt
+// it: the watchdog's abort (abort(), from another thread) ends the poll, and so does the
+// communicator's timeout, each with an error naming the call. While a call is in progress, the
+// asynchronous error reads ncclInProgress, which is not a failure.
+//
 // Note [captured operations]
 // An operation enqueued while the caller's stream is being captured into a CUDA graph is recorded,
 // not run: it runs at each replay, where no host-side handle sees it. Its event is a captured event,
@@ -23,6 +31,7 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -50,7 +59,8 @@ enum class Completion { kDone, kInFlight, kFailed };
 
 // Classifies cudaEventQuery's answer for an operation on a communicator that is `aborted` or whose
 // asynchronous error is `async_error`: done on success or on a captured event; in flight while not
-// ready and nothing failed; failed otherwise (a device error, an abort, an NCCL error).
+// ready and nothing failed (ncclInProgress is no failure: Note [non-blocking communicators]);
+// failed otherwise (a device error, an abort, an NCCL error).
 Completion completion_of(cudaError_t query, bool aborted, ncclResult_t async_error);
 
 // Whether work issued now on `stream` is being captured into a CUDA graph (recorded, not run).
@@ -67,8 +77,10 @@ struct Rendezvous {
 class Core {
  public:
   // Collective over `size` ranks: makes `device` current, creates a non-blocking stream and the
-  // communicator (eagerly, ncclCommInitRank with the id rank 0 published under `key`).
-  Core(int rank, int size, int device, const Rendezvous& rendezvous, const std::string& key);
+  // communicator (eagerly, ncclCommInitRankConfig with the id rank 0 published under `key`). A
+  // call that has not finished after `timeout` fails (Note [non-blocking communicators]).
+  Core(int rank, int size, int device, const Rendezvous& rendezvous, const std::string& key,
+       std::chrono::milliseconds timeout = std::chrono::minutes(5));
   ~Core();
   Core(const Core&) = delete;
   Core& operator=(const Core&) = delete;
@@ -94,8 +106,16 @@ class Core {
   EventPtr all_to_all(const void* in, void* out, const std::vector<size_t>& send_counts,
                       const std::vector<size_t>& send_offsets, const std::vector<size_t>& recv_counts,
                       const std::vector<size_t>& recv_offsets, ncclDataType_t type, cudaEvent_t ready);
-  EventPtr send(const void* buffer, size_t count, ncclDataType_t type, int peer, cudaEvent_t ready);
-  EventPtr recv(void* buffer, size_t count, ncclDataType_t type, int peer, cudaEvent_t ready);
+  // Sends and receives in one NCCL group, so that they progress together (Note [point-to-point
+  // groups] in fsdpp/comm/comm.hpp).
+  struct P2p {
+    bool send;
+    void* buffer;
+    size_t count;
+    ncclDataType_t type;
+    int peer;
+  };
+  EventPtr p2p(const std::vector<P2p>& ops, cudaEvent_t ready);
   // An all-reduce of one element on a scratch buffer.
   EventPtr barrier();
 
@@ -112,13 +132,16 @@ class Core {
   bool aborted() const { return aborted_.load(); }
 
  private:
-  Core(int rank, int size, int device, ncclComm_t comm);
+  Core(int rank, int size, int device, ncclComm_t comm, std::chrono::milliseconds timeout);
   void check(cudaError_t e, const char* what) const;
   void check(ncclResult_t r, const char* what) const;
+  // check(), after waiting for a call that returned ncclInProgress to finish.
+  void settle(ncclResult_t r, const char* what) const;
   void wait_for(cudaEvent_t ready, const char* what);
   EventPtr finished(const char* what);
 
   int rank_, size_, device_;
+  std::chrono::milliseconds timeout_;
   std::shared_ptr<EventPool> events_;
   std::atomic<bool> aborted_{false};
   ncclComm_t comm_ = nullptr;
