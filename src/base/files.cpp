@@ -1,6 +1,7 @@
 #include "fsdpp/base/files.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -16,6 +17,8 @@
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 #endif
+
+#include "fsdpp/base/paths.hpp"
 
 namespace fsdpp {
 
@@ -46,11 +49,41 @@ int write_all(int fd, const void* data, size_t bytes, const uint64_t* offset = n
 
 }  // namespace
 
-AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
-  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) {
+int open_for_writing(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+  if (fd < 0) {
     const int e = errno;
-    throw std::runtime_error("writing " + path_ + " failed: cannot create " + tmp_ + ": " + os_error(e));
+    struct stat st {};
+    if (e == ELOOP && ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode))
+      throw BadInput(path + " is a symbolic link: fsdpp writes no file through a link; remove it");
+    if ((e == ENXIO || e == EISDIR) && ::lstat(path.c_str(), &st) == 0)
+      throw BadInput(path + " is " + kind_of_mode(st.st_mode) + ", not a regular file");
+    throw std::runtime_error("cannot open " + path + " to write: " + os_error(e));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw std::runtime_error("cannot open " + path + " to write: " + os_error(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw BadInput(path + " is " + kind_of_mode(st.st_mode) + ", not a regular file");
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
+  // A new file, whatever was left under the temporary name (a crash's, or a link someone planted:
+  // unlink removes the link, not its target).
+  ::unlink(tmp_.c_str());
+  try {
+    fd_ = open_for_writing(tmp_, O_WRONLY | O_CREAT | O_EXCL);
+  } catch (const BadInput& e) {
+    throw BadInput("writing " + path_ + " failed: " + e.what());
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error("writing " + path_ + " failed: " + e.what());
   }
 }
 
@@ -103,11 +136,7 @@ void write_file_atomically(const std::string& path, const std::string& text) {
 }
 
 LineLog::LineLog(std::string path, bool truncate) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (truncate ? O_TRUNC : 0), 0644);
-  if (fd_ < 0) {
-    const int e = errno;
-    throw std::runtime_error("cannot open " + path_ + " to write: " + os_error(e));
-  }
+  fd_ = open_for_writing(path_, O_WRONLY | O_CREAT | (truncate ? O_TRUNC : 0));
   const off_t end = ::lseek(fd_, 0, SEEK_END);
   size_ = end > 0 ? static_cast<uint64_t>(end) : 0;
 }
@@ -138,8 +167,9 @@ void sync_to_disk(const std::string& path) {
 }
 
 nlohmann::json read_json_file(const std::string& path) {
+  require_regular_file(path, "");
   std::ifstream f(path);
-  if (!f) throw std::runtime_error(path + " is missing");
+  if (!f) throw std::runtime_error(path + " cannot be read: " + os_error(errno));
   try {
     return nlohmann::json::parse(f);
   } catch (const nlohmann::json::exception& e) {
@@ -213,6 +243,7 @@ uint32_t crc32c(const void* data, size_t bytes, uint32_t crc) {
 }
 
 FileDigest digest_file(const std::string& path) {
+  require_regular_file(path, "");
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error("cannot read " + path);
   std::vector<char> buffer(4 << 20);

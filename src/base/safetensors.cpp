@@ -18,6 +18,7 @@
 #include <stdexcept>
 
 #include "fsdpp/base/files.hpp"
+#include "fsdpp/base/paths.hpp"
 
 namespace fsdpp {
 
@@ -96,6 +97,7 @@ void write_safetensors(const std::string& path,
 }
 
 SafetensorsFile read_safetensors(const std::string& path, bool mapped) {
+  require_regular_file(path, "safetensors file");
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw std::runtime_error(fmt::format("read_safetensors: cannot open {}", path));
   const uint64_t size = static_cast<uint64_t>(f.tellg());

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <chrono>
 #include <climits>
 #include <filesystem>
@@ -20,6 +21,7 @@
 #include "fsdpp/comm/launch.hpp"
 #include "fsdpp/base/blas.hpp"
 #include "fsdpp/base/files.hpp"
+#include "fsdpp/base/paths.hpp"
 #include "fsdpp/base/mkl_vml.hpp"
 #include "fsdpp/base/openmp_wait.hpp"
 #include "fsdpp/pipeline/plan.hpp"
@@ -100,13 +102,19 @@ int run_recipe(RunArgs& a) {
   // Check everything before any rank starts.
   const auto recipe =
       train::load_recipe(a.recipe, a.overrides, a.nproc > 0 ? std::optional<int>(a.nproc) : std::nullopt);
-  comm::check_injected_fault(recipe.world_size());
+  comm::check_injected_fault(
+      recipe.world_size(),
+      std::min(recipe.train.steps, a.stop_after > 0 ? a.stop_after : recipe.train.steps));
   train::check_memory(recipe, recipe.world_size());  // every rank on this machine
   // The run owns its output directory until every rank has ended (include/fsdpp/train/run_lock.hpp).
   std::optional<std::string> took_over;
   const auto lock = train::RunLock::acquire(recipe.output_dir(), "fsdpp run " + a.recipe, &took_over);
   if (took_over) std::cerr << "fsdpp run: note: " << *took_over << "\n";
   train::check_output_dir(recipe, a.options);
+  if (const auto finished = train::finished_run(recipe, a.options)) {
+    std::cout << "fsdpp run: " << *finished << std::endl;
+    return 0;
+  }
   comm::LaunchOptions o;
   o.nproc = recipe.world_size();
   o.max_restarts = a.max_restarts;
@@ -191,21 +199,27 @@ int main(int argc, char** argv) {
       ->add_option("--max-outstanding-sends", show.max_outstanding_sends,
                    "sends in flight per rank, at most (0: unlimited)")
       ->check(CLI::NonNegativeNumber);
-  cmd_show->add_flag("--fsdp", show.fsdp,
-                     "stages are sharded: add UNSHARD, RESHARD, REDUCE_GRAD and WAIT_REDUCE_GRAD");
+  auto* show_fsdp = cmd_show->add_flag(
+      "--fsdp", show.fsdp, "stages are sharded: add UNSHARD, RESHARD, REDUCE_GRAD and WAIT_REDUCE_GRAD");
   cmd_show->add_option("--defer-pp-recv", show.defer_pp_recv,
                        "post each receive as soon as its send is in the plan (false, the default, as "
                        "PyTorch 2.15) or as late as 2.15's defer_pp_recv posts it, before its use (true)");
-  cmd_show->add_option("--defer-reduce-grad-wait", show.defer_reduce_grad_wait,
-                       "with --fsdp: wait for a stage's REDUCE_GRAD right after it (false, the default, "
-                       "as PyTorch 2.15) or before the rank's next one (true)");
+  // The FSDP settings mean nothing without --fsdp: refused rather than ignored.
+  cmd_show
+      ->add_option("--defer-reduce-grad-wait", show.defer_reduce_grad_wait,
+                   "with --fsdp: wait for a stage's REDUCE_GRAD right after it (false, the default, "
+                   "as PyTorch 2.15) or before the rank's next one (true)")
+      ->needs(show_fsdp);
   cmd_show
       ->add_option("--max-active-stages", show.max_active_stages,
                    "with --fsdp: stages of a rank kept gathered at once, the current one first (default 3)")
-      ->check(CLI::Range(1, 64));
-  cmd_show->add_option("--unshard-lookahead", show.unshard_lookahead,
-                       "with --fsdp: how far ahead each rank gathers: full (default), auto, or one "
-                       "value per rank (1,2)");
+      ->check(CLI::Range(1, 64))
+      ->needs(show_fsdp);
+  cmd_show
+      ->add_option("--unshard-lookahead", show.unshard_lookahead,
+                   "with --fsdp: how far ahead each rank gathers: full (default), auto, or one "
+                   "value per rank (1,2)")
+      ->needs(show_fsdp);
 
   std::string fr_dir;
   auto* cmd_fr = app.add_subcommand("fr", "flight records");
@@ -292,8 +306,17 @@ int main(int argc, char** argv) {
   const auto data_commands = cli::add_data_commands(app);
   const auto model_commands = cli::add_model_commands(app);
   int64_t gen_seed = 0;
+  // The text itself is checked: a conversion would clamp a number past the range to its end.
   cmd_generate->add_option("--seed", gen_seed, "sampling seed (0 to 2^63 - 1)")
-      ->check(CLI::Range(int64_t{0}, std::numeric_limits<int64_t>::max()));
+      ->check(
+          [](const std::string& text) {
+            int64_t v = 0;
+            const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+            return ec == std::errc() && end == text.data() + text.size() && v >= 0
+                       ? std::string()
+                       : fmt::format("{} is not a whole number from 0 to 2^63 - 1", text);
+          },
+          "0 to 2^63 - 1");
 
   std::vector<std::string> ckpt_in;
   std::string ckpt_out;
@@ -310,6 +333,8 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingDirectory);
   cmd_consolidate->add_option("-o,--output", ckpt_out,
                               "output file (default: <first checkpoint>/model.safetensors)");
+  bool ckpt_overwrite = false;
+  cmd_consolidate->add_flag("--overwrite", ckpt_overwrite, "replace the output file if it exists");
   std::string verify_in;
   auto* cmd_verify = cmd_ckpt->add_subcommand(
       "verify", "check a checkpoint's files against their sizes and CRC-32C checksums, without a model");
@@ -382,14 +407,15 @@ int main(int argc, char** argv) {
                         gen_path));
       const auto tokenizer = train::Tokenizer::load(spec);
       if (!recorded.is_null()) tokenizer->check_matches(recorded, gen_path);
-      std::cout << gen_prompt << train::generate(*model, *tokenizer, gen_prompt, sample) << std::endl;
+      const auto text = train::generate(*model, *tokenizer, gen_prompt, sample);  // before any output
+      std::cout << gen_prompt << text << std::endl;
       return 0;
     }
     if (cmd_consolidate->parsed()) {
       namespace fs = std::filesystem;
       const auto out =
           ckpt_out.empty() ? (fs::path(ckpt_in.front()) / "model.safetensors").string() : ckpt_out;
-      const auto dir = train::consolidate_checkpoint(ckpt_in, out);
+      const auto dir = train::consolidate_checkpoint(ckpt_in, out, ckpt_overwrite);
       std::cout << fmt::format("wrote {} from {}\n", out, dir);
       return 0;
     }
@@ -417,6 +443,12 @@ int main(int argc, char** argv) {
     std::cerr << "fsdpp: invalid recipe: " << user_message(e) << "\n";
     return kExitBadInput;
   } catch (const std::invalid_argument& e) {
+    std::cerr << "fsdpp: " << user_message(e) << "\n";
+    return kExitBadInput;
+  } catch (const BadInput& e) {
+    std::cerr << "fsdpp: " << user_message(e) << "\n";
+    return kExitBadInput;
+  } catch (const pipeline::ScheduleError& e) {  // a schedule table or settings given on the command line
     std::cerr << "fsdpp: " << user_message(e) << "\n";
     return kExitBadInput;
   } catch (const std::exception& e) {

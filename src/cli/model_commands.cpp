@@ -48,7 +48,11 @@ uint64_t parse_size(const std::string& text) {
   if (it == units.end() || !(value > 0))
     throw std::invalid_argument(
         fmt::format("--max-shard-size: not a size: {} (for example 5GB, 500MB)", text));
-  return static_cast<uint64_t>(value * it->second);
+  // Past 2^63 bytes the product would not convert (undefined): refused, not wrapped.
+  const double bytes = value * it->second;
+  if (!(bytes < 0x1p63))
+    throw std::invalid_argument(fmt::format("--max-shard-size: {} is past 2^63 bytes (8 EiB)", text));
+  return static_cast<uint64_t>(bytes);
 }
 
 at::ScalarType parse_dtype(const std::string& name) {
@@ -133,6 +137,8 @@ int run_model_commands(const ModelCommands& c) {
     std::cout << fmt::format("wrote {} from {}: {} tensors, {} parameters; model config {}\n", c.import_out,
                              c.import_in, imported.tensors.size(), imported.config.parameter_count(),
                              train::to_json(imported.config).dump());
+    if (!imported.tokenizer_note.empty())
+      std::cerr << "fsdpp import: note: " << imported.tokenizer_note << "\n";
     return 0;
   }
   return -1;

@@ -152,7 +152,7 @@ int verify_checkpoints(std::string path) {
   namespace fs = std::filesystem;
   std::vector<std::string> dirs;
   // checkpoints/latest, the pointer the tree shows beside the checkpoints: the one it names.
-  if (fs::is_regular_file(path)) {
+  if (fs::is_regular_file(path)) {  // links followed; a FIFO is no pointer
     std::ifstream f(path);
     std::string name;
     std::getline(f, name);

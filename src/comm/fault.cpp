@@ -70,7 +70,15 @@ const Fault& injected_fault() {
   return f;
 }
 
-void check_injected_fault(int world_size) { (void)parse(std::getenv("FSDPP_FAULT"), world_size); }
+void check_injected_fault(int world_size, int64_t last_step) {
+  const char* text = std::getenv("FSDPP_FAULT");
+  const Fault f = parse(text, world_size);
+  if (last_step >= 0 && (f.kind == "kill" || f.kind == "kill_in_checkpoint") && f.at > last_step)
+    throw std::invalid_argument(
+        fmt::format("FSDPP_FAULT={}: step {} is past the run's last step ({}): the fault "
+                    "would never fire",
+                    text, f.at, last_step));
+}
 
 namespace detail {
 

@@ -15,6 +15,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -45,7 +46,18 @@ void on_signal(int sig) {
 }
 
 std::string resolve_program(const std::string& name) {
-  if (name.find('/') != std::string::npos) return name;
+  if (name.find('/') != std::string::npos) {
+    // Checked here, where the reason can be told: after fork, exec's failure can only be counted.
+    struct stat st {};
+    if (::stat(name.c_str(), &st) != 0)
+      throw std::invalid_argument(fmt::format("fsdpp launch: program {}: {}", name, strerror(errno)));
+    if (!S_ISREG(st.st_mode))
+      throw std::invalid_argument(fmt::format("fsdpp launch: program {} is not a regular file", name));
+    if (access(name.c_str(), X_OK) != 0)
+      throw std::invalid_argument(
+          fmt::format("fsdpp launch: program {} is not executable ({})", name, strerror(errno)));
+    return name;
+  }
   const char* path = std::getenv("PATH");
   std::string dirs = path ? path : "/usr/bin:/bin";
   size_t start = 0;
@@ -163,7 +175,7 @@ pid_t spawn(const std::string& program, const std::vector<std::string>& args,
     dup2(err_fd, STDERR_FILENO);
     signal(SIGPIPE, SIG_DFL);
     execve(program.c_str(), argv.data(), envp.data());
-    const char msg[] = "fsdpp launch: exec failed\n";
+    const char msg[] = "fsdpp launch: exec of the rank's program failed (it was there a moment ago)\n";
     [[maybe_unused]] auto n = write(STDERR_FILENO, msg, sizeof(msg) - 1);
     _exit(127);
   }

@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "fsdpp/base/files.hpp"
+#include "fsdpp/base/paths.hpp"
 #include "fsdpp/base/safetensors.hpp"
 #include "fsdpp/fsdp/checkpoint.hpp"
 #include "fsdpp/train/recipe.hpp"
@@ -34,6 +35,9 @@ std::string step_dir_name(int64_t step) { return fmt::format("step-{:08}", step)
 
 std::optional<std::string> latest_checkpoint(const std::string& output_dir) {
   const fs::path dir = fs::path(output_dir) / "checkpoints";
+  // A pointer that is not a regular file (a FIFO would block the read) names nothing.
+  std::error_code ec;
+  if (!fs::is_regular_file(dir / "latest", ec)) return std::nullopt;
   std::ifstream f(dir / "latest");
   std::string name;
   // A committed directory however damaged (verify_checkpoint says how): a resume skips it with a
@@ -101,7 +105,7 @@ std::pair<int, uint64_t> verify_checkpoint(const std::string& dir, bool present_
 std::string find_checkpoint(const std::string& path) {
   if (fs::exists(fs::path(path) / "trainer.json")) return path;
   if (auto latest = latest_checkpoint(path)) return *latest;
-  throw std::runtime_error(
+  throw BadInput(
       fmt::format("{} is neither a checkpoint (no trainer.json) nor a run directory with one", path));
 }
 
@@ -162,17 +166,38 @@ void commit_checkpoint(const std::string& checkpoints_dir, int64_t step, int64_t
   for (size_t i = 0; i + static_cast<size_t>(keep) < done.size(); ++i) fs::remove_all(done[i]);
 }
 
-std::string consolidate_checkpoint(const std::vector<std::string>& paths, const std::string& output_file) {
+std::string consolidate_checkpoint(const std::vector<std::string>& paths, const std::string& output_file,
+                                   bool overwrite) {
   std::vector<std::string> dirs;
   json meta;
-  for (const auto& path : paths) {
-    dirs.push_back(find_checkpoint(path));
-    const json m = read_json_file((fs::path(dirs.back()) / "trainer.json").string());
-    if (dirs.size() == 1)
+  for (const auto& path : paths) dirs.push_back(find_checkpoint(path));
+  // What the output must not replace: the files read, the run's pointer and its other checkpoints
+  // (a file written beside them, such as the default model.safetensors, is fine).
+  std::vector<std::string> protected_paths;
+  for (const auto& dir : dirs) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      const auto name = e.path().filename().string();
+      if (name == "trainer.json" || name.rfind("rank", 0) == 0) protected_paths.push_back(e.path().string());
+    }
+    const auto checkpoints = fs::path(dir).parent_path();
+    protected_paths.push_back((checkpoints / "latest").string());
+    for (const auto& e : fs::directory_iterator(checkpoints, ec))
+      if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0 &&
+          !fs::equivalent(e.path(), dir, ec))
+        protected_paths.push_back(e.path().string());
+  }
+  check_output_file(output_file, protected_paths, overwrite);
+  // Every reader checks the checksums first (docs/checkpoints.md); one node's directory of a
+  // checkpoint on local storage holds only its ranks' files.
+  for (const auto& dir : dirs) verify_checkpoint(dir, /*present_only=*/dirs.size() > 1);
+  for (const auto& dir : dirs) {
+    const json m = read_json_file((fs::path(dir) / "trainer.json").string());
+    if (meta.is_null())
       meta = m;
     else if (m.at("step") != meta.at("step"))
       throw std::runtime_error(
-          fmt::format("{} holds step {} but {} step {}: give the directories of one checkpoint", dirs.back(),
+          fmt::format("{} holds step {} but {} step {}: give the directories of one checkpoint", dir,
                       m.at("step").dump(), dirs.front(), meta.at("step").dump()));
   }
   const auto full = fsdp::read_full_parameters(dirs);

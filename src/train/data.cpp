@@ -10,6 +10,7 @@
 #include <iterator>
 #include <set>
 
+#include "fsdpp/base/paths.hpp"
 #include "fsdpp/train/recipe.hpp"
 
 namespace fsdpp::train {
@@ -34,6 +35,7 @@ void seeded_shuffle(std::vector<int64_t>& v, uint64_t seed) {
 }
 
 std::string read_text_file(const std::string& p) {
+  require_regular_file(p, "data:");
   std::ifstream f(p, std::ios::binary);
   if (!f) throw std::runtime_error(fmt::format("data: cannot read {}", p));
   return {std::istreambuf_iterator<char>(f), {}};
@@ -45,24 +47,7 @@ bool looks_binary(std::string_view bytes) {
 
 std::string file_kind(const std::string& path) {
   std::error_code ec;
-  switch (fs::status(path, ec).type()) {
-    case fs::file_type::regular:
-      return "a regular file";
-    case fs::file_type::directory:
-      return "a directory";
-    case fs::file_type::fifo:
-      return "a FIFO";
-    case fs::file_type::character:
-      return "a character device";
-    case fs::file_type::block:
-      return "a block device";
-    case fs::file_type::socket:
-      return "a socket";
-    case fs::file_type::not_found:
-      return "missing";
-    default:
-      return "not a regular file";
-  }
+  return kind_of(fs::status(path, ec).type());
 }
 
 std::vector<std::string> list_text_files(const std::string& root) {

@@ -44,7 +44,8 @@ const char* kMlp[3][2] = {{"w1", "gate_proj"}, {"w3", "up_proj"}, {"w2", "down_p
 
 bool is_checkpoint_dir(const std::string& path) {
   std::error_code ec;
-  return fs::is_directory(path, ec) && fs::is_regular_file(fs::path(path) / "config.json", ec);
+  // A config.json of any kind: reading it then says what is wrong with one that is not a file.
+  return fs::is_directory(path, ec) && fs::exists(fs::path(path) / "config.json", ec);
 }
 
 namespace {
@@ -281,6 +282,12 @@ std::vector<std::string> export_checkpoint(const models::MoEConfig& c, const Nam
       final_dir.parent_path() / fmt::format(".{}.tmp-{}", final_dir.filename().string(), getpid());
   std::vector<std::string> files;
   try {
+    // The target's folder first, so that a read-only or missing place is named as the user gave it
+    // (not as the temporary directory beside it).
+    if (const auto parent = final_dir.parent_path(); !parent.empty()) fs::create_directories(parent);
+    if (::access((final_dir.parent_path().empty() ? fs::path(".") : final_dir.parent_path()).c_str(), W_OK) !=
+        0)
+      throw std::runtime_error(fmt::format("export: cannot write {}: {}", dir, os_error(errno)));
     fs::create_directories(tmp);
     const auto write_json = [&](const std::string& name, const json& j) {
       write_file_atomically((tmp / name).string(), j.dump(2) + "\n");
@@ -397,21 +404,35 @@ LazyImport import_checkpoint_lazy(const std::string& dir) {
         dir));
   }
   r.tensors = from_hf_lazy(r.config, hf, source);
+  // The tokenizer, where fsdpp reads it; otherwise a note of why not (the weights come in anyway).
+  std::vector<std::string> why;
   const auto tok = d / "tokenizer.json";
   if (fs::exists(tok, ec)) {
-    json t;
     try {
-      t = read_json_file(tok.string());
-    } catch (const std::exception&) {
+      const json t = read_json_file(tok.string());
+      if (detail::is_bytes_tokenizer(t))
+        r.tokenizer = Tokenizer::load("bytes")->identity();
+      else
+        why.push_back(
+            fmt::format("{} is a {} tokenizer, which fsdpp does not read (it reads its own bytes "
+                        "tokenizer and SentencePiece models)",
+                        tok.string(),
+                        t.is_object() && t.contains("model") && t["model"].is_object()
+                            ? t["model"].value("type", std::string("untyped"))
+                            : std::string("malformed")));
+    } catch (const std::exception& e) {
+      why.push_back(e.what());
     }
-    if (detail::is_bytes_tokenizer(t)) r.tokenizer = Tokenizer::load("bytes")->identity();
   }
   if (r.tokenizer.is_null() && fs::exists(d / "tokenizer.model", ec)) {
     try {  // a SentencePiece model fsdpp reads (as `fsdpp export` leaves one)
       r.tokenizer = Tokenizer::load((d / "tokenizer.model").string())->identity();
-    } catch (const std::exception&) {
+    } catch (const std::exception& e) {
+      why.push_back(e.what());
     }
   }
+  if (r.tokenizer.is_null() && !why.empty())
+    r.tokenizer_note = fmt::format("no tokenizer taken: {}", fmt::join(why, "; "));
   return r;
 }
 

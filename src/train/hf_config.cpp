@@ -2,6 +2,7 @@
 #include <ATen/core/Tensor.h>
 #include <fmt/format.h>
 
+#include <map>
 #include <stdexcept>
 #include <string>
 
@@ -106,6 +107,23 @@ json export_config(const models::MoEConfig& c, at::ScalarType dtype) {
   return j;
 }
 
+std::string field_of(const std::string& key, bool moe) {
+  static const std::map<std::string, std::string> common{
+      {"vocab_size", "vocab_size"},        {"dim", "hidden_size"},
+      {"layers", "num_hidden_layers"},     {"heads", "num_attention_heads"},
+      {"kv_heads", "num_key_value_heads"}, {"max_seq_len", "max_position_embeddings"},
+      {"norm_eps", "rms_norm_eps"},        {"rope_theta", "rope_theta"},
+      {"init_std", "initializer_range"},   {"tie_embeddings", "tie_word_embeddings"}};
+  static const std::map<std::string, std::string> mixtral{{"experts", "num_local_experts"},
+                                                          {"top_k", "num_experts_per_tok"},
+                                                          {"expert_hidden", "intermediate_size"},
+                                                          {"aux_loss_coef", "router_aux_loss_coef"}};
+  static const std::map<std::string, std::string> llama{{"ffn_hidden", "intermediate_size"}};
+  for (const auto* m : {&common, moe ? &mixtral : &llama})
+    if (const auto it = m->find(key); it != m->end()) return it->second;
+  return "";
+}
+
 models::MoEConfig import_config(const json& j, const std::string& source) {
   if (!j.is_object()) throw std::invalid_argument(fmt::format("{}: not a JSON object", source));
   const std::string type =
@@ -114,6 +132,12 @@ models::MoEConfig import_config(const json& j, const std::string& source) {
     refuse_field(source, "model_type", j.value("model_type", json("missing")),
                  "fsdpp imports llama (LlamaForCausalLM) and mixtral (MixtralForCausalLM)");
   const bool moe = type == "mixtral";
+  // The class transformers builds follows `architectures` where it is given: it must be this type's.
+  const std::string cls = moe ? "MixtralForCausalLM" : "LlamaForCausalLM";
+  if (j.contains("architectures") && !j["architectures"].is_null() &&
+      !(j["architectures"].is_array() && j["architectures"].size() == 1 && j["architectures"][0] == cls))
+    refuse_field(source, "architectures", j["architectures"],
+                 fmt::format("model_type \"{}\" is {}, and fsdpp imports that class only", type, cls));
   const auto is_set = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
   if (is_set("quantization_config"))
     refuse_field(source, "quantization_config", j["quantization_config"], "quantized weights are not read");
@@ -180,8 +204,20 @@ models::MoEConfig import_config(const json& j, const std::string& source) {
     c.experts = 0;
     c.ffn_hidden = hidden;
   }
-  // fsdpp's own checks (heads that split the width evenly, ranges), with fsdpp's key names.
-  return parse_model_config(to_json(c), source);
+  // fsdpp's own checks (heads that split the width evenly, ranges), each problem named by the
+  // file's own field.
+  try {
+    return parse_model_config(to_json(c), source);
+  } catch (const RecipeError& e) {
+    std::vector<std::string> problems;
+    for (auto p : e.problems()) {
+      const auto colon = p.find(':');
+      if (const auto field = field_of(p.substr(0, colon), moe); colon != std::string::npos && !field.empty())
+        p = field + p.substr(colon);
+      problems.push_back(p);
+    }
+    throw RecipeError(source, problems);
+  }
 }
 
 }  // namespace fsdpp::train::hf

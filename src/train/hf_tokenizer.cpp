@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "fsdpp/base/paths.hpp"
 #include "hf_tokenizer.hpp"
 
 namespace fsdpp::train::hf::detail {
@@ -94,6 +95,7 @@ struct Model {
 };
 
 Model read_model(const std::string& path) {
+  require_regular_file(path, "tokenizer");
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error(fmt::format("{}: cannot be read", path));
   const std::string data((std::istreambuf_iterator<char>(f)), {});

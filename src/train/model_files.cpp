@@ -44,6 +44,7 @@ FullWeights read_full_weights(const std::string& path) {
     w.state = std::move(file.tensors);
   } else {
     const auto dir = find_checkpoint(path);
+    verify_checkpoint(dir);  // every reader checks the checksums first (docs/checkpoints.md)
     const json meta = read_json_file((fs::path(dir) / "trainer.json").string());
     w.config = parse_model_config(meta.at("model"), dir + "/trainer.json");
     w.tokenizer = meta.value("tokenizer", bytes);
@@ -86,6 +87,16 @@ void check_none_missing(const torch::OrderedDict<std::string, at::Tensor>& param
       throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", source, p.key()));
 }
 
+// Weights that hold NaN or infinity train to NaN at once, and the run would blame the learning
+// rate: refused where they are read, naming the tensor.
+void check_finite(const at::Tensor& t, const std::string& name, const std::string& source) {
+  if (at::is_floating_point(t) && !at::isfinite(t).all().item<bool>())
+    throw std::runtime_error(
+        fmt::format("{}: tensor {} holds {} values (NaN or infinite): the weights are "
+                    "damaged or were saved from a diverged run",
+                    source, name, (~at::isfinite(t)).sum().item<int64_t>()));
+}
+
 }  // namespace
 
 void load_full_weights(models::MoETransformerImpl& model,
@@ -96,6 +107,7 @@ void load_full_weights(models::MoETransformerImpl& model,
   std::set<std::string> seen;
   for (const auto& [name, t] : state) {
     auto p = matching_parameter(params, name, t.sizes(), t.scalar_type(), source);
+    check_finite(t, name, source);
     p.copy_(t);  // in the model's dtype
     seen.insert(name);
   }
@@ -129,7 +141,9 @@ void load_shards(fsdp::UnitHolder& root, const std::vector<LazyTensor>& weights,
     const auto it = by_name.find(s.name);
     if (it == by_name.end())
       throw std::runtime_error(fmt::format("{}: parameter '{}' is missing", source, s.name));
-    s.param.copy_(it->second->rows(s.info.row_offset, s.info.local_rows));
+    const auto rows = it->second->rows(s.info.row_offset, s.info.local_rows);
+    check_finite(rows, s.name, source);
+    s.param.copy_(rows);
   }
 }
 

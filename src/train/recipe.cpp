@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "fsdpp/base/paths.hpp"
 #include "fsdpp/fsdp/mixed_precision.hpp"
 #include "fsdpp/models/moe.hpp"
 #include "recipe_reader.hpp"
@@ -79,9 +80,12 @@ std::string resolve(const std::string& p, const std::string& base_dir) {
 
 json read_json_file(const std::string& path, const std::string& what) {
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec))
-    throw RecipeError(path, {fmt::format("cannot read this {} file: {}", what,
-                                         fs::exists(path, ec) ? "not a regular file" : "no such file")});
+  if (!fs::is_regular_file(path, ec)) {
+    const auto kind = kind_of(fs::status(path, ec).type());
+    throw RecipeError(
+        path, {fmt::format("cannot read this {} file: {}", what,
+                           kind == "missing" ? "no such file" : "it is " + kind + ", not a regular file")});
+  }
   if (fs::file_size(path, ec) > (64u << 20))
     throw RecipeError(path, {fmt::format("this {} file is over 64 MiB", what)});
   std::ifstream f(path);

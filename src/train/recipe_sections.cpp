@@ -6,6 +6,7 @@
 #include <optional>
 #include <set>
 
+#include "fsdpp/base/paths.hpp"
 #include "fsdpp/comm/init.hpp"
 #include "fsdpp/pipeline/plan.hpp"
 #include "fsdpp/pipeline/table.hpp"
@@ -115,16 +116,26 @@ void read_model_section(Reader& top, Recipe& rc, [[maybe_unused]] const std::str
   // The checkpoint decides the architecture: a key the recipe gives must agree with it. How to train
   // (auxiliary losses, routing, the sequence limit) and how to compute stay the recipe's.
   const json theirs = to_json(*imported), given = to_json(rc.model);
+  const bool moe = imported->experts > 0;
   json merged = theirs;
   for (const auto& [key, value] : theirs.items()) {
     if (!m.find(key)) continue;
     static const std::set<std::string> training{"aux_loss_coef", "z_loss_coef",     "init_std",
                                                 "routing",       "capacity_factor", "max_seq_len"};
-    if (training.count(key))
+    // What the architecture leaves unused: a Mixtral's dense width, a Llama's experts' settings.
+    static const std::set<std::string> moe_only{"expert_hidden",   "top_k",         "score",
+                                                "normalize_top_k", "shared_expert", "dense_layers"};
+    const bool unused = moe ? key == "ffn_hidden" : moe_only.count(key) > 0;
+    const auto field = hf::field_of(key, moe);
+    if (training.count(key) || unused)
       merged[key] = given[key];
     else if (given.value(key, json()) != value)
-      m.fail(key, fmt::format("{} here, but the transformers checkpoint {} has {}",
-                              given.value(key, json()).dump(), rc.init_from, value.dump()));
+      m.fail(key, field.empty()
+                      ? fmt::format("{} here, but a {} checkpoint such as {} has {}",
+                                    given.value(key, json()).dump(), moe ? "Mixtral" : "Llama", rc.init_from,
+                                    value.dump())
+                      : fmt::format("{} here, but the transformers checkpoint {} has {} {}",
+                                    given.value(key, json()).dump(), rc.init_from, field, value.dump()));
   }
   for (const char* key : {"kv_heads", "tie_embeddings"})
     if (m.find(key) && !theirs.contains(key) && given.contains(key))
@@ -409,9 +420,11 @@ void check_layout(Reader& top, Recipe& rc, const std::string& base_dir, std::opt
       const auto& s = par.schedule;
       if (pipeline::is_table_file(s)) {
         rc.parallel.schedule = resolve(s, base_dir);
-        std::error_code ec;
-        if (!fs::is_regular_file(rc.parallel.schedule, ec))
-          throw pipeline::ScheduleError(fmt::format("{}: no such schedule file", rc.parallel.schedule));
+        try {
+          require_regular_file(rc.parallel.schedule, "schedule table");
+        } catch (const std::runtime_error& e) {
+          throw pipeline::ScheduleError(e.what());
+        }
       } else {
         const auto names = pipeline::schedule_names();
         if (std::find(names.begin(), names.end(), s) == names.end())

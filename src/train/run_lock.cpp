@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "fsdpp/base/files.hpp"
+#include "fsdpp/base/paths.hpp"
 
 namespace fsdpp::train {
 
@@ -60,11 +61,14 @@ RunLock RunLock::acquire(const std::string& dir, const std::string& command,
   if (ec)
     throw std::runtime_error(fmt::format("cannot create the output directory {}: {}", dir, ec.message()));
   const auto path = (std::filesystem::path(dir) / kFileName).string();
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    const int e = errno;
-    throw std::runtime_error(
-        fmt::format("cannot claim the output directory {}: {}: {}", dir, path, os_error(e)));
+  // Never through a link or into a FIFO (a planted link would have its target truncated below).
+  int fd = -1;
+  try {
+    fd = open_for_writing(path, O_RDWR | O_CREAT);
+  } catch (const BadInput& e) {
+    throw BadInput(fmt::format("cannot claim the output directory {}: {}", dir, e.what()));
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(fmt::format("cannot claim the output directory {}: {}", dir, e.what()));
   }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;

@@ -8,10 +8,12 @@
 
 #include <array>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <thread>
 
 #include "fsdpp/base/files.hpp"
+#include "fsdpp/base/paths.hpp"
 #include "fsdpp/train/data.hpp"
 #include "piece_tokenizer.hpp"
 
@@ -20,6 +22,24 @@ namespace fsdpp::train {
 namespace fs = std::filesystem;
 
 namespace {
+
+// SentencePiece's message without its source location ("Internal: ./src/x.cc(1101) [check] ..."),
+// which means nothing to a user of fsdpp, and with its advice in fsdpp's terms.
+std::string user_text(const sentencepiece::util::Status& st) {
+  std::string m = st.message();
+  if (const auto close = m.find(") "); m.find(".cc(") != std::string::npos && close != std::string::npos)
+    m = m.substr(close + 2);
+  if (!m.empty() && m.front() == '[')
+    if (const auto end = m.rfind("] "); end != std::string::npos) m = m.substr(end + 2);
+  while (!m.empty() && m.back() == ' ') m.pop_back();
+  if (m.empty()) return "its bytes do not parse as one";  // all SentencePiece said was where it failed
+  int64_t have = 0, need = 0;
+  if (std::sscanf(m.c_str(), "Vocabulary size is smaller than required_chars. %ld vs %ld", &have, &need) == 2)
+    return fmt::format(
+        "--vocab {} is too small for this text, whose characters need {} pieces; give a larger --vocab", have,
+        need);
+  return m;
+}
 
 constexpr std::string_view kSpaceMark = "\xE2\x96\x81";  // U+2581, SentencePiece's space
 
@@ -73,14 +93,10 @@ class PieceTokenizer final : public Tokenizer {
  public:
   explicit PieceTokenizer(const std::string& path) {
     spec_ = fs::absolute(path).lexically_normal().string();  // recorded, and found again from elsewhere
-    std::error_code ec;
-    if (!fs::is_regular_file(path, ec))
-      throw std::runtime_error(
-          fmt::format("tokenizer {}: no such file (a SentencePiece .model, or \"bytes\")", spec_));
+    require_regular_file(spec_, "tokenizer");  // Tokenizer::load has said why, where it was called
     hash_ = "crc32c:" + crc_hex(digest_file(path).crc32c);
     if (const auto st = sp_.Load(path); !st.ok())
-      throw std::runtime_error(
-          fmt::format("tokenizer {}: not a SentencePiece model: {}", path, st.ToString()));
+      throw BadInput(fmt::format("tokenizer {}: not a SentencePiece model ({})", path, user_text(st)));
     const int n = sp_.GetPieceSize();
     text_.resize(static_cast<size_t>(n));
     byte_id_.fill(-1);
@@ -132,7 +148,7 @@ class PieceTokenizer final : public Tokenizer {
         text,
         [&](std::string_view run) {
           if (const auto st = sp_.Encode(run, &ids); !st.ok())
-            throw std::runtime_error(fmt::format("tokenizer {}: {}", spec_, st.ToString()));
+            throw std::runtime_error(fmt::format("tokenizer {}: {}", spec_, user_text(st)));
           // SentencePiece writes spaces as U+2581 before it falls back to bytes, so a model without
           // a piece for U+2581 gives its three bytes for a space: they stand for the space.
           for (size_t k = 0; k < ids.size(); ++k) {
@@ -230,10 +246,9 @@ TokenizerReport train_pieces(const TokenizerTrainOptions& o,
   };
   const auto t0 = std::chrono::steady_clock::now();
   if (o.type != "bpe" && o.type != "unigram")
-    throw std::runtime_error(
-        fmt::format("tokenizer train: --type must be bpe or unigram, got \"{}\"", o.type));
+    throw BadInput(fmt::format("tokenizer train: --type must be bpe or unigram, got \"{}\"", o.type));
   if (o.vocab_size < 260)
-    throw std::runtime_error(
+    throw BadInput(
         fmt::format("tokenizer train: --vocab {} is too small: the 256 byte pieces and the "
                     "unknown and end-of-text pieces need 258, and pieces need the rest",
                     o.vocab_size));
@@ -280,7 +295,7 @@ TokenizerReport train_pieces(const TokenizerTrainOptions& o,
   };
   std::string model;
   if (const auto st = sentencepiece::SentencePieceTrainer::Train(args, &it, &model); !st.ok())
-    throw std::runtime_error(fmt::format("tokenizer train: SentencePiece failed: {}", st.ToString()));
+    throw BadInput(fmt::format("tokenizer train: {}", user_text(st)));  // the text or the options
   const fs::path out(o.output);
   if (out.has_parent_path()) fs::create_directories(out.parent_path());
   write_file_atomically(o.output, model);

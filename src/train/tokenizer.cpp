@@ -4,9 +4,11 @@
 
 #include <atomic>
 #include <exception>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 
+#include "fsdpp/base/paths.hpp"
 #include "piece_tokenizer.hpp"
 
 namespace fsdpp::train {
@@ -39,6 +41,17 @@ class ByteTokenizer final : public Tokenizer {
 
 std::shared_ptr<const Tokenizer> Tokenizer::load(const std::string& spec) {
   if (spec == "bytes") return std::make_shared<ByteTokenizer>();
+  // Named here, as bad input, before the plugin reads it.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(spec, ec)) {
+    const auto kind = kind_of(std::filesystem::status(spec, ec).type());
+    const auto path = std::filesystem::absolute(spec).lexically_normal().string();  // as recorded
+    throw BadInput(
+        kind == "missing"
+            ? fmt::format("tokenizer {}: no such file (a SentencePiece .model, or \"bytes\")", path)
+            : fmt::format("tokenizer {} is {}, not a regular file (a SentencePiece .model, or \"bytes\")",
+                          path, kind));
+  }
   return detail::load_piece_tokenizer(spec);
 }
 

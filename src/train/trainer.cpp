@@ -179,6 +179,13 @@ RunResult Trainer::run() {
                     options_.resume ? "continuing from the latest checkpoint that verifies"
                                     : "no checkpoint yet, starting afresh"));
   int64_t step = options_.resume ? restore() : 0;
+  if (options_.resume && step >= recipe_.train.steps) {  // under another launcher than fsdpp run's
+    log(fmt::format("the run is complete: step {} of {}; nothing was changed", step, recipe_.train.steps));
+    RunResult done;
+    done.output_dir = out_.string();
+    done.steps_done = step;
+    return done;
+  }
   open_metrics(step);
 
   const int64_t end = std::min(recipe_.train.steps, options_.stop_after.value_or(recipe_.train.steps));
@@ -274,6 +281,23 @@ void check_output_dir(const Recipe& recipe, const RunOptions& options) {
         fmt::format("{} already holds checkpoints (latest {}); pass --resume to continue that run "
                     "or --overwrite to start afresh",
                     out, fs::path(*latest).filename().string()));
+}
+
+std::optional<std::string> finished_run(const Recipe& recipe, const RunOptions& options) {
+  if (!options.resume) return std::nullopt;
+  const auto latest = latest_checkpoint(recipe.output_dir());
+  if (!latest) return std::nullopt;
+  try {
+    const auto step = read_json_file((fs::path(*latest) / "trainer.json").string()).at("step").get<int64_t>();
+    if (step < recipe.train.steps) return std::nullopt;
+    verify_checkpoint(*latest);  // a damaged one is skipped by the ranks, which then train again
+    return fmt::format(
+        "{}: the run is complete (its latest checkpoint, {}, is step {} of {}); nothing "
+        "was changed. To train further, raise train.steps with --resume-with-changes",
+        recipe.output_dir(), fs::path(*latest).filename().string(), step, recipe.train.steps);
+  } catch (const std::exception&) {
+    return std::nullopt;  // the ranks' restore says what is wrong with it
+  }
 }
 
 }  // namespace fsdpp::train

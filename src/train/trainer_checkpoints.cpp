@@ -36,6 +36,23 @@ void Trainer::save_checkpoint(int64_t step) {
     fs::remove_all(tmp);
     fs::create_directories(tmp);
   }
+  try {
+    write_checkpoint(step, tmp);
+  } catch (...) {
+    // A checkpoint that failed (a full disk, a lost peer) leaves nothing behind: only committed
+    // directories count, and a half-written one would only take space.
+    std::error_code ec;
+    if (checkpoint_writer()) fs::remove_all(tmp, ec);
+    throw;
+  }
+  log(fmt::format("checkpoint: {} ({:.1f} s)", final_dir.string(),
+                  std::chrono::duration<double>(Clock::now() - t0).count()));
+  world().barrier().wait();
+}
+
+// The files of checkpoint `step` into `tmp`, then the commit (save_checkpoint).
+void Trainer::write_checkpoint(int64_t step, const fs::path& tmp) {
+  const fs::path dir = tmp.parent_path();
   world().barrier().wait();
   // One copy: with HSDP the first replica group's ranks write (files numbered over them), the
   // other groups hold the same shards.
@@ -85,9 +102,6 @@ void Trainer::save_checkpoint(int64_t step) {
   // on the checkpoint is complete, and each directory commits it.
   world().barrier().wait();
   if (checkpoint_writer()) commit_checkpoint(dir.string(), step, recipe_.checkpoint.keep);
-  log(fmt::format("checkpoint: {} ({:.1f} s)", final_dir.string(),
-                  std::chrono::duration<double>(Clock::now() - t0).count()));
-  world().barrier().wait();
 }
 
 int64_t Trainer::restore() {

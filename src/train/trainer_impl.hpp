@@ -101,6 +101,7 @@ class Trainer {
   void report_evaluation(int64_t step, RunResult& result);
   void write_summary(const RunResult& result, int64_t steps_run, double step_ms_median);
   void save_checkpoint(int64_t step);
+  void write_checkpoint(int64_t step, const std::filesystem::path& tmp);
   int64_t restore();
   std::vector<fsdp::Shard> all_shards() {
     std::vector<fsdp::Shard> out;

@@ -152,7 +152,10 @@ TEST_CASE("safetensors: damaged files give errors that say what is wrong") {
   }
   CHECK(read_error(path).find("does not fit") != std::string::npos);
   fs::remove(path);
-  CHECK(read_error(path).find("cannot open") != std::string::npos);
+  CHECK(read_error(path).find("safetensors file " + path + " is missing") != std::string::npos);
+  fs::create_directories(path);  // a directory, a FIFO: named, never opened (docs/cli.md, "Files")
+  CHECK(read_error(path).find(path + " is a directory, not a regular file") != std::string::npos);
+  fs::remove(path);
 }
 
 TEST_CASE("CRC-32C: the standard check value, any split, and the instruction path equal to the table") {

@@ -2,7 +2,7 @@
 # Builds a libFuzzer target with clang, AddressSanitizer and UndefinedBehaviorSanitizer (the code
 # under test compiled from source; the rest of fsdpp and the LibTorch it was configured with linked
 # as built) and runs it for a fixed number of inputs from a seed corpus.
-#   tests/fuzz/run.sh BUILD_DIR recipe|checkpoint|shards|tokenizer RUNS
+#   tests/fuzz/run.sh BUILD_DIR recipe|checkpoint|shards|tokenizer|schedule|hf_config|lock RUNS
 set -euo pipefail
 src=$(cd "$(dirname "$0")/../.." && pwd)
 build=$(cd "$1" && pwd)
@@ -30,7 +30,14 @@ case $target in
     # The plugin's source, instrumented, with SentencePiece linked into the target itself.
     sources=("$src/tests/fuzz/tokenizer_fuzz.cpp" "$src/src/train/sentencepiece_tokenizer.cpp")
     extra=(-lsentencepiece_train -lsentencepiece) ;;
-  *) echo "fuzz: unknown target $target (recipe, checkpoint, shards, tokenizer)" >&2; exit 2 ;;
+  schedule) sources=("$src/tests/fuzz/schedule_fuzz.cpp") ;;  # header-only
+  hf_config)
+    sources=("$src/tests/fuzz/hf_config_fuzz.cpp" "$src/src/train/hf_config.cpp" "$src/src/train/recipe.cpp"
+      "$src/src/train/recipe_sections.cpp" "$src/src/train/tokenizer.cpp" "$src/src/train/sentencepiece_tokenizer.cpp"
+      "$src/tests/fuzz/piece_plugin_linked.cpp")
+    extra=(-lsentencepiece_train -lsentencepiece) ;;
+  lock) sources=("$src/tests/fuzz/lock_fuzz.cpp" "$src/src/train/run_lock.cpp" "$src/src/base/files.cpp") ;;
+  *) echo "fuzz: unknown target $target (recipe, checkpoint, shards, tokenizer, schedule, hf_config, lock)" >&2; exit 2 ;;
 esac
 
 # The LibTorch that CMake found (cmake/fsdppDependencies.cmake): Torch_DIR is <torch>/share/cmake/Torch.
@@ -56,6 +63,18 @@ rm -rf "$corpus"
 mkdir -p "$corpus"
 if [[ $target == recipe ]]; then
   cp "$src"/tests/train/hostile_recipes/*.json "$src"/recipes/*.json "$corpus"/
+elif [[ $target == schedule ]]; then
+  # Tables the tests and PyTorch 2.15 wrote, as CSV (mode 0x04: pp 2) and as JSON (mode 0x05).
+  for f in "$src"/tests/pipeline/*.csv; do { printf '\x04'; cat "$f"; } > "$corpus/$(basename "$f")"; done
+  printf '\x06' > "$corpus/fsdp"; printf '0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n' >> "$corpus/fsdp"
+  printf '\x05{"ranks": [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]}' > "$corpus/json"
+elif [[ $target == hf_config ]]; then
+  # The configs transformers writes for the two families fsdpp imports.
+  printf '%s' '{"architectures":["LlamaForCausalLM"],"model_type":"llama","vocab_size":256,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":128,"rms_norm_eps":1e-6,"rope_theta":10000.0,"tie_word_embeddings":false}' > "$corpus/llama"
+  printf '%s' '{"architectures":["MixtralForCausalLM"],"model_type":"mixtral","vocab_size":256,"hidden_size":64,"intermediate_size":96,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":4,"num_local_experts":4,"num_experts_per_tok":2,"max_position_embeddings":128,"rope_theta":1000000.0,"sliding_window":null}' > "$corpus/mixtral"
+elif [[ $target == lock ]]; then
+  printf '%s\n' '{"pid": 1234, "host": "h", "started": "2026-12-07 12:00:00 UTC", "command": "fsdpp run x.json"}' > "$corpus/holder"
+  printf 'x' > "$corpus/garbage"
 elif [[ $target == tokenizer ]]; then
   # A small model (300 pieces, 5 KB) trained here by the CLI: small inputs run many times faster
   # than the bundled 2048-piece model, and mutate into the same kinds of damage.

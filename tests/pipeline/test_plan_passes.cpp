@@ -130,3 +130,45 @@ TEST_CASE("a send budget moves send waits earlier, so that the program never has
   CHECK(msg.find("max_outstanding_sends=1 cannot be kept on rank 0 before 0SEND_F1: no wait of the sends in "
                  "flight (0SEND_F0)") != std::string::npos);
 }
+
+TEST_CASE(
+    "a lowered table with FSDP actions, as `schedule show --fsdp --out` writes it, plans back as written") {
+  for (const std::string name : {"1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"}) {
+    CAPTURE(name);
+    const auto schedule = make_schedule(name);
+    const ScheduleSpec spec{.pp = 2,
+                            .stages_per_rank = schedule->layout() == Layout::kV || name != "1F1B" ? 2 : 1,
+                            .microbatches = 4};
+    const auto written = make_plan(*schedule, spec, {.fsdp_stages = true, .max_active_stages = 2});
+    std::ostringstream csv;
+    write_csv(csv, written.lowered);
+    std::istringstream in(csv.str());
+    Positions where;
+    auto program = parse_csv(in, &where);
+    const TableSchedule table("table.csv", std::move(program), where);
+    // The table's own FSDP actions are kept (with other plan options they would come out otherwise).
+    const auto read = make_plan(table, spec, {.fsdp_stages = true, .max_active_stages = 3});
+    CHECK(joined(read.lowered[0]) == joined(written.lowered[0]));
+    CHECK(joined(read.lowered[1]) == joined(written.lowered[1]));
+    CHECK(error_of([&] { make_plan(table, spec); })
+              .find("holds UNSHARD, RESHARD and REDUCE_GRAD actions, but its "
+                    "stages are not sharded") != std::string::npos);
+  }
+  // Refused with their place in the file: FSDP actions in a compute table, a computation on a
+  // resharded stage, a stage left gathered.
+  const auto refusal = [](const std::string& text) {
+    std::istringstream in(text);
+    Positions where;
+    auto program = parse_csv(in, &where);
+    const TableSchedule table("t.csv", std::move(program), where);
+    return error_of([&] { make_plan(table, {.pp = 2, .microbatches = 1}, {.fsdp_stages = true}); });
+  };
+  CHECK(refusal("0UNSHARD,0F0,0B0,0RESHARD\n1F0,1B0\n")
+            .find("t.csv: line 1, column 1: '0UNSHARD' belongs in a "
+                  "lowered table") != std::string::npos);
+  const std::string tail = "1RECV_F0,1UNSHARD,1F0,1B0,1SEND_B0,1RESHARD,1REDUCE_GRAD,1WAIT_REDUCE_GRAD\n";
+  CHECK(refusal("0F0,0SEND_F0,0RECV_B0,0B0,0REDUCE_GRAD,0WAIT_REDUCE_GRAD\n" + tail)
+            .find("line 1, column 1: '0F0' computes on a resharded stage") != std::string::npos);
+  CHECK(refusal("0UNSHARD,0F0,0SEND_F0,0RECV_B0,0B0,0REDUCE_GRAD,0WAIT_REDUCE_GRAD\n" + tail)
+            .find("rank 0: stage 0 is still gathered at the end (add its RESHARD)") != std::string::npos);
+}

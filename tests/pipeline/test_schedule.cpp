@@ -94,8 +94,9 @@ TEST_CASE("JSON action tables, with errors naming the JSON path") {
   CHECK(error_of([&] { parse_json_table(broken); }).find("not valid JSON") != std::string::npos);
   const auto path = std::string(FSDPP_TEST_DATA) + "/custom_1f1b.csv";
   CHECK(load_table(path) == load_table(path));  // CSV by extension
-  CHECK(error_of([] { load_table("/nonexistent/x.json"); }).find("cannot read /nonexistent/x.json") !=
-        std::string::npos);
+  CHECK(error_of([] {
+          load_table("/nonexistent/x.json");
+        }).find("schedule table /nonexistent/x.json is missing") != std::string::npos);
 }
 
 TEST_CASE("CSV round trip, with empty cells as idle slots") {

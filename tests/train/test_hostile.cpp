@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "fsdpp/train/run_lock.hpp"
+#include "train/hostile_helpers.hpp"
 #include "train/run_helpers.hpp"
 
 using namespace fsdpp;
@@ -83,35 +84,6 @@ void check_metrics_whole(const std::string& dir) {
     }
   }
 }
-
-std::vector<std::string> temporary_files(const std::string& dir) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto& e : fs::recursive_directory_iterator(dir, ec))
-    if (e.path().extension() == ".tmp" || e.path().filename().string().rfind(".tmp-", 0) == 0)
-      out.push_back(e.path());
-  return out;
-}
-
-// A small file system of its own (tmpfs), to fill; unmounted at the end.
-struct SmallDisk {
-  std::string path;
-  bool mounted = false;
-  explicit SmallDisk(const std::string& name, const char* size = "8m") : path(fresh_dir(name)) {
-    fs::create_directories(path);
-    mounted = ::mount("tmpfs", path.c_str(), "tmpfs", 0, fmt::format("size={}", size).c_str()) == 0;
-  }
-  ~SmallDisk() {
-    if (mounted) ::umount2(path.c_str(), MNT_DETACH);
-    fs::remove_all(path);
-  }
-  // Fills what is left with one file; returns its path.
-  std::string fill() const {
-    const auto filler = path + "/filler";
-    sh("dd if=/dev/zero of=" + filler + " bs=64k 2>/dev/null; sync");
-    return filler;
-  }
-};
 
 }  // namespace
 

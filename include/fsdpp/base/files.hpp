@@ -12,6 +12,13 @@ namespace fsdpp {
 // The operating system's reason for errno `err`, with its name: "No space left on device (ENOSPC)".
 std::string os_error(int err);
 
+// Opens `path` (open(2) `flags`, which include O_CREAT or O_TRUNC) to create or rewrite a file in a
+// directory a user named: never through a symbolic link (O_NOFOLLOW), never blocking on a FIFO
+// (O_NONBLOCK, cleared once open), and only a regular file (fstat). Returns the descriptor; throws
+// BadInput (fsdpp/base/paths.hpp) naming the path and what it is ("... is a symbolic link: fsdpp
+// writes no file through a link; remove it"), std::runtime_error on the OS's other refusals.
+int open_for_writing(const std::string& path, int flags);
+
 // A file written through `path`.tmp and committed under `path` by a rename, so that a reader (or a
 // crash) never sees half a file under the final name. Every write is checked: a failure throws
 // std::runtime_error naming `path` and the OS's reason ("writing runs/x/summary.json failed: No

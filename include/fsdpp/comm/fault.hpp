@@ -30,8 +30,9 @@ struct Fault {
 // Parsed once from the environment. Throws std::invalid_argument naming a malformed value, or a
 // rank outside WORLD_SIZE.
 const Fault& injected_fault();
-// Checks FSDPP_FAULT for a world of `world_size` ranks before they start (`fsdpp run` does).
-void check_injected_fault(int world_size);
+// Checks FSDPP_FAULT for a world of `world_size` ranks before they start (`fsdpp run` does), and,
+// given the run's last step, a trainer's fault at a step the run never reaches.
+void check_injected_fault(int world_size, int64_t last_step = -1);
 
 namespace detail {
 // Called by every all_gather: true when this one is to be skipped.

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdpp/pipeline/fsdp_actions.hpp"
 #include "fsdpp/pipeline/lowering.hpp"
 #include "fsdpp/pipeline/schedule.hpp"
 #include "fsdpp/pipeline/send_waits.hpp"
@@ -50,6 +51,14 @@ struct PlanOptions {
   bool defer_pp_recv = false;
 };
 
+// Note [plan size]
+// Planning a step (lowering, the send-budget pass, validation, simulation) takes time that grows
+// faster than linearly in a rank's actions: about 1 s for 8,192 stage-microbatches on one rank or
+// 65,536 in all, minutes past a million. Steps are bounded well beyond the shapes people run; more
+// microbatches belong in gradient accumulation (several steps per optimizer step).
+inline constexpr int64_t kMaxStageMicrobatches = 1 << 17;         // pp x stages per rank x microbatches
+inline constexpr int64_t kMaxStageMicrobatchesPerRank = 1 << 13;  // stages per rank x microbatches
+
 // Throws ScheduleError naming the rank and action when the schedule is invalid or deadlocks.
 // Between any two ranks, sends and receives come in the same order (Note [point-to-point order]).
 //   make_plan(*make_schedule("1F1B"), {.pp = 2, .microbatches = 8}, {.fsdp_stages = true})
@@ -59,6 +68,14 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const 
   const auto lookahead =
       resolve_unshard_lookahead(options.unshard_lookahead, spec.pp, options.max_active_stages);
   schedule.check(spec);
+  const int64_t per_rank = int64_t{spec.stages_per_rank} * spec.microbatches, all = per_rank * spec.pp;
+  if (all > kMaxStageMicrobatches || per_rank > kMaxStageMicrobatchesPerRank)
+    throw ScheduleError(schedule.name() + ": " + std::to_string(spec.pp) + " ranks x " +
+                        std::to_string(spec.stages_per_rank) + " stages x " +
+                        std::to_string(spec.microbatches) + " microbatches is past what a plan holds (" +
+                        std::to_string(kMaxStageMicrobatchesPerRank) + " stage-microbatches per rank, " +
+                        std::to_string(kMaxStageMicrobatches) +
+                        " in all): take fewer microbatches per step and accumulate gradients over steps");
   Plan p;
   p.spec = spec;
   p.compute = schedule.compute_actions(spec);
@@ -74,10 +91,20 @@ inline Plan make_plan(const Schedule& schedule, const ScheduleSpec& spec, const 
   if (auto own = schedule.lowered_actions(spec)) {
     validate_send_recv(*own, p.owner);
     check_point_to_point_order(*own, p.owner);
-    p.lowered =
-        fsdp_stages ? add_unshard_reshard(*own, options.max_active_stages, lookahead) : std::move(*own);
-    if (fsdp_stages)
-      p.lowered = add_reduce_grad(p.lowered, spec.microbatches, options.defer_reduce_grad_wait);
+    if (has_fsdp_actions(*own)) {  // placed already: kept as they are, on sharded stages only
+      if (!fsdp_stages)
+        throw ScheduleError(
+            schedule.name() +
+            ": the program holds UNSHARD, RESHARD and REDUCE_GRAD actions, but its stages are not "
+            "sharded (data-parallel fully_shard stages: parallel.dp > 1, or --fsdp)");
+      validate_fsdp_actions(*own);
+      p.lowered = std::move(*own);
+    } else if (fsdp_stages) {
+      p.lowered = add_reduce_grad(add_unshard_reshard(*own, options.max_active_stages, lookahead),
+                                  spec.microbatches, options.defer_reduce_grad_wait);
+    } else {
+      p.lowered = std::move(*own);
+    }
   } else {
     // The FSDP actions go in before the messages, as 2.15's passes run: each takes its turn in the
     // lowering as a computation does, which decides where an early receive lands.

@@ -7,7 +7,9 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "fsdpp/base/paths.hpp"
 #include "fsdpp/pipeline/action.hpp"
+#include "fsdpp/pipeline/fsdp_actions.hpp"
 #include "fsdpp/pipeline/schedule.hpp"
 
 namespace fsdpp::pipeline {
@@ -26,9 +28,7 @@ class TableSchedule : public Schedule {
     for (size_t r = 0; r < program_.size(); ++r)
       for (size_t i = 0; i < program_[r].size(); ++i) {
         const Action& a = program_[r][i];
-        const std::string at = r < where_.size() && i < where_[r].size()
-                                   ? where_[r][i]
-                                   : "rank " + std::to_string(r) + ", action " + std::to_string(i);
+        const std::string at = place(r, i);
         if (a.stage >= s.num_stages())
           throw ScheduleError(name_ + ": " + at + ": '" + to_string(a) + "' names stage " +
                               std::to_string(a.stage) + ", but there are " + std::to_string(s.num_stages()) +
@@ -39,7 +39,7 @@ class TableSchedule : public Schedule {
                               std::to_string(s.microbatches));
       }
   }
-  // Without its SEND/RECV and WAIT_SEND actions, if it has any.
+  // Without its SEND/RECV, WAIT_SEND and FSDP actions, if it has any.
   Program compute_actions(const ScheduleSpec& s) const override {
     if (static_cast<int>(program_.size()) != s.pp)
       throw ScheduleError(name_ + ": the table has " + std::to_string(program_.size()) + " rows but pp is " +
@@ -47,18 +47,29 @@ class TableSchedule : public Schedule {
     Program compute(program_.size());
     for (size_t r = 0; r < program_.size(); ++r)
       for (const auto& a : program_[r])
-        if (!is_send_recv(a.type) && !is_send_wait(a.type)) compute[r].push_back(a);
+        if (!is_send_recv(a.type) && !is_send_wait(a.type) && !is_fsdp_action(a.type))
+          compute[r].push_back(a);
     return compute;
   }
   // A table with SEND/RECV actions is taken as lowered: they must be the ones its computations need,
   // and come in the same order on both ranks of each pair (Note [point-to-point order]); its
   // WAIT_SEND actions, if it has any, one after each send (without any, the plan adds them as for a
-  // compute-only table). Errors name the table and the action's place in it.
+  // compute-only table); its FSDP actions, if it has any, placed as the plan places them (a table
+  // that `fsdpp schedule show --fsdp --out X` wrote loads back as it was written). Errors name the
+  // table and the action's place in it.
   std::optional<Program> lowered_actions(const ScheduleSpec& s) const override {
     bool lowered = false;
     for (const auto& rank : program_)
       for (const auto& a : rank) lowered = lowered || is_send_recv(a.type) || is_send_wait(a.type);
-    if (!lowered) return std::nullopt;
+    if (!lowered) {
+      for (size_t r = 0; r < program_.size(); ++r)
+        for (size_t i = 0; i < program_[r].size(); ++i)
+          if (is_fsdp_action(program_[r][i].type))
+            throw ScheduleError(name_ + ": " + place(r, i) + ": '" + to_string(program_[r][i]) +
+                                "' belongs in a lowered table, with the SEND and RECV actions its stages "
+                                "need; a compute table holds only F, B, I and W actions");
+      return std::nullopt;
+    }
     if (static_cast<int>(program_.size()) != s.pp)
       throw ScheduleError(name_ + ": the table has " + std::to_string(program_.size()) + " rows but pp is " +
                           std::to_string(s.pp));
@@ -67,6 +78,7 @@ class TableSchedule : public Schedule {
       validate_send_recv(program_, owner, &where_);
       check_point_to_point_order(program_, owner, &where_);
       if (has_send_waits(program_)) validate_send_waits(program_, &where_);
+      if (has_fsdp_actions(program_)) validate_fsdp_actions(program_, &where_);
     } catch (const ScheduleError& e) {
       throw ScheduleError(name_ + ": " + e.what());
     }
@@ -74,6 +86,12 @@ class TableSchedule : public Schedule {
   }
 
  private:
+  // Where action i of rank r is in the file ("line 2, column 5"), or its index.
+  std::string place(size_t r, size_t i) const {
+    return r < where_.size() && i < where_[r].size()
+               ? where_[r][i]
+               : "rank " + std::to_string(r) + ", action " + std::to_string(i);
+  }
   std::string name_;
   Program program_;
   Positions where_;
@@ -114,6 +132,11 @@ inline Program parse_json_table(std::istream& in, Positions* where = nullptr) {
 
 // Reads `path` as JSON when it ends in .json, as CSV otherwise; errors name the file.
 inline Program load_table(const std::string& path, Positions* where = nullptr) {
+  try {
+    require_regular_file(path, "schedule table");
+  } catch (const std::runtime_error& e) {
+    throw ScheduleError(e.what());
+  }
   std::ifstream f(path);
   if (!f) throw ScheduleError("cannot read " + path);
   const bool json = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;

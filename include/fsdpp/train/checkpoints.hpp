@@ -61,10 +61,13 @@ void commit_checkpoint(const std::string& checkpoints_dir, int64_t step, int64_t
 // checkpoint directory (checkpoints/step-<N>) or an output directory (its latest checkpoint). The
 // model config goes to the file's metadata ("fsdpp.model_config"). Several paths: the directories
 // of one checkpoint on local storage, one per node (each rank's files are taken from whichever
-// holds them). Returns the checkpoint directories read.
-std::string consolidate_checkpoint(const std::vector<std::string>& paths, const std::string& output_file);
-inline std::string consolidate_checkpoint(const std::string& path, const std::string& output_file) {
-  return consolidate_checkpoint(std::vector<std::string>{path}, output_file);
+// holds them). Returns the checkpoint directories read. The output may not be a file of a checkpoint
+// of the run, nor its `latest` pointer, nor an existing file unless `overwrite` (std::invalid_argument).
+std::string consolidate_checkpoint(const std::vector<std::string>& paths, const std::string& output_file,
+                                   bool overwrite = false);
+inline std::string consolidate_checkpoint(const std::string& path, const std::string& output_file,
+                                          bool overwrite = false) {
+  return consolidate_checkpoint(std::vector<std::string>{path}, output_file, overwrite);
 }
 
 }  // namespace fsdpp::train

@@ -45,6 +45,11 @@ nlohmann::json export_config(const models::MoEConfig& c, at::ScalarType dtype);
 // model_type other than llama and mixtral, rope scaling, attention biases, a sliding window ...).
 models::MoEConfig import_config(const nlohmann::json& config, const std::string& source);
 
+// The config.json field that holds fsdpp's model key `key` for a model with (`moe`) or without
+// experts ("dim" -> "hidden_size", "ffn_hidden" -> "intermediate_size" ...); empty for a key that
+// such a checkpoint does not determine (a Llama's experts' settings, a Mixtral's dense width).
+std::string field_of(const std::string& key, bool moe);
+
 struct ExportOptions {
   std::optional<at::ScalarType> dtype;        // unset: the parameters' own
   uint64_t max_shard_bytes = 50'000'000'000;  // transformers' default: one file up to 50 GB
@@ -78,7 +83,8 @@ Imported import_checkpoint(const std::string& dir);
 struct LazyImport {
   models::MoEConfig config;
   std::vector<LazyTensor> tensors;
-  nlohmann::json tokenizer;
+  nlohmann::json tokenizer;    // null where the directory holds none that fsdpp reads
+  std::string tokenizer_note;  // then why, where it holds one ("no tokenizer taken: ...")
 };
 LazyImport import_checkpoint_lazy(const std::string& dir);
 

@@ -61,4 +61,9 @@ RunResult run_training(const Recipe& recipe, comm::Comm world, const RunOptions&
 // (without resume_with_changes).
 void check_output_dir(const Recipe& recipe, const RunOptions& options);
 
+// With --resume, when the run has already trained every step (its latest checkpoint verifies and
+// holds train.steps): what to tell the user instead of starting ranks, which would change nothing
+// but the summary. Empty otherwise.
+std::optional<std::string> finished_run(const Recipe& recipe, const RunOptions& options);
+
 }  // namespace fsdpp::train
