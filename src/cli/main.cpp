@@ -92,7 +92,13 @@ int run_recipe(RunArgs& a) {
         std::chrono::milliseconds(static_cast<int64_t>(recipe.dist.watchdog_timeout_s * 1000));
     init.flight_record_dir = (std::filesystem::path(recipe.output_dir()) / "flight_records").string();
     if (recipe.dist.check_collectives) setenv("FSDPP_CHECK_COLLECTIVES", "1", /*overwrite=*/0);
+    // The command line lets its users set these in the environment; a library user's program decides.
+    init = comm::with_watchdog_from_env(init);
+    const auto& fault = comm::arm_faults_from_env();
     auto world = comm::init_from_env(init);
+    if (!fault.kind.empty() && !fault.disarmed && world.rank() == 0)
+      std::cerr << fmt::format("fsdpp run: FSDPP_FAULT armed: {} on rank {} at {}\n", fault.kind, fault.rank,
+                               fault.at);
     if (const char* order = std::getenv("FSDPP_CHECK_NCCL_ORDER");
         order && std::string(order) == "1" && init.backend == comm::Backend::kGloo && world.rank() == 0)
       std::cerr << "fsdpp run: Gloo under NCCL's ordering rules (FSDPP_CHECK_NCCL_ORDER=1, docs/comm.md)\n";

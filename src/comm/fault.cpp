@@ -62,12 +62,25 @@ Fault parse(const char* text, int world_size) {
 
 }  // namespace
 
-const Fault& injected_fault() {
+namespace {
+
+std::atomic<const Fault*> g_armed{nullptr};  // set once by arm_faults_from_env
+
+}  // namespace
+
+const Fault& arm_faults_from_env() {
   static const Fault f = [] {
     const char* world = std::getenv("WORLD_SIZE");
     return parse(std::getenv("FSDPP_FAULT"), world ? static_cast<int>(whole_number(world)) : 0);
   }();
+  g_armed.store(&f);
   return f;
+}
+
+const Fault& injected_fault() {
+  static const Fault none;
+  const Fault* f = g_armed.load(std::memory_order_acquire);
+  return f ? *f : none;
 }
 
 void check_injected_fault(int world_size, int64_t last_step) {
@@ -83,10 +96,9 @@ void check_injected_fault(int world_size, int64_t last_step) {
 namespace detail {
 
 bool skip_this_all_gather() {
-  // Called by every all_gather: without this fault, one test of a static.
-  static const bool armed = injected_fault().kind == "skip_all_gather" && !injected_fault().disarmed;
-  if (!armed) return false;
+  // Called by every all_gather: without an armed fault, one atomic load.
   const Fault& f = injected_fault();
+  if (f.kind != "skip_all_gather" || f.disarmed) return false;
   static const int rank = [] {
     const char* r = std::getenv("RANK");
     return r ? std::atoi(r) : 0;

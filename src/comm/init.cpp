@@ -221,13 +221,10 @@ Comm init_from_env(const InitOptions& options) {
   auto world = make_prefix_store(prefix + "/world", store);
   detail::join(*world, env.rank, env.world_size, options.timeout);
   Comm comm(make_backend(world, env.rank, env.world_size, options, config), "world");
-  auto watchdog_timeout = options.watchdog_timeout;
-  if (const char* t = std::getenv("FSDPP_WATCHDOG_TIMEOUT_S"); t && *t)
-    watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(std::atof(t) * 1000));
-  if (watchdog_timeout.count() > 0) {
+  if (options.watchdog_timeout.count() > 0) {  // the program asked (Note on InitOptions)
     WatchdogOptions w;
-    w.timeout = watchdog_timeout;
-    w.dump_dir = env_or("FSDPP_FR_DUMP_DIR", options.flight_record_dir);
+    w.timeout = options.watchdog_timeout;
+    w.dump_dir = options.flight_record_dir;
     w.exit_code = kWatchdogExitCode;
     w.rank = env.rank;
     // A connection of its own: the watchdog polls the store from its thread.
@@ -239,6 +236,18 @@ Comm init_from_env(const InitOptions& options) {
     start_watchdog(w);
   }
   return comm;
+}
+
+InitOptions with_watchdog_from_env(InitOptions options) {
+  if (const char* t = std::getenv("FSDPP_WATCHDOG_TIMEOUT_S"); t && *t) {
+    char* end = nullptr;
+    const double s = std::strtod(t, &end);
+    if (*end != '\0' || !(s >= 0) || s > 1e7)
+      throw CommError(fmt::format("FSDPP_WATCHDOG_TIMEOUT_S='{}' is not a number of seconds in [0, 1e7]", t));
+    options.watchdog_timeout = std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+  }
+  options.flight_record_dir = env_or("FSDPP_FR_DUMP_DIR", options.flight_record_dir);
+  return options;
 }
 
 Comm connect(std::shared_ptr<Store> store, int rank, int size, const InitOptions& options) {

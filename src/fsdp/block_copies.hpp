@@ -66,9 +66,10 @@ inline void copy_from_flat(const at::Tensor& dst, const at::Tensor& src, int64_t
 
 // An uninitialised tensor of t's shape and dtype; on the CPU made directly, not through the
 // dispatcher (this runs for every sharded parameter in every step).
-inline at::Tensor empty_like_plain(const at::Tensor& t) {
-  if (t.device().is_cpu()) return at::detail::empty_cpu(t.sizes(), t.scalar_type(), false, std::nullopt);
-  return at::empty_like(t, at::MemoryFormat::Contiguous);
+inline at::Tensor empty_like_plain(const at::Tensor& t, std::optional<at::ScalarType> dtype = std::nullopt) {
+  const auto d = dtype.value_or(t.scalar_type());
+  if (t.device().is_cpu()) return at::detail::empty_cpu(t.sizes(), d, false, std::nullopt);
+  return at::empty_like(t, at::TensorOptions().dtype(d), at::MemoryFormat::Contiguous);
 }
 
 // Grad mode off from the first call on, for the rest of the scope. A gradient handled by memcpy

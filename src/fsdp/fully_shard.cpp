@@ -76,7 +76,21 @@ void shard_tree(UnitHolder& top, const comm::Comm& comm, const FullyShardOptions
     index[key] = specs.size();
     specs.push_back({{param.key()}, param.value()});
   }
-  unit.shard(comm, std::move(specs), options);
+  // The policy's callables see names from the module fully_shard was called on (specs name them
+  // from this unit).
+  FullyShardOptions named = options;
+  if (!path.empty()) {
+    if (options.mp.param_dtype_override)
+      named.mp.param_dtype_override = [f = options.mp.param_dtype_override, path](const std::string& name,
+                                                                                  const at::Tensor& t) {
+        return f(join_path(path, name), t);
+      };
+    if (options.mp.grad_dtype)
+      named.mp.grad_dtype = [f = options.mp.grad_dtype, path](const std::string& name, const at::Tensor& t) {
+        return f(join_path(path, name), t);
+      };
+  }
+  unit.shard(comm, std::move(specs), named);
   unit.become_root(nested_units);
 }
 

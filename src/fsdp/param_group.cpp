@@ -28,6 +28,7 @@ bool is_float(at::ScalarType t) {
 }
 
 std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
+std::string grad_dtype_name(std::optional<at::ScalarType> t) { return t ? dtype_name(*t) : "none"; }
 
 }  // namespace
 
@@ -87,17 +88,24 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     if (!is_float(compute))
       fail(fmt::format("would compute in {}; param_dtype must be a floating-point dtype",
                        dtype_name(compute)));
-    // The dtype the unsharded gradient accumulates in, by PyTorch 2.15's rule (FSDPParam's
-    // unsharded_grad_dtype): reduce_dtype when set, else the parameter's grad_dtype, else the
-    // parameter's own dtype, whatever it computes in.
-    auto grad = p.scalar_type();
-    if (mp.grad_dtype)
-      if (auto g = mp.grad_dtype(name, p)) grad = *g;
-    if (mp.reduce_dtype) grad = *mp.reduce_dtype;
-    if (!is_float(grad))
-      fail(fmt::format("has grad_dtype {}; it must be a floating-point dtype", dtype_name(grad)));
+    // Gradient dtypes by PyTorch 2.15's rules (FSDPParam's sharded_grad_dtype and
+    // unsharded_grad_dtype; mixed_precision.hpp): the sharded gradient's is the explicit
+    // grad_dtype, else the parameter's own; the unsharded gradient accumulates in reduce_dtype
+    // when set, else in that.
+    std::optional<GradDtype> explicit_grad;
+    if (mp.grad_dtype) explicit_grad = mp.grad_dtype(name, p);
+    if (explicit_grad && explicit_grad->dtype && !is_float(*explicit_grad->dtype))
+      fail(fmt::format("has grad_dtype {}; it must be a floating-point dtype",
+                       dtype_name(*explicit_grad->dtype)));
     q.compute_dtype = compute;
-    q.grad_dtype = grad;
+    q.explicit_grad_dtype = explicit_grad.has_value();
+    q.sharded_grad_dtype = explicit_grad ? explicit_grad->dtype : p.scalar_type();
+    q.unsharded_grad_dtype = mp.reduce_dtype ? mp.reduce_dtype : q.sharded_grad_dtype;
+    q.wider_grad =
+        q.unsharded_grad_dtype && at::elementSize(*q.unsharded_grad_dtype) > at::elementSize(compute);
+    // A gradient without an accumulation dtype (none) is reduced in the dtype it arrives in: the
+    // parameter's compute dtype.
+    const auto grad = q.unsharded_grad_dtype.value_or(compute);
     if (p.requires_grad()) widest_grad = widest_grad ? at::promote_types(*widest_grad, grad) : grad;
 
     q.gather_offset = gather_slot_bytes_;
@@ -142,6 +150,12 @@ ParamGroup::ParamGroup(comm::Comm comm, std::vector<ParamSpec> specs, const Mixe
     q.unsharded_offset = offsets[i];
     q.unsharded = unsharded_buf_.narrow(0, offsets[i], nbytes[i]).view(q.compute_dtype).view(q.shape);
     q.param.set_data(q.unsharded);
+    // Note [unsharded gradients]: autograd casts each incoming gradient to the accumulation dtype
+    // (none: any dtype goes); the sharded parameter reports an explicit grad_dtype, as 2.15's does.
+    if (q.param.requires_grad()) {
+      q.param.set_grad_dtype(q.unsharded_grad_dtype);
+      if (q.explicit_grad_dtype) q.sharded.set_grad_dtype(q.sharded_grad_dtype);
+    }
   }
   host_ = device_.is_cpu();
   for (auto& q : params_)
@@ -262,9 +276,9 @@ void ParamGroup::check_plan_is_uniform() {
   auto mine = at::empty({count}, at::kLong);
   for (int64_t i = 0; i < count; ++i) {
     const auto& q = params_[i];
-    const std::string plan =
-        fmt::format("{}|{}|{}|{}|{}", q.names.front(), fmt::join(q.shape, "x"), dtype_name(q.compute_dtype),
-                    dtype_name(q.grad_dtype), q.param.requires_grad());
+    const std::string plan = fmt::format("{}|{}|{}|{}|{}|{}", q.names.front(), fmt::join(q.shape, "x"),
+                                         dtype_name(q.compute_dtype), grad_dtype_name(q.unsharded_grad_dtype),
+                                         grad_dtype_name(q.sharded_grad_dtype), q.param.requires_grad());
     mine[i] = static_cast<int64_t>(std::hash<std::string>{}(plan));
   }
   auto all = at::empty({n * count}, on_device);
@@ -280,7 +294,7 @@ void ParamGroup::check_plan_is_uniform() {
                         "compute dtype {}, grad dtype {}); param_dtype_override and grad_dtype must give the "
                         "same answer on every rank",
                         label_, comm_.rank(), q, p.names.front(), fmt::join(p.shape, "x"),
-                        dtype_name(p.compute_dtype), dtype_name(p.grad_dtype)));
+                        dtype_name(p.compute_dtype), grad_dtype_name(p.sharded_grad_dtype)));
       }
 }
 
@@ -389,7 +403,7 @@ std::vector<ShardInfo> ParamGroup::shard_infos() const {
   std::vector<ShardInfo> out;
   for (const auto& q : params_)
     out.push_back({q.names, whole_shape(q), whole_row_offset(q), q.local_rows, q.padded_rows, q.compute_dtype,
-                   q.grad_dtype});
+                   q.sharded_grad_dtype});
   return out;
 }
 

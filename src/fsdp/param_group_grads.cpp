@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <utility>
+
 #include "block_copies.hpp"
 #include "fsdpp/base/storage.hpp"
 #include "fsdpp/comm/flight_recorder.hpp"
@@ -13,23 +15,32 @@ namespace fsdpp::fsdp {
 
 using namespace blocks;
 
-void ParamGroup::accumulate_grads() {
-  NoGradFromHere no_grad;
+// Note [unsharded gradients]
+// A parameter's unsharded gradient lives in its own .grad (the module's parameter, which fsdpp
+// keeps unsharded in identity), where autograd's AccumulateGrad sums the microbatches, as PyTorch
+// 2.15 keeps it in its unsharded parameter's .grad. The dtypes are 2.15's: each parameter's
+// grad_dtype (set at sharding) is its accumulation dtype, so autograd casts each incoming gradient
+// to it. Where that dtype is wider than the compute dtype, the cast is deferred when it changes no
+// bit: a gradient that goes to the reduce-scatter as it is (packing casts it), or one added in
+// place to a wider .grad (AccumulateGrad adds a narrower gradient into it). Only a gradient that
+// starts a no-sync sum is cast as it arrives. The reduce-scatter takes the gradients, so .grad is
+// undefined after a synchronising backward, and the reduced shard goes to the sharded parameter's
+// .grad in its sharded grad dtype.
+void ParamGroup::defer_grad_upcasts(bool reducing) {
+  for (auto& q : params_)
+    if (q.wider_grad && q.param.requires_grad() && (reducing || q.param.grad().defined()))
+      q.param.set_grad_dtype(std::nullopt);
+}
+
+void ParamGroup::restore_grad_dtypes() {
   for (auto& q : params_) {
+    if (!q.wider_grad || !q.param.requires_grad()) continue;
     at::Tensor& g = q.param.mutable_grad();
-    if (!g.defined()) continue;
-    if (!q.grad_acc.defined()) {
-      // Kept as autograd made it: a single microbatch's gradient goes to the reduce-scatter as it
-      // is (packing converts it), and only one that a later microbatch adds to is cast. PyTorch
-      // 2.15 gives the same bits: its AccumulateGrad adds a narrower gradient into a wider .grad in
-      // place, and casts a wider one to a narrower grad_dtype before adding.
-      q.grad_acc = std::move(g);
-    } else {
-      no_grad();
-      if (q.grad_acc.scalar_type() != q.grad_dtype) q.grad_acc = q.grad_acc.to(q.grad_dtype);
-      q.grad_acc.add_(g.element_size() > q.grad_acc.element_size() ? g.to(q.grad_dtype) : g);
+    if (g.defined() && g.scalar_type() != *q.unsharded_grad_dtype) {
+      at::NoGradGuard no_grad;
+      g = g.to(*q.unsharded_grad_dtype);
     }
-    g = at::Tensor();
+    q.param.set_grad_dtype(q.unsharded_grad_dtype);
   }
 }
 
@@ -40,7 +51,8 @@ bool ParamGroup::has_stray_grads() const {
 }
 
 void ParamGroup::reduce_grads_async() {
-  accumulate_grads();
+  for (auto& q : params_) q.taken_grad = std::exchange(q.param.mutable_grad(), at::Tensor());
+  restore_grad_dtypes();
   if (reduce_slot_numel_ == 0) return;
   TORCH_INTERNAL_ASSERT(!reduce_pending_, "fsdp: reduce-scatter issued twice for ", label_);
   char* reduce_in = reduce_raw_ = allocate(reduce_buf_, reduce_buf_.numel() * reduce_buf_.element_size());
@@ -52,13 +64,13 @@ void ParamGroup::reduce_grads_async() {
       no_grad();
       // A parameter that got no gradient here (an expert that saw no tokens) is reduced as zeros,
       // so every rank still issues the same collective.
-      if (!q.grad_acc.defined()) {
+      if (!q.taken_grad.defined()) {
         zero_block(q.reduce_all);
         continue;
       }
-      for (const auto& p : q.pack) copy_from_flat(p.dst, q.grad_acc, p.offset);
+      for (const auto& p : q.pack) copy_from_flat(p.dst, q.taken_grad, p.offset);
       for (auto& z : q.pad) zero_block(z);
-      q.grad_acc = at::Tensor();
+      q.taken_grad = at::Tensor();
     }
   }
   comm::OpLabel op_label(&reduce_label_);
@@ -109,21 +121,24 @@ void ParamGroup::finish_reduce() {
   for (auto& q : params_) {
     if (q.reduce_offset < 0) continue;
     at::Tensor& g = q.sharded.mutable_grad();
+    // The sharded gradient's dtype (none: the reduce dtype); 2.15 casts the reduced shard to it
+    // before adding it to an existing gradient.
+    const auto dtype = q.sharded_grad_dtype.value_or(reduce_dtype_);
     if (!q.reduce_piece.defined()) {  // a parameter with no rows anywhere
       no_grad();
-      if (!g.defined()) g = at::zeros_like(q.sharded);
+      if (!g.defined()) g = at::zeros_like(q.sharded, at::TensorOptions().dtype(dtype));
       continue;
     }
     if (g.defined()) {
       no_grad();
-      g.add_(q.reduce_piece);
-    } else if (host_ && q.sharded.scalar_type() == reduce_dtype_) {  // Note [raw copies]
-      g = spare_or_new_grad(q, keep_spares);
+      g.add_(dtype == reduce_dtype_ ? q.reduce_piece : q.reduce_piece.to(dtype));
+    } else if (host_ && dtype == reduce_dtype_) {  // Note [raw copies]
+      g = spare_or_new_grad(q, dtype, keep_spares);
       const int64_t es = at::elementSize(reduce_dtype_);
       std::memcpy(bytes_of(g), reduced + q.reduce_offset * es, q.local_rows * q.row_numel * es);
     } else {
       no_grad();
-      g = empty_like_plain(q.sharded);
+      g = empty_like_plain(q.sharded, dtype);
       copy_block(g, q.reduce_piece);
     }
   }
@@ -138,15 +153,15 @@ void ParamGroup::finish_reduce() {
 // out and, when nothing else holds that tensor or its storage any more, refills it instead. A
 // gradient still held elsewhere (kept by the caller, or a view of it) is never written: a new
 // one is made. The memory kept is one sharded gradient per parameter, 1/N of the unsharded ones.
-at::Tensor ParamGroup::spare_or_new_grad(Param& q, bool keep) {
+at::Tensor ParamGroup::spare_or_new_grad(Param& q, at::ScalarType dtype, bool keep) {
   at::Tensor& spare = q.spare_grad;
   if (!keep) {
     spare = at::Tensor();
-    return empty_like_plain(q.sharded);
+    return empty_like_plain(q.sharded, dtype);
   }
   if (!spare.defined() || spare.use_count() != 1 || spare.storage().use_count() != 1 ||
-      spare.sizes() != q.sharded.sizes()) {
-    spare = empty_like_plain(q.sharded);
+      spare.sizes() != q.sharded.sizes() || spare.scalar_type() != dtype) {
+    spare = empty_like_plain(q.sharded, dtype);
   } else if (spare.unsafeGetTensorImpl()->autograd_meta()) {
     // torch::optim's zero_grad detach_()es a gradient before dropping it, which gives the tensor
     // autograd metadata. Kept, it would send every optimizer operation reading this gradient
@@ -162,7 +177,7 @@ at::Tensor ParamGroup::spare_or_new_grad(Param& q, bool keep) {
 // zeroed, as all of it is for a parameter that got no gradient. False when a dtype conversion or a
 // strided gradient needs ATen.
 bool ParamGroup::pack_raw(Param& q, char* reduce_in) {
-  const at::Tensor& g = q.grad_acc;
+  const at::Tensor& g = q.taken_grad;
   if (g.defined() && (g.scalar_type() != reduce_dtype_ || !g.is_contiguous() || !g.device().is_cpu()))
     return false;
   const int64_t es = at::elementSize(reduce_dtype_), pn = q.padded_numel(), n = comm_size_;
@@ -179,7 +194,7 @@ bool ParamGroup::pack_raw(Param& q, char* reduce_in) {
       std::memset(dst + full * row_stride + rest * es, 0, (pn - rest) * es);
       used = full + 1;
     }
-    q.grad_acc = at::Tensor();
+    q.taken_grad = at::Tensor();
   }
   for (int64_t r = used; r < n; ++r) std::memset(dst + r * row_stride, 0, pn * es);
   return true;

@@ -284,6 +284,7 @@ void Unit::pre_backward() {
     torch::autograd::Engine::get_default_engine().queue_callback([tree = tree_] { finish_backward(tree); });
   }
   group_->wait_unshard();
+  group_->defer_grad_upcasts(tree.requires_gradient_sync);  // Note [unsharded gradients]
   if (!backward_prefetch_.empty()) {
     for (Unit* u : backward_prefetch_) u->group().unshard_async();
   } else if (Unit* prev = neighbour(tree.forward_order, order_pos_, -1); prev && prev != tree.root) {
@@ -295,7 +296,7 @@ void Unit::post_backward() {
   if (!group_ || post_backward_done_) return;
   post_backward_done_ = true;
   if (!tree_->requires_gradient_sync) {
-    group_->accumulate_grads();  // no-sync microbatch: keep the unsharded sum, no communication
+    group_->restore_grad_dtypes();  // no-sync microbatch: the sum stays in .grad, no communication
   } else {
     group_->reduce_grads_async();
     if (!options_.overlap_reduce_scatter) group_->finish_reduce();
@@ -313,7 +314,9 @@ void Unit::finish_backward(const std::shared_ptr<detail::Tree>& tree) {
   for (Unit* u : tree->units) u->group_->average_replicas_async();  // Note [replica average]
   for (Unit* u : tree->units) {
     u->group_->finish_reduce();
-    if (u->group_->has_stray_grads())
+    // After a no-sync backward the gradients stay in .grad (Note [unsharded gradients]), and one
+    // that came late joins the sum as well.
+    if (tree->requires_gradient_sync && u->group_->has_stray_grads())
       throw std::logic_error(
           fmt::format("fsdp: a gradient of unit '{}' arrived after its reduce-scatter was issued; every "
                       "parameter of a unit must be used on the path from the unit's inputs to its outputs",

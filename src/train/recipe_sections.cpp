@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <optional>
 #include <set>
+#include <type_traits>
 
 #include "fsdpp/base/paths.hpp"
 #include "fsdpp/comm/init.hpp"
@@ -27,17 +28,16 @@ fsdp::MixedPrecisionPolicy precision_policy(const PrecisionOptions& p) {
   if (p.param_dtype != at::kFloat) policy.param_dtype = p.param_dtype;  // float32: keep each parameter's own
   policy.reduce_dtype = p.reduce_dtype;
   if (p.overrides.empty()) return policy;
-  auto pick = [overrides = p.overrides](bool grad) -> fsdp::DtypeFn {
-    return [overrides, grad](const std::string& name, const at::Tensor&) -> std::optional<at::ScalarType> {
-      for (const auto& o : overrides) {
-        const auto& dtype = grad ? o.grad_dtype : o.param_dtype;
-        if (dtype && fsdp::glob_match(o.match, name)) return dtype;
-      }
-      return std::nullopt;
+  // The first override that matches and sets the dtype in question.
+  auto pick = [overrides = p.overrides](auto member) {
+    return [overrides, member](const std::string& name, const at::Tensor&) {
+      for (const auto& o : overrides)
+        if ((o.*member) && fsdp::glob_match(o.match, name)) return o.*member;
+      return std::remove_cvref_t<decltype(overrides.front().*member)>();
     };
   };
-  policy.param_dtype_override = pick(false);
-  policy.grad_dtype = pick(true);
+  policy.param_dtype_override = pick(&DtypeOverride::param_dtype);
+  policy.grad_dtype = pick(&DtypeOverride::grad_dtype);
   return policy;
 }
 
@@ -275,9 +275,14 @@ void read_precision(Reader& top, Recipe& rc, [[maybe_unused]] const std::string&
   Reader pr = top.section("precision");
   std::string param_dtype = "float32", reduce_dtype = "float32";
   pr.string("param_dtype", param_dtype, kDtypes);
-  pr.string("reduce_dtype", reduce_dtype, kDtypes);
   rc.precision.param_dtype = dtype_named(param_dtype);
-  rc.precision.reduce_dtype = dtype_named(reduce_dtype);
+  // null: PyTorch's reduce_dtype=None (fully_shard.md, "Gradient dtypes")
+  if (const json* r = pr.find("reduce_dtype"); r && r->is_null()) {
+    rc.precision.reduce_dtype = std::nullopt;
+  } else {
+    pr.string("reduce_dtype", reduce_dtype, kDtypes);
+    rc.precision.reduce_dtype = dtype_named(reduce_dtype);
+  }
   if (const json* ov = pr.find("overrides")) {
     if (!ov->is_array()) {
       pr.fail("overrides", "must be an array of {\"match\": ..., \"param_dtype\": ..., \"grad_dtype\": ...}");
@@ -288,18 +293,16 @@ void read_precision(Reader& top, Recipe& rc, [[maybe_unused]] const std::string&
         o.string("match", d.match);
         std::string pd, gd;
         o.string("param_dtype", pd, kDtypes);
-        o.string("grad_dtype", gd, kDtypes);
         if (d.match.empty()) o.fail("match", "missing: a glob on parameter names, for example \"*norm*\"");
         if (!o.find("param_dtype") && !o.find("grad_dtype")) o.fail("", "needs param_dtype or grad_dtype");
         if (!pd.empty()) d.param_dtype = dtype_named(pd);
-        if (!gd.empty()) d.grad_dtype = dtype_named(gd);
-        // PyTorch 2.15's rule (mixed_precision.hpp): with reduce_dtype set, as a recipe always has
-        // it, every unsharded gradient accumulates in reduce_dtype, so another grad_dtype is dead.
-        if (d.grad_dtype && *d.grad_dtype != rc.precision.reduce_dtype)
-          o.fail("grad_dtype",
-                 fmt::format("{} changes nothing: gradients accumulate in precision.reduce_dtype ({}) "
-                             "when it is set, as in PyTorch 2.15",
-                             gd, reduce_dtype));
+        // null: an explicit grad_dtype of none, PyTorch's `param.grad_dtype = None`
+        if (const json* g = o.find("grad_dtype"); g && g->is_null()) {
+          d.grad_dtype = fsdp::GradDtype::none();
+        } else {
+          o.string("grad_dtype", gd, kDtypes);
+          if (!gd.empty()) d.grad_dtype = dtype_named(gd);
+        }
         rc.precision.overrides.push_back(d);
       }
     }

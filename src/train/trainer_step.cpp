@@ -83,13 +83,12 @@ void Trainer::microbatches_on_threads(at::Tensor& loss_sum) {
     auto& grad = copy.mutable_grad();
     if (!grad.defined()) continue;  // a parameter this thread's microbatches did not reach
     auto& to = param.mutable_grad();
-    if (to.defined())
-      to.add_(grad);
+    if (to.defined())  // in .grad's dtype, as AccumulateGrad adds (Note [unsharded gradients])
+      to.add_(grad.element_size() > to.element_size() ? grad.to(to.scalar_type()) : grad);
     else
       to = std::move(grad);
     grad = at::Tensor();
   }
-  for (fsdp::Unit* u : root->fsdp_unit().tree_units()) u->group().accumulate_grads();
   root->fsdp_unit().reduce_grads_async();
   root->fsdp_unit().wait_reduce_grads();
   root->reshard();

@@ -7,6 +7,10 @@
 //   sleep               every rank prints "ready" and sleeps (for Ctrl-C and orphan tests)
 //   exit-first CODE RANK  on the group's first start, as exit; on a restart, as collectives
 //   hang RANK           labelled all_gathers; RANK skips the second one (a fault to diagnose)
+//   env [ask]           labelled all_gathers, rank 0 joining the third one a second late; with
+//                       "ask", the program takes FSDPP_FAULT and the watchdog's settings from its
+//                       environment as the CLI does, without it it asks for neither (and must see
+//                       no effect of them)
 // Extra arguments are ignored; tests pass a unique token to find stray processes afterwards.
 // FSDPP_TEST_TIMEOUT_MS sets the rendezvous timeout.
 #include <ATen/ATen.h>
@@ -18,6 +22,7 @@
 #include <string>
 #include <thread>
 
+#include "fsdpp/comm/fault.hpp"
 #include "fsdpp/comm/flight_recorder.hpp"
 #include "fsdpp/comm/init.hpp"
 #include "gpu/collectives.hpp"
@@ -56,6 +61,12 @@ int main(int argc, char** argv) {
   if (const char* ms = std::getenv("FSDPP_TEST_TIMEOUT_MS"))
     opts.timeout = std::chrono::milliseconds(std::atoi(ms));
   try {
+    // A test program lets its environment set the watchdog and faults, as the CLI does; the env
+    // mode without "ask" is a program that does not.
+    if (mode != "env" || (argc > 2 && std::string(argv[2]) == "ask")) {
+      opts = comm::with_watchdog_from_env(opts);
+      comm::arm_faults_from_env();
+    }
     auto comm = comm::init_from_env(opts);
     const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
     const bool restarted = restart && std::atoi(restart) > 0;
@@ -93,6 +104,20 @@ int main(int argc, char** argv) {
         comm.all_gather(out, at::ones({4})).wait();
       }
       comm.barrier().wait();
+      return 0;
+    }
+    if (mode == "env") {
+      for (int i = 0; i < 3; ++i) {
+        if (i == 2 && comm.rank() == 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+        comm::OpLabel label("fsdp all_gather layers." + std::to_string(i));
+        auto out = at::zeros({comm.size() * 4});
+        comm.all_gather(out, at::full({4}, comm.rank() + 1.0)).wait();
+        // A skipped all_gather leaves its output as it was.
+        if (!at::equal(out, at::arange(1, comm.size() + 1, at::kFloat).repeat_interleave(4)))
+          return fail("all_gather " + std::to_string(i) + " did not gather");
+      }
+      comm.barrier().wait();
+      std::cout << "rank " << comm.rank() << "/" << comm.size() << " env ok" << std::endl;
       return 0;
     }
     if (mode == "sleep") {

@@ -335,3 +335,32 @@ TEST_CASE("a rank that skips an all_gather: every rank dumps its flight records 
         std::string::npos);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("a program that asks for neither gets no fault and no watchdog from its environment") {
+  const auto dir = std::filesystem::temp_directory_path() / (unique_token() + "-env");
+  // Rank 1 would skip its second labelled all_gather; rank 0 joins the third a second late, past a
+  // 0.3 s watchdog.
+  const std::string env =
+      "env FSDPP_FAULT=skip_all_gather:rank=1:count=2 FSDPP_WATCHDOG_TIMEOUT_S=0.3 "
+      "FSDPP_FR_DUMP_DIR=" +
+      dir.string() + " FSDPP_TEST_TIMEOUT_MS=6000 ";
+  const auto plain = run(env + kLaunch + " --nproc 2 -- " + kRank + " env");
+  INFO(plain.output);
+  CHECK(plain.status == 0);
+  CHECK(plain.output.find("rank 0/2 env ok") != std::string::npos);
+  CHECK(plain.output.find("rank 1/2 env ok") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(dir));
+  // The same program asking (as the CLI does): the fault acts, and, without it, the watchdog (rank 1
+  // waits a second for rank 0's third all_gather).
+  const auto faulted = run(env + kLaunch + " --nproc 2 -- " + kRank + " env ask");
+  INFO(faulted.output);
+  CHECK(faulted.status != 0);
+  CHECK(faulted.output.find("[rank1]: FAILED: all_gather 1 did not gather") != std::string::npos);
+  const auto watched = run("env FSDPP_WATCHDOG_TIMEOUT_S=0.3 FSDPP_FR_DUMP_DIR=" + dir.string() +
+                           " FSDPP_TEST_TIMEOUT_MS=6000 " + kLaunch + " --nproc 2 -- " + kRank + " env ask");
+  INFO(watched.output);
+  CHECK(watched.status != 0);
+  CHECK(watched.output.find("fsdpp watchdog: rank 1:") != std::string::npos);
+  CHECK(std::filesystem::exists(dir / "rank1.json"));
+  std::filesystem::remove_all(dir);
+}

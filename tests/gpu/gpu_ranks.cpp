@@ -21,6 +21,7 @@ int main() {
     comm::InitOptions o;
     o.backend = comm::Backend::kNccl;
     o.watchdog_timeout = std::chrono::seconds(30);  // polls every 100 ms, as under fsdpp run
+    o = comm::with_watchdog_from_env(o);            // the device check puts the flight records in its logs
     auto comm = comm::init_from_env(o);
     const int r = comm.rank(), n = comm.size(), d = current_cuda_device();
     auto bad = test::check_collectives(comm, at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));

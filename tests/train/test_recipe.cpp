@@ -298,16 +298,28 @@ TEST_CASE("recipe: precision overrides") {
   j["precision"]["overrides"] = json::parse(
       R"([{"match": "*.router.gate.weight", "param_dtype": "float32", "grad_dtype": "float32"}])");
   j["precision"]["param_dtype"] = "bfloat16";
-  // A grad_dtype other than reduce_dtype would change nothing (PyTorch 2.15: gradients accumulate in
-  // reduce_dtype when it is set): refused.
+  // Every combination PyTorch 2.15 takes: a grad_dtype beside another reduce_dtype (it still sets the
+  // sharded gradient's dtype), reduce_dtype unset (null) and an explicit grad_dtype of none (null).
   j["precision"]["reduce_dtype"] = "float16";
-  expect(problems(j),
-         "precision.overrides[0].grad_dtype: float32 changes nothing: gradients accumulate in "
-         "precision.reduce_dtype (float16)");
+  CHECK(problems(j) == "valid");
+  j["precision"]["reduce_dtype"] = nullptr;
+  j["precision"]["overrides"].push_back(json::parse(R"({"match": "*norm*", "grad_dtype": null})"));
+  const auto unset = train::parse_recipe(j, "t.json", ".");
+  CHECK_FALSE(unset.precision.policy.reduce_dtype.has_value());
+  REQUIRE(unset.precision.overrides.size() == 2);
+  REQUIRE(unset.precision.overrides[1].grad_dtype);
+  CHECK_FALSE(unset.precision.overrides[1].grad_dtype->dtype.has_value());
+  const auto norm = unset.precision.policy.grad_dtype("layers.0.attn_norm.weight", at::Tensor());
+  REQUIRE(norm);
+  CHECK_FALSE(norm->dtype.has_value());
+  j["precision"]["reduce_dtype"] = 16;
+  expect(problems(j), "precision.reduce_dtype: must be a string, got an integer");
+  j["precision"]["overrides"] = json::parse(
+      R"([{"match": "*.router.gate.weight", "param_dtype": "float32", "grad_dtype": "float32"}])");
   j["precision"]["reduce_dtype"] = "float32";
   const auto r = train::parse_recipe(j, "t.json", ".");
   REQUIRE(r.precision.overrides.size() == 1);
-  CHECK((*r.precision.overrides[0].grad_dtype == at::kFloat));
+  CHECK((r.precision.overrides[0].grad_dtype->dtype == at::kFloat));
   // The policy fully_shard gets, ready: bfloat16 except the router gates, reduced in float32.
   const auto& policy = r.precision.policy;
   CHECK((policy.param_dtype == at::kBFloat16));
@@ -317,7 +329,8 @@ TEST_CASE("recipe: precision overrides") {
   const at::Tensor any;
   CHECK((policy.param_dtype_override("layers.1.moe.router.gate.weight", any) == at::kFloat));
   CHECK_FALSE(policy.param_dtype_override("layers.1.attn.qkv.weight", any).has_value());
-  CHECK((policy.grad_dtype("layers.1.moe.router.gate.weight", any) == at::kFloat));
+  CHECK((policy.grad_dtype("layers.1.moe.router.gate.weight", any)->dtype == at::kFloat));
+  CHECK_FALSE(policy.grad_dtype("layers.1.attn.qkv.weight", any).has_value());
   // float32 parameters keep each parameter's own dtype (no cast), and no overrides means none.
   const auto plain = train::parse_recipe(base(), "t.json", ".");
   CHECK(!plain.precision.policy.param_dtype);

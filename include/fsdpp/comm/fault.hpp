@@ -9,6 +9,10 @@
 //                                     checkpoint at step N, before the checkpoint is committed
 // A fault fires on the group's first start only; ":attempt=K" makes it fire on restart K instead
 // (TORCHELASTIC_RESTART_COUNT), ":attempt=any" on every start (a failure that restarts cannot cure).
+//
+// Nothing is injected into a program that does not ask, whatever its environment says: a program
+// arms injection with arm_faults_from_env() (the fsdpp CLI and the test programs do), which reads
+// FSDPP_FAULT once and returns what it armed, for the program to log.
 
 #include <cstdint>
 #include <string>
@@ -27,8 +31,11 @@ struct Fault {
   }
 };
 
-// Parsed once from the environment. Throws std::invalid_argument naming a malformed value, or a
-// rank outside WORLD_SIZE.
+// Reads FSDPP_FAULT (and WORLD_SIZE, RANK, TORCHELASTIC_RESTART_COUNT) and arms the fault it
+// names; once per process, later calls return the same. Throws std::invalid_argument naming a
+// malformed value, or a rank outside WORLD_SIZE.
+const Fault& arm_faults_from_env();
+// The armed fault; none (kind empty) until arm_faults_from_env() was called.
 const Fault& injected_fault();
 // Checks FSDPP_FAULT for a world of `world_size` ranks before they start (`fsdpp run` does), and,
 // given the run's last step, a trainer's fault at a step the run never reaches.

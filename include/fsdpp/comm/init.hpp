@@ -40,8 +40,8 @@ struct InitOptions {
   // otherwise the local address that routes to the store's host. FSDPP_BIND_ADDR overrides.
   std::string bind_address;
   // The watchdog (fsdpp/comm/flight_recorder.hpp): an operation in flight longer than this makes every
-  // rank dump its flight records to `flight_record_dir`, and ends the processes. Zero: off.
-  // FSDPP_WATCHDOG_TIMEOUT_S and FSDPP_FR_DUMP_DIR override both.
+  // rank dump its flight records to `flight_record_dir`, and ends the processes. Zero: off. The
+  // environment changes neither unless the program asks (with_watchdog_from_env).
   std::chrono::milliseconds watchdog_timeout{0};
   std::string flight_record_dir = "fsdpp-flight-records";
   // Gloo only: run operations under NCCL's ordering rules (one queue per communicator, a send
@@ -53,6 +53,12 @@ struct InitOptions {
 
 // The world communicator of a launched process (env://).
 Comm init_from_env(const InitOptions& options = {});
+
+// `options` with the watchdog's settings from the environment, for a program that lets its users
+// set them there (the fsdpp CLI, the test programs): FSDPP_WATCHDOG_TIMEOUT_S (seconds; 0: off)
+// over watchdog_timeout, FSDPP_FR_DUMP_DIR over flight_record_dir. A program that does not call it
+// gets no watchdog from its environment. Throws CommError naming a malformed value.
+InitOptions with_watchdog_from_env(InitOptions options);
 
 // A communicator of `size` ranks that rendezvous through `store`. Every rank passes a store that
 // sees the same keys (for example the same file, or the same TCP store).

@@ -39,7 +39,9 @@ struct ShardInfo {
   int64_t local_rows = 0;
   int64_t padded_rows = 0;  // ceil(rows / world size)
   at::ScalarType compute_dtype = at::kFloat;
-  at::ScalarType grad_dtype = at::kFloat;
+  // The sharded gradient's dtype (mixed_precision.hpp); nullopt: none, the reduce-scatter's as it
+  // comes.
+  std::optional<at::ScalarType> grad_dtype;
 };
 
 struct ParamSpec {
@@ -77,9 +79,15 @@ class ParamGroup {
   // post_forward_group), so that the next unshard is an all-gather among N ranks only.
   void reshard_to_group();
 
-  // Moves each parameter's .grad into its unsharded accumulator (in grad_dtype).
-  void accumulate_grads();
-  // Packs the accumulated gradients (zeros for parameters that got none) and issues one
+  // Note [unsharded gradients]: the unsharded gradients accumulate in the parameters' own .grad,
+  // in the dtypes PyTorch 2.15 gives them. Before a backward: lets the gradients of parameters
+  // whose accumulation dtype is wider than their compute dtype arrive as autograd makes them when
+  // that costs nothing in precision (`reducing`, or a .grad to add to in place).
+  void defer_grad_upcasts(bool reducing);
+  // After a backward: casts any such gradient to its accumulation dtype and makes it the dtype
+  // the next backward's gradients arrive in.
+  void restore_grad_dtypes();
+  // Takes each parameter's .grad (zeros for parameters that got none), packs them and issues one
   // reduce-scatter that averages over the ranks.
   void reduce_grads_async();
   // Waits for the reduce-scatter (and, with replicas, averages its result across them) and adds
@@ -92,7 +100,7 @@ class ParamGroup {
   // flight (none pending, or this ran already).
   void average_replicas_async();
   bool reduce_pending() const { return reduce_pending_; }
-  // True when some parameter holds a .grad that was not accumulated yet.
+  // True when some parameter holds a .grad (after the reduce-scatter took them: one that came late).
   bool has_stray_grads() const;
 
   std::vector<at::Tensor> sharded_parameters() const;
@@ -120,11 +128,15 @@ class ParamGroup {
     // padded's bytes, where Note [raw copies] reads them (on the CPU, in the compute dtype); null
     // where they go through the views. padded's storage is made once and never resized.
     const char* padded_raw = nullptr;
-    at::Tensor sharded;   // leaf view of padded's real rows: what the optimizer updates
-    at::Tensor grad_acc;  // unsharded gradient accumulated in grad_dtype
+    at::Tensor sharded;     // leaf view of padded's real rows: what the optimizer updates
+    at::Tensor taken_grad;  // the unsharded gradient taken for the reduce-scatter being packed
     std::vector<int64_t> shape;
     int64_t rows = 0, padded_rows = 0, row_offset = 0, local_rows = 0, row_numel = 1;
-    at::ScalarType compute_dtype, grad_dtype;
+    at::ScalarType compute_dtype;
+    // Note [unsharded gradients]; nullopt: none (autograd's dtype).
+    std::optional<at::ScalarType> unsharded_grad_dtype, sharded_grad_dtype;
+    bool wider_grad = false;                      // unsharded_grad_dtype is wider than compute_dtype
+    bool explicit_grad_dtype = false;             // the policy gave one (a dtype or none)
     int64_t gather_offset = 0, gather_bytes = 0;  // within one rank's slot of the all-gather
     int64_t reduce_offset = 0;                    // elements, within one rank's reduce slot
     // Views into the persistent buffers, made once (see Note [persistent views]).
@@ -152,8 +164,9 @@ class ParamGroup {
   void make_views();
   // reduce_in: the start of the reduce input's bytes.
   bool pack_raw(Param& q, char* reduce_in);
-  // q's spare gradient when nothing else holds it, else a new one (kept as the spare if `keep`).
-  static at::Tensor spare_or_new_grad(Param& q, bool keep);
+  // q's spare gradient (of `dtype`) when nothing else holds it, else a new one (kept as the spare
+  // if `keep`).
+  static at::Tensor spare_or_new_grad(Param& q, at::ScalarType dtype, bool keep);
 
   comm::Comm comm_;
   std::optional<comm::Comm> replicate_;  // HSDP: this shard group's replicas

@@ -124,14 +124,16 @@ struct ParallelOptions {
 
 struct DtypeOverride {
   std::string match;  // a glob on parameter names
-  std::optional<at::ScalarType> param_dtype, grad_dtype;
+  std::optional<at::ScalarType> param_dtype;
+  std::optional<fsdp::GradDtype> grad_dtype;  // null in the recipe: none
 };
 
 // Dtypes are named float32, bfloat16 or float16 in the recipe.
 struct PrecisionOptions {
-  at::ScalarType param_dtype = at::kFloat;   // of the gathered parameters and the activations
-  at::ScalarType reduce_dtype = at::kFloat;  // of the reduce-scatters
-  std::vector<DtypeOverride> overrides;      // the first that matches a parameter wins
+  at::ScalarType param_dtype = at::kFloat;  // of the gathered parameters and the activations
+  // Of the reduce-scatters; null in the recipe: unset, each unit's widest gradient dtype.
+  std::optional<at::ScalarType> reduce_dtype = at::kFloat;
+  std::vector<DtypeOverride> overrides;  // the first that matches a parameter wins
   // What fully_shard gets: the above as a policy, made by parse_recipe.
   fsdp::MixedPrecisionPolicy policy;
 };
