@@ -220,8 +220,16 @@ class NcclOrderComm final : public CommImpl {
         queue_.pop_front();
         busy_ = true;
       }
+      // The operation's tensors go with its end: a caller woken by finish() may drop its own
+      // references at once, and this thread must not be the one still holding them.
+      auto finish = [&item](std::exception_ptr failure = nullptr) {
+        item.ops.clear();
+        item.tensors.clear();
+        item.collective = nullptr;
+        item.state->finish(std::move(failure));
+      };
       if (broken_) {
-        item.state->finish(broken_);
+        finish(broken_);
         continue;
       }
       Head head{true, index, item.keys, item.description};
@@ -232,13 +240,13 @@ class NcclOrderComm final : public CommImpl {
         else
           exchange(item.ops, head);
         if (published_) publish(Head{false, index, {}, ""});
-        item.state->finish();
+        finish();
       } catch (...) {
         // The head stays published as waiting: it never completes, and the peers in its cycle must
         // still see it so.
         broken_ = std::current_exception();
         note_failure(item.state->what(), broken_);
-        item.state->finish(broken_);
+        finish(broken_);
       }
     }
   }

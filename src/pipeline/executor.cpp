@@ -14,9 +14,18 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <utility>
 
 namespace fsdpp::pipeline {
 
+// Note [received tensors]
+// A microbatch's tensors on a stage are dropped as soon as nothing reads them again: the input
+// (for stages > 0, a received buffer or the previous stage's output) and the received gradient
+// after the full backward, or the input after I (its graph keeps what W needs) and the rest after
+// W; a computed input gradient once it is sent or taken by the previous stage on this rank. Slots
+// would otherwise hold every microbatch's received tensors to the end of the step.
+// tests/pipeline/executor_fixture.hpp observes this through the allocator, against the plan's
+// simulated peak_received.
 struct PipelineExecutor::Slot {
   at::Tensor input;        // leaf for stages > 0
   at::Tensor output;       // stage output, or the scaled loss on the last stage
@@ -204,6 +213,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
           x = inputs.at(mb);
         } else if (sl.recv_f.defined()) {
           sl.recv_f_work->wait();
+          sl.recv_f_work.reset();  // a finished receive's Work may still hold its buffer
           x = sl.recv_f;
           sl.recv_f = at::Tensor();
           --live_buffers;
@@ -218,6 +228,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
           loss_sum.add_(out.detach().to(at::kDouble));
         }
         sl.output = out;
+        if (!at::GradMode::is_enabled()) sl.input = at::Tensor();  // forward only: read once
         computed(a, begin);
         break;
       }
@@ -232,11 +243,13 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
         if (s < last) {
           if (sl.recv_b.defined()) {
             sl.recv_b_work->wait();
+            sl.recv_b_work.reset();
             sl.grad_output = sl.recv_b;
             sl.recv_b = at::Tensor();
             --live_buffers;
           } else {
-            sl.grad_output = slot(s + 1, mb).grad_input;  // the next stage runs on this rank
+            // the next stage runs on this rank
+            sl.grad_output = std::exchange(slot(s + 1, mb).grad_input, at::Tensor());
           }
         }
         const auto begin = std::chrono::system_clock::now();
@@ -247,8 +260,11 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
           if (s > 0) wrt.push_back(sl.input);
           torch::autograd::backward(outs, grads, /*retain_graph=*/false, /*create_graph=*/false, wrt);
           if (s > 0) sl.grad_input = sl.input.grad();
-        } else if (s > 0) {
-          sl.grad_input = torch::autograd::grad(outs, {sl.input}, grads, /*retain_graph=*/true)[0];
+          // Note [received tensors]: nothing of this microbatch is read again on this stage.
+          sl.input = sl.output = sl.grad_output = at::Tensor();
+        } else {
+          if (s > 0) sl.grad_input = torch::autograd::grad(outs, {sl.input}, grads, /*retain_graph=*/true)[0];
+          sl.input = at::Tensor();  // what W needs of it, its graph has saved
         }
         computed(a, begin);
         break;
@@ -264,6 +280,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
       }
       case T::kSendB:
         send(a, plan_.owner[s - 1], slot(s, mb).grad_input.contiguous());
+        slot(s, mb).grad_input = at::Tensor();  // the send holds it until it is out
         break;
       case T::kUnshard:
         if (auto& sharding = stages_.at(s).sharding)

@@ -19,6 +19,7 @@
 #include "fsdpp/pipeline/executor.hpp"
 #include "fsdpp/pipeline/fsdp_stage.hpp"
 #include "fsdpp/pipeline/table.hpp"
+#include "pipeline/received_bytes.hpp"
 
 namespace executor_test {
 
@@ -125,11 +126,17 @@ inline std::vector<std::vector<at::Tensor>> reference_params(int stages, int m) 
 }
 
 // Runs `plan` on threads over Gloo: checks the first step's gradients against `grads`, then the
-// parameters after 5 AdamW steps against `params`, and the executor's buffer counters.
+// parameters after 5 AdamW steps against `params`, the executor's buffer counters, and the
+// received bytes each rank keeps alive as the allocator sees them (received_bytes.hpp) against the
+// plan's simulated peak_received.
 inline void check_pipelined(const Plan& plan, const std::vector<std::vector<at::Tensor>>& grads,
                             const std::vector<std::vector<at::Tensor>>& params, const std::string& what) {
   const int stages = plan.spec.num_stages(), m = plan.spec.microbatches;
-  test::run_ranks(plan.spec.pp, [&](comm::Comm& comm) {
+  test::CountingCpuAllocator counting;
+  auto& ledger = test::ReceiveLedger::get();
+  ledger.reset();
+  test::run_ranks(plan.spec.pp, [&](comm::Comm& plain) {
+    comm::Comm comm(std::make_shared<test::ReceiveMarkingComm>(plain.impl_ptr(), plain.rank()));
     Model model(stages);
     std::vector<PipelineStage> mine;
     std::vector<at::Tensor> mine_params;
@@ -139,7 +146,9 @@ inline void check_pipelined(const Plan& plan, const std::vector<std::vector<at::
                         model.layers[s]->parameters()});
         for (auto& p : model.layers[s]->parameters()) mine_params.push_back(p);
       }
-    PipelineExecutor exec(plan, comm, mine, mse, {{kMicro, kDim}});
+    ExecutorOptions options{{kMicro, kDim}};
+    options.on_compute = [&ledger, rank = comm.rank()](const Action&, auto, auto) { ledger.sample(rank); };
+    PipelineExecutor exec(plan, comm, mine, mse, options);
     torch::optim::AdamW opt(mine_params, torch::optim::AdamWOptions(1e-2));
     const auto b = make_batch(m);
     for (int step = 0; step < 5; ++step) {
@@ -166,8 +175,16 @@ inline void check_pipelined(const Plan& plan, const std::vector<std::vector<at::
     int send_f = 0;
     for (const auto& a : plan.lowered[comm.rank()]) send_f += a.type == ActionType::kSendF;
     CHECK(exec.stats().outputs_released == 5 * send_f);
-    CHECK(exec.stats().peak_recv_buffers <=
-          simulate(plan.lowered, plan.owner).peak_recv_buffers[comm.rank()]);
+    const auto sim = simulate(plan.lowered, plan.owner);
+    CHECK(exec.stats().peak_recv_buffers <= sim.peak_recv_buffers[comm.rank()]);
+    // Every receive wrote into a block the allocator counted, and what was received stayed alive
+    // no longer than the plan says (Note [received tensors]).
+    CHECK(ledger.unknown() == 0);
+    const int64_t buffer_bytes = kMicro * kDim * int64_t(sizeof(float));
+    INFO(what << ": rank " << comm.rank() << " kept " << ledger.peak(comm.rank()) / buffer_bytes
+              << " received tensors alive at once; the plan holds " << sim.peak_received[comm.rank()]);
+    CHECK(ledger.peak(comm.rank()) <= sim.peak_received[comm.rank()] * buffer_bytes);
+    if (recvs > 0) CHECK(ledger.peak(comm.rank()) > 0);
   });
 }
 

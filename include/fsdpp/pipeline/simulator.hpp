@@ -54,6 +54,10 @@ struct SimResult {
   std::vector<std::vector<Span>> spans;  // compute actions per rank
   std::vector<double> busy, bubble;      // bubble = 1 - busy / makespan
   std::vector<int> peak_activations, peak_recv_buffers, peak_sends_in_flight;
+  // Received tensors alive at once: a receive's buffer from its RECV until the backward that last
+  // reads it (B, or W after I: a received activation is the stage's input, which its graph may
+  // save for the weight gradient; a received gradient is W's input), as the executor keeps them.
+  std::vector<int> peak_received;
   double mean_bubble() const {
     double s = 0;
     for (double b : bubble) s += b;
@@ -83,6 +87,8 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
   res.peak_activations.assign(ranks, 0);
   res.peak_recv_buffers.assign(ranks, 0);
   res.peak_sends_in_flight.assign(ranks, 0);
+  res.peak_received.assign(ranks, 0);
+  std::vector<std::multiset<std::pair<int, int>>> received(ranks);  // (stage, microbatch) per receive
   std::vector<size_t> next(ranks, 0);
   std::vector<double> clock(ranks, 0);
   std::vector<int> live_act(ranks, 0), live_buf(ranks, 0);
@@ -178,6 +184,8 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
           posted[key(s, a.type, mb)] = t;
           have[r].insert(key(s, a.type, mb));
           res.peak_recv_buffers[r] = std::max(res.peak_recv_buffers[r], ++live_buf[r]);
+          received[r].insert({s, mb});
+          res.peak_received[r] = std::max(res.peak_received[r], static_cast<int>(received[r].size()));
         } else if (a.type == T::kSendF || a.type == T::kSendB) {
           // Under the budget, a send first waits until its oldest predecessor was received.
           // (Checked above; sends issued after an unmatched one stay counted until it is matched.)
@@ -205,7 +213,10 @@ inline SimResult simulate(const Program& program, const std::vector<int>& owner,
           // Activations live from F until the last backward that needs them (B, or W after I).
           if (a.type == T::kForward)
             res.peak_activations[r] = std::max(res.peak_activations[r], ++live_act[r]);
-          if (a.type == T::kBackward || a.type == T::kBackwardWeight) --live_act[r];
+          if (a.type == T::kBackward || a.type == T::kBackwardWeight) {
+            --live_act[r];
+            received[r].erase({s, mb});
+          }
         }
         ++next[r];
       }

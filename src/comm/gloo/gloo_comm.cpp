@@ -425,7 +425,7 @@ class GlooComm : public CommImpl {
       return Work(state);
     }
     push({state,
-          [this, posted = std::move(posted), state](uint32_t) {
+          [this, posted = std::move(posted), state](uint32_t) mutable {
             P2pGroup group{{}, {}, state};
             for (const auto& op : posted) {
               const auto& t = op.tensor;
@@ -439,6 +439,9 @@ class GlooComm : public CommImpl {
               group.buffers.push_back(std::move(buf));
               group.is_send.push_back(is_send);
             }
+            // From here the state holds the tensors until the operation is done; the worker,
+            // which may get to destroy this closure only later, must not (Note [received tensors]).
+            posted.clear();
             start_waiter(std::move(group));
             return false;
           },
