@@ -326,7 +326,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
     comm::OpLabel op_label("pp " + to_string(a));
     if (a.type == T::kBackward || a.type == T::kBackwardWeight) ++backwards[a.stage];
     if (const auto it = custom_.find(a.type); it != custom_.end()) {
-      ActionContext ctx{a, stages_.at(a.stage), inputs, targets, [&] { run_action(a); }};
+      ActionContext ctx{a, stages_.at(a.stage), inputs, targets, [&] { run_action(a); }, {}, {}};
       it->second(ctx);
     } else {
       run_action(a);
@@ -396,12 +396,18 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
                               program.begin() + static_cast<std::ptrdiff_t>(end)),
         ran;
     size_t next = end;
-    ActionContext ctx{program[i], stages_.at(program[i].stage), inputs, targets, [&] {
+    ActionContext ctx{program[i],
+                      stages_.at(program[i].stage),
+                      inputs,
+                      targets,
+                      [&] {
                         if (!ran.empty())
                           throw ScheduleError("executor: OVERLAP_F_B's run_default after the group's run");
                         next = run_group(i, end);
                         ran = group;
-                      }};
+                      },
+                      {},
+                      {}};
     ctx.group = group;
     ctx.run = [&](const Action& a) {
       if (std::find(group.begin(), group.end(), a) == group.end() ||
