@@ -78,18 +78,13 @@ void shard_tree(UnitHolder& top, const comm::Comm& comm, const FullyShardOptions
   }
   // The policy's callables see names from the module fully_shard was called on (specs name them
   // from this unit).
+  auto from_top = [&path](auto f) -> decltype(f) {
+    if (!f || path.empty()) return f;
+    return [f, path](const std::string& name, const at::Tensor& t) { return f(join_path(path, name), t); };
+  };
   FullyShardOptions named = options;
-  if (!path.empty()) {
-    if (options.mp.param_dtype_override)
-      named.mp.param_dtype_override = [f = options.mp.param_dtype_override, path](const std::string& name,
-                                                                                  const at::Tensor& t) {
-        return f(join_path(path, name), t);
-      };
-    if (options.mp.grad_dtype)
-      named.mp.grad_dtype = [f = options.mp.grad_dtype, path](const std::string& name, const at::Tensor& t) {
-        return f(join_path(path, name), t);
-      };
-  }
+  named.mp.param_dtype_override = from_top(options.mp.param_dtype_override);
+  named.mp.grad_dtype = from_top(options.mp.grad_dtype);
   unit.shard(comm, std::move(specs), named);
   unit.become_root(nested_units);
 }

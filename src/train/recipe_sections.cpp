@@ -5,7 +5,6 @@
 #include <filesystem>
 #include <optional>
 #include <set>
-#include <type_traits>
 
 #include "fsdpp/base/paths.hpp"
 #include "fsdpp/comm/init.hpp"
@@ -22,24 +21,6 @@ namespace fsdpp::train::recipe_detail {
 namespace fs = std::filesystem;
 
 namespace {
-
-fsdp::MixedPrecisionPolicy precision_policy(const PrecisionOptions& p) {
-  fsdp::MixedPrecisionPolicy policy;
-  if (p.param_dtype != at::kFloat) policy.param_dtype = p.param_dtype;  // float32: keep each parameter's own
-  policy.reduce_dtype = p.reduce_dtype;
-  if (p.overrides.empty()) return policy;
-  // The first override that matches and sets the dtype in question.
-  auto pick = [overrides = p.overrides](auto member) {
-    return [overrides, member](const std::string& name, const at::Tensor&) {
-      for (const auto& o : overrides)
-        if ((o.*member) && fsdp::glob_match(o.match, name)) return o.*member;
-      return std::remove_cvref_t<decltype(overrides.front().*member)>();
-    };
-  };
-  policy.param_dtype_override = pick(&DtypeOverride::param_dtype);
-  policy.grad_dtype = pick(&DtypeOverride::grad_dtype);
-  return policy;
-}
 
 // Whether the plan splits some backward into input and weight halves (I, W), as the zero-bubble
 // schedules do.
@@ -269,45 +250,6 @@ void read_parallel(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& 
   if (dp_shard > 0) par.dp = par.dp_replicate * dp_shard;
   if (par.dp % par.dp_replicate != 0)
     p.fail("dp_replicate", fmt::format("must divide parallel.dp ({}), got {}", par.dp, par.dp_replicate));
-}
-
-void read_precision(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base_dir) {
-  Reader pr = top.section("precision");
-  std::string param_dtype = "float32", reduce_dtype = "float32";
-  pr.string("param_dtype", param_dtype, kDtypes);
-  rc.precision.param_dtype = dtype_named(param_dtype);
-  // null: PyTorch's reduce_dtype=None (fully_shard.md, "Gradient dtypes")
-  if (const json* r = pr.find("reduce_dtype"); r && r->is_null()) {
-    rc.precision.reduce_dtype = std::nullopt;
-  } else {
-    pr.string("reduce_dtype", reduce_dtype, kDtypes);
-    rc.precision.reduce_dtype = dtype_named(reduce_dtype);
-  }
-  if (const json* ov = pr.find("overrides")) {
-    if (!ov->is_array()) {
-      pr.fail("overrides", "must be an array of {\"match\": ..., \"param_dtype\": ..., \"grad_dtype\": ...}");
-    } else {
-      for (size_t i = 0; i < ov->size(); ++i) {
-        Reader o = pr.element(&(*ov)[i], fmt::format("overrides[{}]", i));  // own hints
-        DtypeOverride d;
-        o.string("match", d.match);
-        std::string pd, gd;
-        o.string("param_dtype", pd, kDtypes);
-        if (d.match.empty()) o.fail("match", "missing: a glob on parameter names, for example \"*norm*\"");
-        if (!o.find("param_dtype") && !o.find("grad_dtype")) o.fail("", "needs param_dtype or grad_dtype");
-        if (!pd.empty()) d.param_dtype = dtype_named(pd);
-        // null: an explicit grad_dtype of none, PyTorch's `param.grad_dtype = None`
-        if (const json* g = o.find("grad_dtype"); g && g->is_null()) {
-          d.grad_dtype = fsdp::GradDtype::none();
-        } else {
-          o.string("grad_dtype", gd, kDtypes);
-          if (!gd.empty()) d.grad_dtype = dtype_named(gd);
-        }
-        rc.precision.overrides.push_back(d);
-      }
-    }
-  }
-  rc.precision.policy = precision_policy(rc.precision);
 }
 
 void read_optim(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base_dir) {
