@@ -59,6 +59,27 @@ if(NOT FSDPP_WITH_SENTENCEPIECE STREQUAL "OFF")
 endif()
 message(STATUS "fsdpp: SentencePiece ${FSDPP_HAVE_SENTENCEPIECE}")
 
+# PCRE2 and utf8proc (Debian's libpcre2-dev, libutf8proc-dev): Hugging Face tokenizer.json files,
+# their regular expressions and Unicode normal forms (src/train/text/). Optional as SentencePiece is
+# (FSDPP_WITH_TOKENIZER_JSON); without them src/train/no_json_tokenizer.cpp says so at run time.
+set(FSDPP_HAVE_TOKENIZER_JSON OFF)
+if(NOT FSDPP_WITH_TOKENIZER_JSON STREQUAL "OFF")
+  find_path(FSDPP_PCRE2_INCLUDE_DIR pcre2.h)
+  find_library(FSDPP_PCRE2_LIBRARY pcre2-8)
+  find_path(FSDPP_UTF8PROC_INCLUDE_DIR utf8proc.h)
+  find_library(FSDPP_UTF8PROC_LIBRARY utf8proc)
+  if(FSDPP_PCRE2_INCLUDE_DIR AND FSDPP_PCRE2_LIBRARY AND FSDPP_UTF8PROC_INCLUDE_DIR AND FSDPP_UTF8PROC_LIBRARY)
+    set(FSDPP_HAVE_TOKENIZER_JSON ON)
+    add_library(fsdpp::text_deps INTERFACE IMPORTED GLOBAL)
+    target_include_directories(fsdpp::text_deps INTERFACE ${FSDPP_PCRE2_INCLUDE_DIR} ${FSDPP_UTF8PROC_INCLUDE_DIR})
+    target_link_libraries(fsdpp::text_deps INTERFACE ${FSDPP_PCRE2_LIBRARY} ${FSDPP_UTF8PROC_LIBRARY})
+  elseif(FSDPP_WITH_TOKENIZER_JSON STREQUAL "ON")
+    message(FATAL_ERROR "FSDPP_WITH_TOKENIZER_JSON=ON but PCRE2 or utf8proc was not found: install libpcre2-dev and "
+                        "libutf8proc-dev (scripts/setup.sh)")
+  endif()
+endif()
+message(STATUS "fsdpp: tokenizer.json (PCRE2, utf8proc) ${FSDPP_HAVE_TOKENIZER_JSON}")
+
 set(FSDPP_HAVE_GLOO OFF)
 if(NOT FSDPP_WITH_GLOO STREQUAL "OFF")
   find_package(Gloo CONFIG QUIET)

@@ -134,7 +134,7 @@ step_build() {
   [[ $mode != quick ]] && targets+=(fsdpp_test_gpu fsdpp_test_nccl_core)
   cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDPP_PYTHON="$python" \
     -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_INCLUDE_PATH="$deps_abs/include" \
-    -DCUDAToolkit_ROOT="$cuda" -DFSDPP_WITH_NCCL=ON -DFSDPP_WITH_GLOO=OFF -DFSDPP_WITH_SENTENCEPIECE=OFF \
+    -DCUDAToolkit_ROOT="$cuda" -DFSDPP_WITH_NCCL=ON -DFSDPP_WITH_GLOO=OFF -DFSDPP_WITH_SENTENCEPIECE=OFF -DFSDPP_WITH_TOKENIZER_JSON=OFF \
     -DFSDPP_BUILD_BENCH=OFF \
     -DNCCL_INCLUDE_DIR="$nccl_inc" -DNCCL_LIBRARY="$nccl_so" &&
     ninja -C "$build_dir" -j"$(nproc)" "${targets[@]}" &&

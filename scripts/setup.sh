@@ -15,6 +15,7 @@ packages=(
   libgloo-dev
   libeigen3-dev nlohmann-json3-dev doctest-dev libcli11-dev
   libsentencepiece-dev            # tokenizers (data.tokenizer, fsdpp tokenizer train)
+  libpcre2-dev libutf8proc-dev    # Hugging Face tokenizer.json: its regular expressions, NFC/NFKC
   iproute2 procps                 # network namespaces for the two-node test; ps for orphan checks
   fortunes                        # the default training corpus (/usr/share/games/fortunes)
   python3 python3-venv            # the virtual environment that holds PyTorch 2.15

@@ -55,7 +55,9 @@ std::shared_ptr<DataCommands> add_data_commands(CLI::App& app) {
                                    "write token shards (llm.c's .bin layout) for data.source \"shards\": "
                                    "fsdpp tokenize --tokenizer tok.model INPUTS... -o DIR");
   auto& k = c->tokenize_options;
-  c->tokenize->add_option("--tokenizer", c->tokenizer, "a SentencePiece .model, or bytes (default)");
+  c->tokenize->add_option(
+      "--tokenizer", c->tokenizer,
+      "bytes (default), a SentencePiece .model, a tokenizer.json or a transformers directory");
   c->tokenize->add_option("inputs", k.inputs, "text files or directories; every file is a document")
       ->required()
       ->check(CLI::ExistingPath);

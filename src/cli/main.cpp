@@ -22,6 +22,7 @@
 #include "fsdpp/base/blas.hpp"
 #include "fsdpp/base/files.hpp"
 #include "fsdpp/base/paths.hpp"
+#include "fsdpp/train/chat_data.hpp"
 #include "fsdpp/base/mkl_vml.hpp"
 #include "fsdpp/base/openmp_wait.hpp"
 #include "fsdpp/pipeline/plan.hpp"
@@ -289,7 +290,7 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingPath);
   cmd_generate->add_option("--prompt", gen_prompt, "text to continue");
   cmd_generate
-      ->add_option("--tokens,--bytes", sample.max_new_tokens,
+      ->add_option("--max-new-tokens,--tokens,--bytes", sample.max_new_tokens,
                    "tokens to generate (bytes, with the bytes tokenizer)")
       ->check(CLI::Range(1, 100000));
   cmd_generate->add_option("--temperature", sample.temperature, "0: greedy; else in (0, 10]")
@@ -304,10 +305,30 @@ int main(int argc, char** argv) {
           "0 TO 10"));
   cmd_generate->add_option("--top-k", sample.top_k, "sample among the k likeliest tokens (0: all)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
+  cmd_generate
+      ->add_option("--top-p", sample.top_p,
+                   "sample among the fewest likeliest tokens whose probability reaches p (1: all)")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            char* end = nullptr;
+            const double p = std::strtod(v.c_str(), &end);
+            return !v.empty() && *end == '\0' && p > 0 && p <= 1 ? std::string()
+                                                                 : "must be in (0, 1], got " + v;
+          },
+          "(0, 1]"));
+  bool gen_chat = false;
+  cmd_generate->add_flag(
+      "--chat", gen_chat,
+      "--prompt is a user's message: apply the tokenizer's chat template, print the reply");
+  std::vector<std::string> gen_stops;
+  cmd_generate->add_option("--stop", gen_stops,
+                           "a token that ends the continuation besides the end-of-text token (repeatable; "
+                           "each must be one token of the tokenizer, such as <|im_end|>)");
   std::string gen_tokenizer;
-  cmd_generate->add_option(
-      "--tokenizer", gen_tokenizer,
-      "the tokenizer's .model file, where it has moved since training (its contents must be the same)");
+  cmd_generate->add_option("--tokenizer", gen_tokenizer,
+                           "the tokenizer (.model, tokenizer.json or its directory), where it has moved "
+                           "since training (its contents "
+                           "must be the same)");
 
   const auto data_commands = cli::add_data_commands(app);
   const auto model_commands = cli::add_model_commands(app);
@@ -402,8 +423,8 @@ int main(int argc, char** argv) {
       auto model = train::load_model(gen_path, &recorded);
       if (recorded.is_null() && gen_tokenizer.empty())
         throw std::invalid_argument(fmt::format(
-            "{}: its tokenizer is not one fsdpp reads (the bytes tokenizer or a SentencePiece .model): give "
-            "--tokenizer",
+            "{}: its tokenizer is not one fsdpp reads (bytes, a SentencePiece .model or a tokenizer.json): "
+            "give --tokenizer",
             gen_path));
       const auto spec = gen_tokenizer.empty() ? recorded.value("spec", std::string("bytes")) : gen_tokenizer;
       if (spec == "none")
@@ -413,8 +434,19 @@ int main(int argc, char** argv) {
                         gen_path));
       const auto tokenizer = train::Tokenizer::load(spec);
       if (!recorded.is_null()) tokenizer->check_matches(recorded, gen_path);
-      const auto text = train::generate(*model, *tokenizer, gen_prompt, sample);  // before any output
-      std::cout << gen_prompt << text << std::endl;
+      for (const auto& stop : gen_stops) {
+        const auto ids = tokenizer->encode(stop);
+        if (ids.size() != 1)
+          throw BadInput(fmt::format("--stop \"{}\" is {} tokens of {}, not one", stop, ids.size(), spec));
+        sample.stop_ids.push_back(ids.front());
+      }
+      std::string prompt = gen_prompt;
+      if (gen_chat)
+        prompt = train::ChatFormat(*tokenizer)
+                     .render(nlohmann::ordered_json::array({{{"role", "user"}, {"content", gen_prompt}}}),
+                             /*add_generation_prompt=*/true);
+      const auto text = train::generate(*model, *tokenizer, prompt, sample);  // before any output
+      std::cout << (gen_chat ? std::string() : gen_prompt) << text << std::endl;
       return 0;
     }
     if (cmd_consolidate->parsed()) {

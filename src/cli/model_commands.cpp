@@ -82,8 +82,10 @@ std::shared_ptr<ModelCommands> add_model_commands(CLI::App& app) {
   c->export_cmd->add_option("--max-shard-size", c->max_shard,
                             "largest weights file before the weights are split over several, as "
                             "transformers' max_shard_size (default 50GB)");
-  c->export_cmd->add_option("--tokenizer", c->tokenizer,
-                            "the tokenizer's .model file, where it has moved since training");
+  c->export_cmd->add_option(
+      "--tokenizer", c->tokenizer,
+      "the tokenizer (.model, tokenizer.json or its directory), where it has moved since "
+      "training");
 
   c->import_cmd = app.add_subcommand(
       "import",

@@ -327,14 +327,32 @@ std::vector<std::string> export_checkpoint(const models::MoEConfig& c, const Nam
                  {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}});
     }
     if (tokenizer) {
-      const bool bytes = tokenizer->spec() == "bytes";
-      const json tj =
-          bytes ? detail::bytes_tokenizer_json() : detail::piece_tokenizer_json(tokenizer->spec());
-      write_json("tokenizer.json", tj);
+      const bool bytes = tokenizer->spec() == "bytes", published = !tokenizer->tokenizer_json().empty();
+      const json tj = bytes       ? detail::bytes_tokenizer_json()
+                      : published ? read_json_file(tokenizer->tokenizer_json())
+                                  : detail::piece_tokenizer_json(tokenizer->spec());
+      if (published) {  // byte for byte: its digest is the tokenizer's identity
+        fs::copy_file(tokenizer->tokenizer_json(), tmp / "tokenizer.json");
+        files.push_back("tokenizer.json");
+      } else {
+        write_json("tokenizer.json", tj);
+      }
       json tc = {{"tokenizer_class", "PreTrainedTokenizerFast"},
                  {"model_max_length", c.max_seq_len},
                  {"clean_up_tokenization_spaces", false}};
-      if (!bytes) {
+      if (published) {
+        // The rest of the source's tokenizer configuration (its chat template, its special tokens).
+        const auto from = fs::path(tokenizer->tokenizer_json()).parent_path();
+        if (fs::is_regular_file(from / "tokenizer_config.json", ec))
+          tc = read_json_file((from / "tokenizer_config.json").string());
+        if (fs::is_regular_file(from / "chat_template.jinja", ec)) {
+          fs::copy_file(from / "chat_template.jinja", tmp / "chat_template.jinja");
+          files.push_back("chat_template.jinja");
+        }
+        for (const auto& t : tj.value("added_tokens", json::array()))
+          if (t.value("id", -1) == tokenizer->eot() && !tc.contains("eos_token"))
+            tc["eos_token"] = t["content"];
+      } else if (!bytes) {
         // The model file too, so that import finds fsdpp's tokenizer again.
         fs::copy_file(tokenizer->spec(), tmp / "tokenizer.model");
         files.push_back("tokenizer.model");
@@ -410,16 +428,9 @@ LazyImport import_checkpoint_lazy(const std::string& dir) {
   if (fs::exists(tok, ec)) {
     try {
       const json t = read_json_file(tok.string());
-      if (detail::is_bytes_tokenizer(t))
-        r.tokenizer = Tokenizer::load("bytes")->identity();
-      else
-        why.push_back(
-            fmt::format("{} is a {} tokenizer, which fsdpp does not read (it reads its own bytes "
-                        "tokenizer and SentencePiece models)",
-                        tok.string(),
-                        t.is_object() && t.contains("model") && t["model"].is_object()
-                            ? t["model"].value("type", std::string("untyped"))
-                            : std::string("malformed")));
+      r.tokenizer = detail::is_bytes_tokenizer(t)
+                        ? Tokenizer::load("bytes")->identity()
+                        : Tokenizer::load(fs::absolute(tok).lexically_normal().string())->identity();
     } catch (const std::exception& e) {
       why.push_back(e.what());
     }

@@ -142,6 +142,8 @@ const char* name_of(DataSource v) {
       return "synthetic";
     case DataSource::kShards:
       return "shards";
+    case DataSource::kChat:
+      return "chat";
   }
   return "?";
 }

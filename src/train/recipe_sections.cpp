@@ -132,21 +132,33 @@ void read_model_section(Reader& top, Recipe& rc, [[maybe_unused]] const std::str
 void read_data(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base_dir) {
   Reader d = top.section("data");
   d.choice("source", rc.data.source,
-           {DataSource::kFortunes, DataSource::kFiles, DataSource::kSynthetic, DataSource::kShards});
+           {DataSource::kFortunes, DataSource::kFiles, DataSource::kSynthetic, DataSource::kShards,
+            DataSource::kChat});
   d.strings("paths", rc.data.paths);
   d.string("path", rc.data.path);
   d.string("tokenizer", rc.data.tokenizer);
+  d.string("chat_template", rc.data.chat_template);
+  // A transformers directory brings its own tokenizer unless the recipe names another.
+  std::error_code exists_ec;
+  if (!d.find("tokenizer") && hf::is_checkpoint_dir(rc.init_from) &&
+      fs::is_regular_file(fs::path(rc.init_from) / "tokenizer.json", exists_ec))
+    rc.data.tokenizer = rc.init_from;
   d.integer("seq_len", rc.data.seq_len, 2, 1 << 20);
   d.number("val_fraction", rc.data.val_fraction, 0, 0.5, true);
   d.integer("synthetic_bytes", rc.data.synthetic_bytes, 1024, kBig);
   if (rc.data.seq_len > rc.model.max_seq_len)
     d.fail("seq_len", fmt::format("must be at most model.max_seq_len ({}), got {}", rc.model.max_seq_len,
                                   rc.data.seq_len));
-  if (rc.data.source == DataSource::kFiles && rc.data.paths.empty())
-    d.fail("paths", "source \"files\" needs at least one path");
-  if (rc.data.source != DataSource::kFiles && !rc.data.paths.empty())
-    d.fail("paths",
-           fmt::format("only read with source \"files\" (source is \"{}\")", name_of(rc.data.source)));
+  const bool reads_paths = rc.data.source == DataSource::kFiles || rc.data.source == DataSource::kChat;
+  if (reads_paths && rc.data.paths.empty())
+    d.fail("paths", fmt::format("source \"{}\" needs at least one path", name_of(rc.data.source)));
+  if (!reads_paths && !rc.data.paths.empty())
+    d.fail("paths", fmt::format("only read with source \"files\" or \"chat\" (source is \"{}\")",
+                                name_of(rc.data.source)));
+  if (rc.data.source != DataSource::kChat && !rc.data.chat_template.empty())
+    d.fail("chat_template",
+           fmt::format("only read with source \"chat\" (source is \"{}\")", name_of(rc.data.source)));
+  if (!rc.data.chat_template.empty()) rc.data.chat_template = resolve(rc.data.chat_template, base_dir);
   if (rc.data.source == DataSource::kShards && rc.data.path.empty())
     d.fail("path", "source \"shards\" needs the directory of token shards (fsdpp tokenize writes one)");
   if (rc.data.source != DataSource::kShards && !rc.data.path.empty())
@@ -175,10 +187,12 @@ void read_data(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base
     rc.data.tokenizer = resolve(rc.data.tokenizer, base_dir);
   if (rc.data.tokenizer != "none") try {
       rc.tokenizer = Tokenizer::load(rc.data.tokenizer);
-      if (rc.tokenizer->vocab_size() != rc.model.vocab_size)
+      if (!rc.tokenizer->fits_model(rc.model.vocab_size))
         d.fail("tokenizer",
-               fmt::format("{} has a vocabulary of {} but model.vocab_size is {}: they must be equal",
-                           rc.data.tokenizer, rc.tokenizer->vocab_size(), rc.model.vocab_size));
+               fmt::format("{} has a vocabulary of {} but model.vocab_size is {}: {}", rc.data.tokenizer,
+                           rc.tokenizer->vocab_size(), rc.model.vocab_size,
+                           rc.tokenizer->tokenizer_json().empty() ? "they must be equal"
+                                                                  : "the model needs a row for every token"));
       const auto index = fs::path(rc.data.path) / "index.json";
       std::error_code ec;
       if (rc.data.source == DataSource::kShards && fs::is_regular_file(index, ec)) {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <mutex>
@@ -10,6 +11,7 @@
 
 #include "fsdpp/base/paths.hpp"
 #include "piece_tokenizer.hpp"
+#include "text/json_tokenizer.hpp"
 
 namespace fsdpp::train {
 
@@ -37,21 +39,34 @@ class ByteTokenizer final : public Tokenizer {
   }
 };
 
+// tokenizers writes a tokenizer.json with '{' first; a SentencePiece model (protobuf) starts with 0x0A.
+bool looks_like_json(const std::string& path) {
+  if (path.ends_with(".json")) return true;
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return false;
+  const int c = std::fgetc(f);
+  std::fclose(f);
+  return c == '{';
+}
+
 }  // namespace
 
 std::shared_ptr<const Tokenizer> Tokenizer::load(const std::string& spec) {
   if (spec == "bytes") return std::make_shared<ByteTokenizer>();
-  // Named here, as bad input, before the plugin reads it.
+  constexpr const char* kKinds =
+      "a tokenizer.json, a transformers directory, a SentencePiece .model, or \"bytes\"";
+  // Named here, as bad input, before either reader opens it.
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(spec, ec)) {
-    const auto kind = kind_of(std::filesystem::status(spec, ec).type());
+  const auto type = std::filesystem::status(spec, ec).type();
+  if (type == std::filesystem::file_type::directory) return text::load_json_tokenizer(spec);
+  if (type != std::filesystem::file_type::regular) {
+    const auto kind = kind_of(type);
     const auto path = std::filesystem::absolute(spec).lexically_normal().string();  // as recorded
-    throw BadInput(
-        kind == "missing"
-            ? fmt::format("tokenizer {}: no such file (a SentencePiece .model, or \"bytes\")", path)
-            : fmt::format("tokenizer {} is {}, not a regular file (a SentencePiece .model, or \"bytes\")",
-                          path, kind));
+    throw BadInput(kind == "missing"
+                       ? fmt::format("tokenizer {}: no such file ({})", path, kKinds)
+                       : fmt::format("tokenizer {} is {}, not a regular file ({})", path, kind, kKinds));
   }
+  if (looks_like_json(spec)) return text::load_json_tokenizer(spec);
   return detail::load_piece_tokenizer(spec);
 }
 
@@ -73,12 +88,13 @@ std::vector<std::vector<int32_t>> encode_all(const Tokenizer& tok, std::span<con
     std::string_view view;
     std::vector<int32_t> ids;
   };
-  constexpr size_t kPiece = 1 << 20;
+  // A tokenizer.json's pre-tokenizer may join a newline to the text around it (GPT-2's \s+(?!\S)).
+  const size_t kPiece = tok.tokenizer_json().empty() ? size_t{1} << 20 : SIZE_MAX;
   std::vector<Piece> pieces;
   for (size_t t = 0; t < texts.size(); ++t) {
     const std::string_view s = texts[t];
     for (size_t begin = 0; begin < s.size();) {
-      size_t end = begin + kPiece >= s.size() ? s.size() : s.find('\n', begin + kPiece);
+      size_t end = s.size() - begin <= kPiece ? s.size() : s.find('\n', begin + kPiece);
       end = end == std::string_view::npos ? s.size() : end + 1;
       pieces.push_back({t, s.substr(begin, end - begin), {}});
       begin = end;

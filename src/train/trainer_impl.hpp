@@ -21,6 +21,7 @@
 #include "fsdpp/fsdp/adamw.hpp"
 #include "fsdpp/fsdp/checkpoint.hpp"
 #include "fsdpp/pipeline/executor.hpp"
+#include "fsdpp/train/chat_data.hpp"
 #include "fsdpp/train/data.hpp"
 #include "fsdpp/train/report.hpp"
 #include "fsdpp/train/run_lock.hpp"
@@ -157,6 +158,13 @@ class Trainer {
   Tracer tracer_;
 
   std::optional<TokenStream> train_data_, val_data_;
+  // data.source "chat": conversations whose targets outside the assistant's turns are -100. The loss
+  // is then the mean over the counted targets of the whole global batch (Note [counted targets]).
+  std::shared_ptr<ChatSamples> chat_train_, chat_val_;
+  bool counted_targets() const { return chat_train_ != nullptr; }
+  // Per step, on the device: dp / (the global batch's counted targets), the same times the
+  // executor's microbatches per step, and the targets this rank's losses count.
+  at::Tensor token_scale_, pp_token_scale_, local_targets_;
   double val_bytes_per_token_ = 0;   // 0: unknown (shards from another tool)
   std::vector<ShardedModel> roots_;  // one per stage this rank holds (the whole model when pp = 1)
   std::vector<int> stage_ids_;

@@ -87,6 +87,13 @@ void Trainer::load_data() {
     val_data_.emplace(std::move(val), d.seq_len, 0, /*shuffle=*/false);
     return;
   }
+  if (d.source == DataSource::kChat) {
+    auto chat = load_chat(d, *tok, seed);
+    log("data: " + chat.description);
+    chat_train_ = std::move(chat.train);
+    chat_val_ = std::move(chat.val);
+    return;
+  }
   Corpus corpus = load_corpus(d, seed);
   const auto t0 = Clock::now();
   const size_t val_bytes = corpus.val.size();
@@ -168,7 +175,14 @@ void Trainer::build() {
                       .parameters = root->parameters(),
                       .sharding = pipeline::fsdp_sharding(*root)});
     }
-    executor_.emplace(plan, mesh_.comm("pp"), std::move(mine), models::lm_loss,
+    // Counted targets: in training each microbatch's summed loss times pp_token_scale_ (which the
+    // executor's loss_scale brings to dp / counted), in evaluation (no autograd) the plain sum.
+    auto loss = [this](const at::Tensor& logits, const at::Tensor& targets) {
+      if (!counted_targets()) return models::lm_loss(logits, targets);
+      const auto sum = models::summed_lm_loss(logits, targets);
+      return at::GradMode::is_enabled() ? sum * pp_token_scale_ : sum;
+    };
+    executor_.emplace(plan, mesh_.comm("pp"), std::move(mine), loss,
                       pipeline::ExecutorOptions{
                           .activation_shape = {recipe_.micro_batch(), recipe_.data.seq_len, c.dim},
                           .activation_dtype = recipe_.precision.param_dtype,
@@ -200,6 +214,9 @@ void Trainer::build() {
                                 at::TensorOptions(device_).dtype(at::kLong)));
     targets_.push_back(at::zeros_like(inputs_.back()));
   }
+  const auto f64 = at::TensorOptions(device_).dtype(at::kDouble);
+  token_scale_ = at::zeros({}, f64), pp_token_scale_ = at::zeros({}, f64),
+  local_targets_ = at::zeros({1}, f64);
 
   // No weight decay on vectors (norm weights).
   std::vector<at::Tensor> decay, no_decay;

@@ -63,6 +63,12 @@ void Trainer::microbatches_on_threads(at::Tensor& loss_sum) {
     auto sum = at::zeros({}, loss_sum.options());
     for (int64_t j = t; j < accum; j += n) {
       const auto logits = t == 0 ? root->forward(inputs_[j]) : thread_models_[t - 1]->forward(inputs_[j]);
+      if (counted_targets()) {  // Note [counted targets]
+        const auto loss = models::summed_lm_loss(logits, targets_[j]);
+        (loss * token_scale_).backward();
+        sum.add_(loss.detach().to(at::kDouble));
+        continue;
+      }
       const auto loss = models::lm_loss(logits, targets_[j]);
       (loss / double(accum)).backward();
       sum.add_(loss.detach().to(at::kDouble));
@@ -97,12 +103,34 @@ void Trainer::microbatches_on_threads(at::Tensor& loss_sum) {
   root->set_requires_gradient_sync(true);
 }
 
+// Note [counted targets]
+// With conversations only the assistant's targets count, and microbatches, ranks and steps hold
+// different numbers of them. The loss is the mean over the counted targets of the whole global
+// batch, as transformers' Trainer computes it with num_items_in_batch: each microbatch's loss is
+// its sum times dp / (the global batch's count), since the reduce-scatter averages over the dp
+// ranks. The count is known before the step (every rank computes the whole batch's order), so it
+// enters as a device tensor that a captured step reads at replay; the reported loss is the world's
+// summed losses over the world's counted targets.
 void Trainer::fill_inputs(int64_t step) {
   current_lr_ = learning_rate(recipe_.optim, step, recipe_.train.steps);
   optimizer_->set_lr(current_lr_);
   const int64_t B = recipe_.train.global_batch, mb = recipe_.micro_batch(), T = recipe_.data.seq_len;
   const int64_t base = step * B + dp_rank() * (B / recipe_.parallel.dp);
   const int64_t count = int64_t(inputs_.size());
+  if (counted_targets()) {
+    const double global = double(std::max<int64_t>(1, chat_train_->counted(step * B, B)));
+    const double per_step =
+        double(recipe_.train.grad_accum * (executor_ ? recipe_.parallel.microbatches : 1));
+    token_scale_.fill_(double(recipe_.parallel.dp) / global);
+    pp_token_scale_.fill_(double(recipe_.parallel.dp) * per_step / global);
+    local_targets_.fill_(holds_last_stage() ? double(chat_train_->counted(base, count * mb)) : 0.0);
+    for (int64_t i = 0; i < count; ++i) {
+      const auto [x, y] = chat_train_->samples(base + i * mb, mb);
+      inputs_[i].copy_(x);
+      targets_[i].copy_(y);
+    }
+    return;
+  }
   for (int64_t i = 0; i < count; ++i) {
     const auto batch = train_data_->samples(base + i * mb, mb);
     inputs_[i].copy_(batch.narrow(1, 0, T));
@@ -128,10 +156,16 @@ at::Tensor Trainer::step_body() {
       // Blocks kept gathered through forward stay so through the no-sync microbatches too.
       if (!recipe_.parallel.reshard_after_forward) root->set_reshard_after_backward(j + 1 == accum);
       auto b0 = std::chrono::system_clock::now();
-      const auto loss = models::lm_loss(root->forward(inputs_[j]), targets_[j]);
+      const auto logits = root->forward(inputs_[j]);
+      const auto loss = counted_targets()
+                            ? models::summed_lm_loss(logits, targets_[j])  // Note [counted targets]
+                            : models::lm_loss(logits, targets_[j]);
       span("forward", "compute", b0);
       b0 = std::chrono::system_clock::now();
-      (loss / double(accum)).backward();
+      if (counted_targets())
+        (loss * token_scale_).backward();
+      else
+        (loss / double(accum)).backward();
       span("backward", "compute", b0);
       loss_sum.add_(loss.detach().to(at::kDouble));
       losses += 1;
@@ -147,7 +181,10 @@ at::Tensor Trainer::step_body() {
       const auto mean_scaled = executor_->step_on_device(xs, ys, /*finalize_gradients=*/a + 1 == accum);
       // (the sum over microbatches of loss / (accum m))
       span("pipeline step", "compute", b0);
-      if (holds_last_stage()) loss_sum.add_(mean_scaled * double(accum * m)), losses += m;
+      if (holds_last_stage() && counted_targets())
+        loss_sum.add_(mean_scaled / token_scale_);  // the summed losses (Note [counted targets])
+      else if (holds_last_stage())
+        loss_sum.add_(mean_scaled * double(accum * m)), losses += m;
     }
   }
 
@@ -168,7 +205,8 @@ at::Tensor Trainer::step_body() {
       if (const auto& st = copy->router_stats(); st.sums.defined()) router.add_(st.sums);
   }
   // at::full: a fill on the device, which a capture accepts (a copy from host memory it refuses).
-  auto sums = at::cat({at::stack({sq, loss_sum}), at::full({1}, losses, f64), router});
+  auto sums = at::cat(
+      {at::stack({sq, loss_sum}), counted_targets() ? local_targets_ : at::full({1}, losses, f64), router});
   world().all_reduce(sums).wait();
   if (recipe_.optim.grad_clip > 0) {
     // min(1, clip / norm): multiplying by exactly 1 leaves gradients under the limit unchanged.
@@ -254,17 +292,34 @@ double Trainer::evaluate() {
     std::vector<at::Tensor> xs, ys;
     for (int64_t b = first; b < std::min(first + group, recipe_.eval.batches); ++b) {
       // The validation set in order; every rank its own slice of each batch.
+      if (counted_targets()) {
+        const auto [x, y] = chat_val_->samples((b * dp + dp_rank()) * mb, mb);
+        xs.push_back(x.to(device_));
+        ys.push_back(y.to(device_));
+        continue;
+      }
       const auto batch = val_data_->samples((b * dp + dp_rank()) * mb, mb).to(device_);
       xs.push_back(batch.narrow(1, 0, T));
       ys.push_back(batch.narrow(1, 1, T));
     }
+    // Counted targets: summed losses over the counted targets' number (Note [counted targets]).
+    const auto targets = [&] {
+      double n = 0;
+      for (const auto& y : ys) n += double((y != -100).sum().item<int64_t>());
+      return n;
+    };
     if (!executor_) {
-      loss_sum += models::lm_loss(roots_.front()->forward(xs[0]), ys[0]).item<double>();
-      count += 1;
+      if (counted_targets()) {
+        loss_sum += models::summed_lm_loss(roots_.front()->forward(xs[0]), ys[0]).item<double>();
+        count += targets();
+      } else {
+        loss_sum += models::lm_loss(roots_.front()->forward(xs[0]), ys[0]).item<double>();
+        count += 1;
+      }
       continue;
     }
     loss_sum += executor_->forward(xs, ys).item<double>();
-    if (holds_last_stage()) count += double(xs.size());
+    if (holds_last_stage()) count += counted_targets() ? targets() : double(xs.size());
   }
   for (auto& root : roots_) root->reshard();
   const auto sums = sum_over_world({loss_sum, count});

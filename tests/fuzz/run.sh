@@ -2,7 +2,7 @@
 # Builds a libFuzzer target with clang, AddressSanitizer and UndefinedBehaviorSanitizer (the code
 # under test compiled from source; the rest of fsdpp and the LibTorch it was configured with linked
 # as built) and runs it for a fixed number of inputs from a seed corpus.
-#   tests/fuzz/run.sh BUILD_DIR recipe|checkpoint|shards|tokenizer|schedule|hf_config|lock RUNS
+#   tests/fuzz/run.sh BUILD_DIR recipe|checkpoint|shards|tokenizer|tokenizer_json|schedule|hf_config|lock RUNS
 set -euo pipefail
 src=$(cd "$(dirname "$0")/../.." && pwd)
 build=$(cd "$1" && pwd)
@@ -30,6 +30,9 @@ case $target in
     # The plugin's source, instrumented, with SentencePiece linked into the target itself.
     sources=("$src/tests/fuzz/tokenizer_fuzz.cpp" "$src/src/train/sentencepiece_tokenizer.cpp")
     extra=(-lsentencepiece_train -lsentencepiece) ;;
+  tokenizer_json)
+    sources=("$src/tests/fuzz/tokenizer_json_fuzz.cpp" "$src"/src/train/text/*.cpp)
+    extra=(-lpcre2-8 -lutf8proc) ;;
   schedule) sources=("$src/tests/fuzz/schedule_fuzz.cpp") ;;  # header-only
   hf_config)
     sources=("$src/tests/fuzz/hf_config_fuzz.cpp" "$src/src/train/hf_config.cpp" "$src/src/train/recipe.cpp"
@@ -37,7 +40,7 @@ case $target in
       "$src/tests/fuzz/piece_plugin_linked.cpp")
     extra=(-lsentencepiece_train -lsentencepiece) ;;
   lock) sources=("$src/tests/fuzz/lock_fuzz.cpp" "$src/src/train/run_lock.cpp" "$src/src/base/files.cpp") ;;
-  *) echo "fuzz: unknown target $target (recipe, checkpoint, shards, tokenizer, schedule, hf_config, lock)" >&2; exit 2 ;;
+  *) echo "fuzz: unknown target $target (recipe, checkpoint, shards, tokenizer, tokenizer_json, schedule, hf_config, lock)" >&2; exit 2 ;;
 esac
 
 # The LibTorch that CMake found (cmake/fsdppDependencies.cmake): Torch_DIR is <torch>/share/cmake/Torch.
@@ -82,6 +85,42 @@ elif [[ $target == tokenizer ]]; then
   mkdir -p "$seed_text"
   for i in 1 2; do cat "$src/docs/testing.md" "$src/docs/model.md" | tr -cd 'a-z \n' > "$seed_text/$i.txt"; done
   "$build/fsdpp" tokenizer train --vocab 300 "$seed_text" -o "$corpus/tiny.model" > /dev/null
+elif [[ $target == tokenizer_json ]]; then
+  # Small tokenizers of the two kinds published models use: byte-level BPE with a Split pattern,
+  # NFC and added tokens; Metaspace BPE with byte fallback and its decoder sequence.
+  python3 - "$corpus" <<'PY'
+import json, sys
+chars = [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["\u0120", "\u010a"]
+merges = [["h", "e"], ["t", "h"], ["th", "e"], ["\u0120", "t"], ["\u0120t", "he"], ["i", "n"]]
+vocab = {c: i for i, c in enumerate(chars)}
+for a, b in merges:
+    vocab.setdefault(a + b, len(vocab))
+added = [{"id": len(vocab), "content": "<s>", "single_word": False, "lstrip": False, "rstrip": False,
+          "normalized": False, "special": True},
+         {"id": len(vocab) + 1, "content": "[DAY]", "single_word": True, "lstrip": True, "rstrip": True,
+          "normalized": True, "special": False}]
+byte_level = {"version": "1.0", "added_tokens": added, "normalizer": {"type": "NFC"},
+              "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                  {"type": "Split", "pattern": {"Regex": "(?i:'s|'t)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}|\\s+(?!\\S)|\\s+"},
+                   "behavior": "Isolated", "invert": False},
+                  {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+              "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+              "model": {"type": "BPE", "ignore_merges": True, "vocab": vocab, "merges": merges}}
+json.dump(byte_level, open(sys.argv[1] + "/byte_level.json", "w"))
+pieces = ["<unk>", "\u2581", "\u2581t", "h", "e", "t"] + [f"<0x{b:02X}>" for b in range(256)]
+meta = {"version": "1.0", "added_tokens": [{"id": 0, "content": "<unk>", "single_word": False, "lstrip": False,
+                                             "rstrip": False, "normalized": False, "special": True}],
+        "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"},
+                                                            {"type": "Replace", "pattern": {"String": " "},
+                                                             "content": "\u2581"}]},
+        "pre_tokenizer": None,
+        "decoder": {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                                                     {"type": "ByteFallback"}, {"type": "Fuse"},
+                                                     {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": True, "byte_fallback": True,
+                  "vocab": {p: i for i, p in enumerate(pieces)}, "merges": [["\u2581", "t"]]}}
+json.dump(meta, open(sys.argv[1] + "/metaspace.json", "w"))
+PY
 elif [[ $target == shards ]]; then
   # An index (mode byte 1) and a whole uint16 shard of 3 tokens (mode byte 0).
   printf '\x01{"format":"fsdpp.token_shards","version":1,"shards":[{"file":"tokens_train_000001.bin","split":"train","tokens":300}]}' > "$corpus/index"

@@ -4,6 +4,9 @@
 //     IN holds "tokens" (int64 [B, T]); OUT receives "logits" (float32 [B, T, vocab]).
 //   fsdpp_hf_probe encode TOKENIZER TEXT_FILE
 //     prints the ids of the file's text, one line of numbers separated by spaces.
+//   fsdpp_hf_probe chat-batch RECIPE STEP OUT.safetensors
+//     the global batch of STEP of a recipe with data.source "chat": "inputs" and "targets" (int64
+//     [global_batch, seq_len], -100 where a target does not count).
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
@@ -14,6 +17,8 @@
 #include <string>
 
 #include "fsdpp/base/safetensors.hpp"
+#include "fsdpp/train/chat_data.hpp"
+#include "fsdpp/train/recipe.hpp"
 #include "fsdpp/train/model_files.hpp"
 #include "fsdpp/train/tokenizer.hpp"
 
@@ -24,6 +29,19 @@ int main(int argc, char** argv) {
       const std::string text((std::istreambuf_iterator<char>(f)), {});
       for (const auto id : fsdpp::train::Tokenizer::load(argv[2])->encode(text)) std::cout << id << ' ';
       std::cout << '\n';
+    } catch (const std::exception& e) {
+      std::cerr << "fsdpp_hf_probe: " << e.what() << "\n";
+      return 1;
+    }
+    return 0;
+  }
+  if (argc == 5 && std::string(argv[1]) == "chat-batch") {
+    try {
+      const auto recipe = fsdpp::train::load_recipe(argv[2]);
+      const auto chat = fsdpp::train::load_chat(recipe.data, *recipe.tokenizer, uint64_t(recipe.train.seed));
+      const int64_t B = recipe.train.global_batch;
+      const auto [inputs, targets] = chat.train->samples(std::stoll(argv[3]) * B, B);
+      fsdpp::write_safetensors(argv[4], {{"inputs", inputs}, {"targets", targets}});
     } catch (const std::exception& e) {
       std::cerr << "fsdpp_hf_probe: " << e.what() << "\n";
       return 1;

@@ -10,7 +10,9 @@ No downloads: the transformers models are made here, at random, with transformer
     logits within 1e-5 of transformers'; one training step from them at dp 1, dp 2, pp 2 and (the
     Mixtral) experts over ep 2, each rank reading its shards' rows, with the same first loss;
 (3) round trip: import then export gives the original tensors bit for bit;
-(4) bad input: clear errors, nothing written.
+(4) bad input: clear errors, nothing written;
+(5) a published model's tokenizer.json: init_from takes it, ids equal AutoTokenizer's, export keeps
+    it byte for byte, greedy generation equal to transformers'.
 """
 
 import json
@@ -18,9 +20,9 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import torch
+from harness import Harness
 from safetensors.torch import load_file, save_file
 
 import transformers
@@ -28,26 +30,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           MixtralForCausalLM)
 
 FSDPP, PROBE, SOURCE = sys.argv[1:4]
-WORK = tempfile.mkdtemp(prefix="fsdpp-hf-")
-failures = []
-
-
-def check(ok, what):
-    print(("ok    " if ok else "FAIL  ") + what, flush=True)
-    if not ok:
-        failures.append(what)
-
-
-def run(*args, expect=0):
-    p = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace")
-    if expect is not None and p.returncode != expect:
-        print(p.stdout[-3000:], p.stderr[-3000:], sep="\n")
-        raise AssertionError(f"{' '.join(map(str, args))}: exit {p.returncode}, expected {expect}")
-    return p
-
-
-def path(*parts):
-    return os.path.join(WORK, *parts)
+H = Harness("fsdpp-hf-")
+WORK, failures, check, run, path = H.work, H.failures, H.check, H.run, H.path
 
 
 def fsdpp_logits(model_path, tokens):
@@ -333,6 +317,59 @@ run(FSDPP, "run", os.path.join(SOURCE, "recipes", "finetune-hf.json"), "train.st
 run(FSDPP, "export", finetuned, "-o", path("export", "finetune-hf"))
 theirs, _ = hf_logits(path("export", "finetune-hf"), tokens)
 check(max_diff(fsdpp_logits(finetuned, tokens), theirs) <= 1e-5, "recipes/finetune-hf.json: trains and exports")
+
+# ---------------------------------------------------------------- (5) a published model's tokenizer.json
+# As a model from the hub comes: a Llama whose tokenizer is a byte-level BPE (trained here by
+# tokenizers itself) with an end-of-text token, saved by PreTrainedTokenizerFast, and an embedding
+# rounded up past the tokenizer's last id. init_from takes the directory's tokenizer unasked.
+from tokenizers import Tokenizer as HFTokenizer, decoders as hf_decoders, models as hf_models  # noqa: E402
+from tokenizers import pre_tokenizers as hf_pre, trainers as hf_trainers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+bpe = HFTokenizer(hf_models.BPE())
+bpe.pre_tokenizer = hf_pre.ByteLevel(add_prefix_space=False)
+bpe.decoder = hf_decoders.ByteLevel()
+bpe.train_from_iterator(texts, hf_trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=hf_pre.ByteLevel.alphabet(), show_progress=False))
+fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+torch.manual_seed(2)
+published = LlamaForCausalLM(LlamaConfig(**dict(llama_cfg.to_dict(), vocab_size=512, eos_token_id=fast.eos_token_id)))
+randomize(published)
+published_dir = path("hf", "published")
+published.save_pretrained(published_dir)
+fast.save_pretrained(published_dir)
+run(FSDPP, "run", write_recipe("published", {"init_from": published_dir},
+                               data={"source": "files", "paths": [docs], "synthetic_bytes": 1024}))
+mismatched = []
+for i, text in enumerate(texts):
+    with open(path("text.txt"), "w", encoding="utf-8") as f:
+        f.write(text)
+    ours_ids = [int(x) for x in run(PROBE, "encode", published_dir, path("text.txt")).stdout.split()]
+    if ours_ids != fast.encode(text, add_special_tokens=False):
+        mismatched.append(i)
+check(not mismatched, f"published tokenizer: fsdpp's ids are AutoTokenizer's for {len(texts)} texts; "
+                      f"mismatched: {mismatched}")
+exported = path("export", "published")
+run(FSDPP, "export", path("runs", "published"), "-o", exported)
+same = open(os.path.join(exported, "tokenizer.json"), "rb").read() == open(
+    os.path.join(published_dir, "tokenizer.json"), "rb").read()
+check(same, "published tokenizer: export writes its tokenizer.json byte for byte")
+tok = AutoTokenizer.from_pretrained(exported)
+check(tok.eos_token == "<|endoftext|>" and json.load(open(os.path.join(exported, "config.json")))["eos_token_id"] ==
+      fast.eos_token_id, "published tokenizer: export keeps its end-of-text token")
+prompt = "The cat "
+# Bytes, not text mode: a generated "\r" must not become "\n".
+generated = subprocess.run([FSDPP, "generate", path("runs", "published"), "--prompt", prompt, "--temperature", "0",
+                            "--tokens", "32"], capture_output=True, check=True).stdout.decode()
+_, hf_model = hf_logits(exported, tokens)
+ids = torch.tensor([fast.encode(prompt, add_special_tokens=False)])
+with torch.no_grad():
+    new = hf_model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=fast.eos_token_id,
+                            pad_token_id=fast.eos_token_id)[0, ids.shape[1]:].tolist()
+if fast.eos_token_id in new:
+    new = new[:new.index(fast.eos_token_id)]
+check(generated == prompt + tok.decode(new) + "\n",
+      f"published tokenizer: fsdpp generate's greedy text is transformers' ({len(new)} tokens)")
 
 print(f"transformers {transformers.__version__}, torch {torch.__version__}: {len(failures)} failure(s)")
 shutil.rmtree(WORK, ignore_errors=True)

@@ -250,5 +250,7 @@ TORCH_MODULE(MoETransformer);
 
 // Mean next-token cross entropy (nats per token): logits [B, T, V], targets [B, T].
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
+// The sum over the targets that are not -100 (transformers' ignored labels) of the same loss.
+at::Tensor summed_lm_loss(const at::Tensor& logits, const at::Tensor& targets);
 
 }  // namespace fsdpp::models

@@ -62,8 +62,9 @@ enum class DataSource {
   kFortunes,
   kFiles,
   kSynthetic,
-  kShards
-};                                                 // "fortunes" | "files" | "synthetic" | "shards"
+  kShards,
+  kChat
+};                                                 // "fortunes" | "files" | "synthetic" | "shards" | "chat"
 enum class Device { kCpu, kCuda };                 // "cpu" (Gloo) | "cuda" (NCCL)
 enum class CheckpointStorage { kShared, kLocal };  // "shared" | "local"
 enum class MetricsRanks { kRank0, kAll, kNone };   // "rank0" | "all" | "none"
@@ -74,9 +75,10 @@ const char* name_of(MetricsRanks v);
 
 struct DataOptions {
   DataSource source = DataSource::kFortunes;
-  std::vector<std::string> paths;   // files or directories (source "files")
+  std::vector<std::string> paths;   // files or directories (source "files"); JSONL files (source "chat")
   std::string path;                 // a directory of token shards (source "shards")
-  std::string tokenizer = "bytes";  // "bytes" or a SentencePiece .model file
+  std::string tokenizer = "bytes";  // "bytes", a SentencePiece .model, a tokenizer.json or its directory
+  std::string chat_template;        // source "chat": a template file; default: the tokenizer's own
   int64_t seq_len = 128;
   double val_fraction = 0.05;
   int64_t synthetic_bytes = 1 << 20;

@@ -8,6 +8,11 @@
 // stray bytes and literal U+2581 become the model's byte pieces, which a model trained here always
 // has).
 //
+// A Hugging Face tokenizer.json (or a transformers directory holding one), as published models ship
+// them, gives exactly the ids of the `tokenizers` package's encode(text, add_special_tokens=False)
+// and its decode(ids, skip_special_tokens=False) (docs/data.md lists what is read). Text that is not
+// valid UTF-8 is read as Python's bytes.decode("utf-8", "replace") reads it.
+//
 // A tokenizer is identified by its file's CRC-32C: checkpoints, consolidated files and shard
 // indexes record it, so that text is never decoded with a tokenizer other than the one it was
 // encoded with.
@@ -25,8 +30,9 @@ namespace fsdpp::train {
 
 class Tokenizer {
  public:
-  // "bytes", or the path of a SentencePiece .model file. Throws std::runtime_error naming the file
-  // when it cannot be read or is not a model, or lacks the 256 byte pieces.
+  // "bytes", a tokenizer.json, a directory holding one, or a SentencePiece .model file. Throws
+  // BadInput (a std::runtime_error) naming the file, and where in it, when it cannot be read or is
+  // not a tokenizer fsdpp reads.
   static std::shared_ptr<const Tokenizer> load(const std::string& spec);
 
   virtual ~Tokenizer() = default;
@@ -38,6 +44,14 @@ class Tokenizer {
 
   // "bytes" or the model file's path, as given.
   const std::string& spec() const { return spec_; }
+  // The tokenizer.json this tokenizer was read from; empty for "bytes" and SentencePiece.
+  const std::string& tokenizer_json() const { return tokenizer_json_; }
+  // Whether a model whose embedding has `rows` rows can use this tokenizer: one row per token, or at
+  // least one for a tokenizer.json (published models round their embedding up: Qwen2 has 151,936
+  // rows for 151,665 tokens).
+  bool fits_model(int64_t rows) const {
+    return tokenizer_json_.empty() ? vocab_size() == rows : vocab_size() <= rows;
+  }
   // "bytes" or "crc32c:<8 hex digits>" of the model file.
   const std::string& hash() const { return hash_; }
   // {"spec": ..., "hash": ..., "vocab_size": ...}: what checkpoints and shard indexes record.
@@ -47,12 +61,13 @@ class Tokenizer {
   void check_matches(const nlohmann::json& recorded, const std::string& where) const;
 
  protected:
-  std::string spec_, hash_;
+  std::string spec_, hash_, tokenizer_json_;
 };
 
-// encode() of each text, on `threads` threads (0: all cores). Texts are cut at newlines into pieces
-// of about a MiB that are encoded independently: both tokenizers encode across a newline as on
-// either side of it, so the result is exactly what encode() gives.
+// encode() of each text, on `threads` threads (0: all cores). Texts of over a MiB are cut at
+// newlines into pieces encoded independently where the tokenizer encodes across a newline as on
+// either side of it ("bytes", SentencePiece); a tokenizer.json's texts are encoded whole, one per
+// thread at a time, since its pre-tokenizer may join a newline to its neighbours.
 std::vector<std::vector<int32_t>> encode_all(const Tokenizer& tokenizer, std::span<const std::string> texts,
                                              int threads = 0);
 
