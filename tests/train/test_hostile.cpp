@@ -238,7 +238,10 @@ TEST_CASE(
                                                         {"--temperature nan", "--temperature"},
                                                         {"--temperature inf", "--temperature"},
                                                         {"--temperature -0.5", "--temperature"},
-                                                        {"--tokens 0", "--tokens"}}) {
+                                                        {"--tokens 0", "--max-new-tokens"},
+                                                        {"--top-p 0", "--top-p"},
+                                                        {"--top-p 1.5", "--top-p"},
+                                                        {"--stop", "--stop"}}) {
     CAPTURE(args);
     const auto r = sh(kBin + " generate " + dir + " " + args);
     CHECK(r.rc == 2);
