@@ -26,9 +26,10 @@ Decision decide() {
   // MKL's own choice, and the detail names it.
   if (const char* v = std::getenv("FSDPP_MKL_VENDOR_CHECK"); v && *v && std::strcmp(v, "0") != 0) {
     if (std::strcmp(v, "1") == 0)
-      return {__builtin_cpu_is("intel"), "MKL's own choice of kernels (FSDPP_MKL_VENDOR_CHECK=1)"};
-    return {__builtin_cpu_is("intel"), std::string("MKL's own choice of kernels (FSDPP_MKL_VENDOR_CHECK='") +
-                                           v + "' is neither 0 nor 1)"};
+      return {__builtin_cpu_is("intel") != 0, "MKL's own choice of kernels (FSDPP_MKL_VENDOR_CHECK=1)"};
+    return {
+        __builtin_cpu_is("intel") != 0,
+        std::string("MKL's own choice of kernels (FSDPP_MKL_VENDOR_CHECK='") + v + "' is neither 0 nor 1)"};
   }
   if (__builtin_cpu_is("intel"))
     return {true, "MKL's own choice of kernels, by instruction set (an Intel CPU)"};

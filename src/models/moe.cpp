@@ -514,15 +514,4 @@ void MoETransformerImpl::wrap_blocks(const std::function<torch::nn::AnyModule(co
   wrapped_ = true;
 }
 
-at::Tensor summed_lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  const auto V = logits.size(-1);
-  return at::nll_loss(at::log_softmax(logits.reshape({-1, V}).to(at::kFloat), -1), targets.reshape(-1), {},
-                      at::Reduction::Sum, -100);
-}
-
-at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  const auto V = logits.size(-1);
-  return at::nll_loss(at::log_softmax(logits.reshape({-1, V}).to(at::kFloat), -1), targets.reshape(-1));
-}
-
 }  // namespace fsdpp::models
