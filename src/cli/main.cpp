@@ -143,6 +143,43 @@ int run_recipe(RunArgs& a) {
   return run_launch(o);
 }
 
+// `fsdpp generate --chat --conversations FILE`: each conversation of a JSONL file continued with
+// the assistant's reply, written to stdout as JSONL, one line per line read.
+void continue_conversations(const std::string& file, models::MoETransformerImpl& model,
+                            const train::Tokenizer& tokenizer, const train::SampleOptions& sample) {
+  const train::ChatFormat format(tokenizer);
+  std::ifstream in(file);
+  std::string line;
+  for (int64_t number = 1; std::getline(in, line); ++number) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const auto where = fmt::format("{}:{}", file, number);
+    nlohmann::ordered_json j;
+    try {
+      j = nlohmann::ordered_json::parse(line);
+    } catch (const nlohmann::ordered_json::exception& e) {
+      throw BadInput(fmt::format("{}: not JSON: {}", where, e.what()));
+    }
+    nlohmann::ordered_json messages;
+    if (j.is_object() && j.contains("messages") && j["messages"].is_array())
+      messages = j["messages"];
+    else if (j.is_object() && j.contains("prompt") && j["prompt"].is_string())
+      messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", j["prompt"]}}});
+    else
+      throw BadInput(fmt::format("{}: expected {{\"messages\": [...]}} or {{\"prompt\": \"...\"}}", where));
+    std::string prompt;
+    try {
+      prompt = format.render(messages, /*add_generation_prompt=*/true);
+    } catch (const std::runtime_error& e) {
+      throw BadInput(fmt::format("{}: chat template {}: {}", where, format.source(), e.what()));
+    }
+    messages.push_back(
+        {{"role", "assistant"}, {"content", train::generate(model, tokenizer, prompt, sample)}});
+    std::cout << nlohmann::ordered_json{{"messages", messages}}.dump(
+                     -1, ' ', false, nlohmann::ordered_json::error_handler_t::replace)
+              << std::endl;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -320,6 +357,12 @@ int main(int argc, char** argv) {
   cmd_generate->add_flag(
       "--chat", gen_chat,
       "--prompt is a user's message: apply the tokenizer's chat template, print the reply");
+  std::string gen_conversations;
+  cmd_generate
+      ->add_option("--conversations", gen_conversations,
+                   "with --chat: a JSONL file of conversations ({\"messages\": [...]} or {\"prompt\": ...}); "
+                   "each is written back as JSONL with the assistant's reply appended")
+      ->check(CLI::ExistingFile);
   std::vector<std::string> gen_stops;
   cmd_generate->add_option("--stop", gen_stops,
                            "a token that ends the continuation besides the end-of-text token (repeatable; "
@@ -439,6 +482,11 @@ int main(int argc, char** argv) {
         if (ids.size() != 1)
           throw BadInput(fmt::format("--stop \"{}\" is {} tokens of {}, not one", stop, ids.size(), spec));
         sample.stop_ids.push_back(ids.front());
+      }
+      if (!gen_conversations.empty()) {
+        if (!gen_chat) throw BadInput("generate: --conversations needs --chat");
+        continue_conversations(gen_conversations, *model, *tokenizer, sample);
+        return 0;
       }
       std::string prompt = gen_prompt;
       if (gen_chat)

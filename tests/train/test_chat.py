@@ -11,8 +11,9 @@
     the counted targets), at dp 1, dp 2, grad_accum 2, cpu.microbatch_threads 2 and pp 2; the second
     step's loss is the same at every layout; a transformers Mixtral's first loss at dp 2 and with
     experts over ep 2, and the same second loss at both;
-(3) the bundled recipe recipes/finetune-chat.json: its loss falls, `generate --chat` gives transformers'
-    greedy reply token for token, and its export loads in transformers;
+(3) the bundled recipe recipes/finetune-chat.json: its loss falls, `generate --chat` (a prompt, and a
+    file of conversations) gives transformers' greedy replies token for token, and its export loads in
+    transformers;
 (4) bad input: exit 2 naming the file, the line and what is wrong.
 """
 import json
@@ -202,6 +203,28 @@ if tok.eos_token_id in new:
     new = new[:new.index(tok.eos_token_id)]
 check(reply == tok.decode(new) + "\n", f"generate --chat: transformers' greedy reply ({len(new)} tokens): {reply!r}")
 check(tok.chat_template is not None, "export: the chat template goes with the tokenizer")
+# A file of conversations: each continued with transformers' greedy reply.
+asks = [{"messages": [{"role": "user", "content": "Say something wise."}]},
+        {"prompt": "Cheer me up."},
+        {"messages": [{"role": "user", "content": "Tell me a fortune."}, {"role": "assistant", "content": "Soon."},
+                      {"role": "user", "content": "Another one."}]}]
+with open(path("asks.jsonl"), "w") as f:
+    f.write("\n".join(json.dumps(a) for a in asks) + "\n")
+out = subprocess.run([FSDPP, "generate", run_dir, "--chat", "--conversations", path("asks.jsonl"), "--temperature",
+                      "0", "--max-new-tokens", "24"], capture_output=True, check=True).stdout.decode()
+answered = [json.loads(line)["messages"] for line in out.splitlines()]
+same = len(answered) == len(asks)
+for ask, got in zip(asks, answered):
+    conv = messages(ask) if "messages" in ask else [{"role": "user", "content": ask["prompt"]}]
+    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                  return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        new = hf_model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+    if tok.eos_token_id in new:
+        new = new[:new.index(tok.eos_token_id)]
+    same &= got[:-1] == conv and got[-1] == {"role": "assistant", "content": tok.decode(new)}
+check(same, f"generate --chat --conversations: {len(answered)} conversations continued with transformers' replies")
 
 # ---------------------------------------------------------------- (4) bad input
 bad = {
