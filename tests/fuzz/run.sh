@@ -2,7 +2,7 @@
 # Builds a libFuzzer target with clang, AddressSanitizer and UndefinedBehaviorSanitizer (the code
 # under test compiled from source; the rest of fsdpp and the LibTorch it was configured with linked
 # as built) and runs it for a fixed number of inputs from a seed corpus.
-#   tests/fuzz/run.sh BUILD_DIR recipe|checkpoint|shards|tokenizer|tokenizer_json|schedule|hf_config|lock RUNS
+#   tests/fuzz/run.sh BUILD_DIR recipe|checkpoint|shards|tokenizer|tokenizer_json|chat|schedule|hf_config|lock RUNS
 set -euo pipefail
 src=$(cd "$(dirname "$0")/../.." && pwd)
 build=$(cd "$1" && pwd)
@@ -33,6 +33,8 @@ case $target in
   tokenizer_json)
     sources=("$src/tests/fuzz/tokenizer_json_fuzz.cpp" "$src"/src/train/text/*.cpp)
     extra=(-lpcre2-8 -lutf8proc) ;;
+  chat)
+    sources=("$src/tests/fuzz/chat_fuzz.cpp" "$src/src/train/chat_data.cpp" "$src"/src/train/text/template_*.cpp) ;;
   schedule) sources=("$src/tests/fuzz/schedule_fuzz.cpp") ;;  # header-only
   hf_config)
     sources=("$src/tests/fuzz/hf_config_fuzz.cpp" "$src/src/train/hf_config.cpp" "$src/src/train/recipe.cpp"
@@ -40,7 +42,7 @@ case $target in
       "$src/tests/fuzz/piece_plugin_linked.cpp")
     extra=(-lsentencepiece_train -lsentencepiece) ;;
   lock) sources=("$src/tests/fuzz/lock_fuzz.cpp" "$src/src/train/run_lock.cpp" "$src/src/base/files.cpp") ;;
-  *) echo "fuzz: unknown target $target (recipe, checkpoint, shards, tokenizer, tokenizer_json, schedule, hf_config, lock)" >&2; exit 2 ;;
+  *) echo "fuzz: unknown target $target (recipe, checkpoint, shards, tokenizer, tokenizer_json, chat, schedule, hf_config, lock)" >&2; exit 2 ;;
 esac
 
 # The LibTorch that CMake found (cmake/fsdppDependencies.cmake): Torch_DIR is <torch>/share/cmake/Torch.
@@ -121,6 +123,10 @@ meta = {"version": "1.0", "added_tokens": [{"id": 0, "content": "<unk>", "single
                   "vocab": {p: i for i, p in enumerate(pieces)}, "merges": [["\u2581", "t"]]}}
 json.dump(meta, open(sys.argv[1] + "/metaspace.json", "w"))
 PY
+elif [[ $target == chat ]]; then
+  # Conversations (mode byte 0) as data.source "chat" reads them, and templates (mode byte 1).
+  printf '\x00{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{"prompt": "a", "completion": "b"}\n' > "$corpus/jsonl"
+  printf '\x01{%%- set ns = namespace(n=0) -%%}{%% for m in messages %%}{%% set ns.n = ns.n + 1 %%}{{ m.role | upper }}: {%% if m.role == "assistant" %%}{%% generation %%}{{ m.content | trim }}{%% endgeneration %%}{%% else %%}{{ m["content"] }}{%% endif %%}\n{%% endfor %%}{{ ns.n }} {{ messages | length }} {{ messages[-1:] | tojson }}{%% if add_generation_prompt %%}A:{%% endif %%}' > "$corpus/template"
 elif [[ $target == shards ]]; then
   # An index (mode byte 1) and a whole uint16 shard of 3 tokens (mode byte 0).
   printf '\x01{"format":"fsdpp.token_shards","version":1,"shards":[{"file":"tokens_train_000001.bin","split":"train","tokens":300}]}' > "$corpus/index"

@@ -219,6 +219,12 @@ def main():
     p = subprocess.run([probe, f.name], capture_output=True, text=True)
     if p.returncode != 2 or "line 2" not in p.stdout or "macro" not in p.stdout:
         failures.append(f"unsupported statement: exit {p.returncode}, {p.stdout.strip()}")
+    # A number past 64 bits (which the chat fuzzer found ending the process) is refused by line.
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"template": "{{ 1 }}\n{%- set n = 66666666666666666666666666 -%}", "cases": []}, f)
+    p = subprocess.run([probe, f.name], capture_output=True, text=True)
+    if p.returncode != 2 or "line 2" not in p.stdout or "out of range" not in p.stdout:
+        failures.append(f"a number out of range: exit {p.returncode}, {p.stdout.strip()}")
     for f in failures:
         print("FAIL " + f)
     print(f"{checked} renders of {len(TEMPLATES)} templates compared; {len(failures)} failure(s)")

@@ -217,10 +217,13 @@ class ExprParser {
         return e;
       }
       case Token::Kind::integer:
-        e->value = Value::integer(std::stoll(t.text));
-        return e;
       case Token::Kind::number:
-        e->value = Value::number(std::stod(t.text));
+        try {
+          e->value = t.kind == Token::Kind::integer ? Value::integer(std::stoll(t.text))
+                                                    : Value::number(std::stod(t.text));
+        } catch (const std::out_of_range&) {
+          parse_fail(line_, fmt::format("the number {} is out of range", t.text));
+        }
         return e;
       case Token::Kind::name:
         if (t.text == "true" || t.text == "True")
