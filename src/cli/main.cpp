@@ -36,6 +36,7 @@
 #include "fsdpp/train/tokenizer.hpp"
 #include "fsdpp/train/trainer.hpp"
 #include "data_commands.hpp"
+#include "generate_command.hpp"
 #include "model_commands.hpp"
 #include "tool_commands.hpp"
 
@@ -141,43 +142,6 @@ int run_recipe(RunArgs& a) {
     o.command.insert(o.command.end(), {"--trace", "--trace-steps", std::to_string(a.options.trace_steps)});
   if (a.stop_after > 0) o.command.insert(o.command.end(), {"--stop-after", std::to_string(a.stop_after)});
   return run_launch(o);
-}
-
-// `fsdpp generate --chat --conversations FILE`: each conversation of a JSONL file continued with
-// the assistant's reply, written to stdout as JSONL, one line per line read.
-void continue_conversations(const std::string& file, models::MoETransformerImpl& model,
-                            const train::Tokenizer& tokenizer, const train::SampleOptions& sample) {
-  const train::ChatFormat format(tokenizer);
-  std::ifstream in(file);
-  std::string line;
-  for (int64_t number = 1; std::getline(in, line); ++number) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const auto where = fmt::format("{}:{}", file, number);
-    nlohmann::ordered_json j;
-    try {
-      j = nlohmann::ordered_json::parse(line);
-    } catch (const nlohmann::ordered_json::exception& e) {
-      throw BadInput(fmt::format("{}: not JSON: {}", where, e.what()));
-    }
-    nlohmann::ordered_json messages;
-    if (j.is_object() && j.contains("messages") && j["messages"].is_array())
-      messages = j["messages"];
-    else if (j.is_object() && j.contains("prompt") && j["prompt"].is_string())
-      messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", j["prompt"]}}});
-    else
-      throw BadInput(fmt::format("{}: expected {{\"messages\": [...]}} or {{\"prompt\": \"...\"}}", where));
-    std::string prompt;
-    try {
-      prompt = format.render(messages, /*add_generation_prompt=*/true);
-    } catch (const std::runtime_error& e) {
-      throw BadInput(fmt::format("{}: chat template {}: {}", where, format.source(), e.what()));
-    }
-    messages.push_back(
-        {{"role", "assistant"}, {"content", train::generate(model, tokenizer, prompt, sample)}});
-    std::cout << nlohmann::ordered_json{{"messages", messages}}.dump(
-                     -1, ' ', false, nlohmann::ordered_json::error_handler_t::replace)
-              << std::endl;
-  }
 }
 
 }  // namespace
@@ -318,76 +282,9 @@ int main(int argc, char** argv) {
 
   auto* cmd_ls = app.add_subcommand("ls", "list the bundled recipes and model configs");
 
-  std::string gen_path, gen_prompt = "";
-  train::SampleOptions sample;
-  auto* cmd_generate = app.add_subcommand("generate", "sample text from a trained model");
-  cmd_generate
-      ->add_option("checkpoint", gen_path, "run directory, checkpoint directory or consolidated .safetensors")
-      ->required()
-      ->check(CLI::ExistingPath);
-  cmd_generate->add_option("--prompt", gen_prompt, "text to continue");
-  cmd_generate
-      ->add_option("--max-new-tokens,--tokens,--bytes", sample.max_new_tokens,
-                   "tokens to generate (bytes, with the bytes tokenizer)")
-      ->check(CLI::Range(1, 100000));
-  cmd_generate->add_option("--temperature", sample.temperature, "0: greedy; else in (0, 10]")
-      ->check(CLI::Validator(
-          [](std::string& v) {
-            char* end = nullptr;
-            const double t = std::strtod(v.c_str(), &end);  // (subnormal values too, which std::stod refuses)
-            if (v.empty() || *end != '\0') return std::string("not a number: ") + v;
-            return std::isfinite(t) && t >= 0 && t <= 10 ? std::string()
-                                                         : "must be 0 (greedy) or in (0, 10], got " + v;
-          },
-          "0 TO 10"));
-  cmd_generate->add_option("--top-k", sample.top_k, "sample among the k likeliest tokens (0: all)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
-  cmd_generate
-      ->add_option("--top-p", sample.top_p,
-                   "sample among the fewest likeliest tokens whose probability reaches p (1: all)")
-      ->check(CLI::Validator(
-          [](std::string& v) {
-            char* end = nullptr;
-            const double p = std::strtod(v.c_str(), &end);
-            return !v.empty() && *end == '\0' && p > 0 && p <= 1 ? std::string()
-                                                                 : "must be in (0, 1], got " + v;
-          },
-          "(0, 1]"));
-  bool gen_chat = false;
-  cmd_generate->add_flag(
-      "--chat", gen_chat,
-      "--prompt is a user's message: apply the tokenizer's chat template, print the reply");
-  std::string gen_conversations;
-  cmd_generate
-      ->add_option("--conversations", gen_conversations,
-                   "with --chat: a JSONL file of conversations ({\"messages\": [...]} or {\"prompt\": ...}); "
-                   "each is written back as JSONL with the assistant's reply appended")
-      ->check(CLI::ExistingFile);
-  std::vector<std::string> gen_stops;
-  cmd_generate->add_option("--stop", gen_stops,
-                           "a token that ends the continuation besides the end-of-text token (repeatable; "
-                           "each must be one token of the tokenizer, such as <|im_end|>)");
-  std::string gen_tokenizer;
-  cmd_generate->add_option("--tokenizer", gen_tokenizer,
-                           "the tokenizer (.model, tokenizer.json or its directory), where it has moved "
-                           "since training (its contents "
-                           "must be the same)");
-
+  const auto generate_command = cli::add_generate_command(app);
   const auto data_commands = cli::add_data_commands(app);
   const auto model_commands = cli::add_model_commands(app);
-  int64_t gen_seed = 0;
-  // The text itself is checked: a conversion would clamp a number past the range to its end.
-  cmd_generate->add_option("--seed", gen_seed, "sampling seed (0 to 2^63 - 1)")
-      ->check(
-          [](const std::string& text) {
-            int64_t v = 0;
-            const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-            return ec == std::errc() && end == text.data() + text.size() && v >= 0
-                       ? std::string()
-                       : fmt::format("{} is not a whole number from 0 to 2^63 - 1", text);
-          },
-          "0 to 2^63 - 1");
-
   std::vector<std::string> ckpt_in;
   std::string ckpt_out;
   auto* cmd_ckpt = app.add_subcommand("ckpt", "checkpoints");
@@ -420,7 +317,6 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : kExitBadInput;  // --help is a ParseError too, and exits 0
   }
-  sample.seed = static_cast<uint64_t>(gen_seed);
   try {
     if (cmd_launch->parsed()) {
       launch.master_port = static_cast<uint16_t>(master_port);
@@ -460,43 +356,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (cmd_ls->parsed()) return list_bundled();
-    if (cmd_generate->parsed()) {
-      resolve_mkl_vml_kernels();  // Note [MKL vector math's first calls]: before ATen's intra-op threads compute
-      nlohmann::json recorded;
-      auto model = train::load_model(gen_path, &recorded);
-      if (recorded.is_null() && gen_tokenizer.empty())
-        throw std::invalid_argument(fmt::format(
-            "{}: its tokenizer is not one fsdpp reads (bytes, a SentencePiece .model or a tokenizer.json): "
-            "give --tokenizer",
-            gen_path));
-      const auto spec = gen_tokenizer.empty() ? recorded.value("spec", std::string("bytes")) : gen_tokenizer;
-      if (spec == "none")
-        throw std::runtime_error(
-            fmt::format("{} was trained on token shards without a tokenizer (data.tokenizer \"none\"): "
-                        "nothing can decode its tokens",
-                        gen_path));
-      const auto tokenizer = train::Tokenizer::load(spec);
-      if (!recorded.is_null()) tokenizer->check_matches(recorded, gen_path);
-      for (const auto& stop : gen_stops) {
-        const auto ids = tokenizer->encode(stop);
-        if (ids.size() != 1)
-          throw BadInput(fmt::format("--stop \"{}\" is {} tokens of {}, not one", stop, ids.size(), spec));
-        sample.stop_ids.push_back(ids.front());
-      }
-      if (!gen_conversations.empty()) {
-        if (!gen_chat) throw BadInput("generate: --conversations needs --chat");
-        continue_conversations(gen_conversations, *model, *tokenizer, sample);
-        return 0;
-      }
-      std::string prompt = gen_prompt;
-      if (gen_chat)
-        prompt = train::ChatFormat(*tokenizer)
-                     .render(nlohmann::ordered_json::array({{{"role", "user"}, {"content", gen_prompt}}}),
-                             /*add_generation_prompt=*/true);
-      const auto text = train::generate(*model, *tokenizer, prompt, sample);  // before any output
-      std::cout << (gen_chat ? std::string() : gen_prompt) << text << std::endl;
-      return 0;
-    }
+    if (const int rc = cli::run_generate_command(*generate_command); rc >= 0) return rc;
     if (cmd_consolidate->parsed()) {
       namespace fs = std::filesystem;
       const auto out =

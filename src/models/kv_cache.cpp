@@ -10,12 +10,6 @@
 
 namespace fsdpp::models {
 
-namespace {
-bool own_route(bool allowed, const at::Tensor& x) {
-  return allowed && x.is_cpu() && own_products_preferred(x.scalar_type());
-}
-}  // namespace
-
 KVCache::KVCache(MoETransformerImpl& model, int64_t batch)
     : model_(model), capacity_(model.config().max_seq_len) {
   if (!model.has_embedding() || !model.has_head())

@@ -16,12 +16,6 @@ namespace fsdpp::models {
 
 namespace {
 
-// MoEConfig::own_products allows fsdpp's own product routes; the model takes one for a product
-// where it beats ATen's for the product's dtype on this machine (models/cpu/matmul.hpp).
-bool own_route(bool allowed, const at::Tensor& x) {
-  return allowed && x.is_cpu() && own_products_preferred(x.scalar_type());
-}
-
 // Identity on x whose backward also gives `aux` the gradient `scale`: the auxiliary losses join
 // the training loss wherever the layer runs (see the top of moe.hpp).
 struct AttachAuxLoss : torch::autograd::Function<AttachAuxLoss> {

@@ -183,9 +183,10 @@ ojson messages_of(const ojson& line, const std::string& where) {
   ojson m;
   if (line.is_object() && line.contains("messages")) {
     m = line["messages"];
-  } else if (line.is_object() && line.contains("prompt") && line.contains("completion")) {
+  } else if (line.is_object() && line.contains("prompt")) {
     m = as_messages(line["prompt"], "prompt", "user");
-    for (const auto& x : as_messages(line["completion"], "completion", "assistant")) m.push_back(x);
+    if (line.contains("completion"))
+      for (const auto& x : as_messages(line["completion"], "completion", "assistant")) m.push_back(x);
   } else {
     throw BadInput(fmt::format(
         "{}: expected {{\"messages\": [...]}} or {{\"prompt\": ..., \"completion\": ...}}", where));
@@ -204,30 +205,32 @@ ojson messages_of(const ojson& line, const std::string& where) {
 
 }  // namespace
 
+std::vector<Conversation> read_conversations(const std::string& path) {
+  std::vector<Conversation> out;
+  std::ifstream in(path);
+  std::string text;
+  for (int64_t number = 1; std::getline(in, text); ++number) {
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const auto where = fmt::format("{}:{}", path, number);
+    ojson line;
+    try {
+      line = ojson::parse(text);
+    } catch (const ojson::exception& e) {
+      throw BadInput(fmt::format("{}: not JSON: {}", where, e.what()));
+    }
+    out.push_back({where, messages_of(line, where)});
+  }
+  return out;
+}
+
 ChatData load_chat(const DataOptions& o, const Tokenizer& tokenizer, uint64_t seed) {
   const ChatFormat format(tokenizer, o.chat_template);
-  struct Line {
-    std::string where;
-    ojson messages;
-  };
-  std::vector<Line> lines;
+  std::vector<Conversation> lines;
   size_t files = 0;
   for (const auto& root : o.paths)
     for (const auto& path : list_text_files(root)) {
       ++files;
-      std::ifstream in(path);
-      std::string text;
-      for (int64_t number = 1; std::getline(in, text); ++number) {
-        if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
-        const auto where = fmt::format("{}:{}", path, number);
-        ojson line;
-        try {
-          line = ojson::parse(text);
-        } catch (const ojson::exception& e) {
-          throw BadInput(fmt::format("{}: not JSON: {}", where, e.what()));
-        }
-        lines.push_back({where, messages_of(line, where)});
-      }
+      for (auto& c : read_conversations(path)) lines.push_back(std::move(c));
     }
   if (lines.empty()) throw BadInput(fmt::format("data.paths: no conversations in {} file(s)", files));
   const int64_t T = o.seq_len;

@@ -1,4 +1,4 @@
-// models::KVCache against the whole-sequence forward it stands in for.
+// models::KVCache against the whole-sequence forward it stands in for, and train::generate using it.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <doctest/doctest.h>
@@ -8,6 +8,8 @@
 
 #include "fsdpp/models/kv_cache.hpp"
 #include "fsdpp/models/moe.hpp"
+#include "fsdpp/train/generate.hpp"
+#include "fsdpp/train/tokenizer.hpp"
 
 using namespace fsdpp;
 
@@ -59,5 +61,33 @@ TEST_CASE("KVCache: a prompt, then one token at a time, gives the whole-sequence
     cache.clear();
     const double again = (cache.forward(tokens) - whole).abs().max().item<double>();
     CHECK(again < 2e-5);
+  }
+}
+
+TEST_CASE("generate feeds each token through the model once with the KV cache, the whole window without") {
+  // The router counts the token-expert pairs it routes: with the cache each position is routed
+  // once (the prompt, then each new token but the last); without it every step routes the window.
+  at::NoGradGuard no_grad;
+  at::manual_seed(3);
+  auto c = cache_config(2, 4);
+  c.vocab_size = 256;
+  models::MoETransformerImpl model(c);
+  const auto tokenizer = train::Tokenizer::load("bytes");
+  const int64_t prompt = 8, fresh = 6, routed_per_token = c.top_k * c.layers;
+  for (const bool cached : {true, false}) {
+    CAPTURE(cached);
+    train::SampleOptions o;
+    o.temperature = 0;
+    o.max_new_tokens = fresh;
+    o.kv_cache = cached;
+    model.router_stats().reset();
+    train::generate(model, *tokenizer, "abcdefgh", o);
+    const double routed = model.router_stats().sums[3].item<double>();
+    int64_t expected = (prompt + fresh - 1) * routed_per_token;
+    if (!cached) {
+      expected = 0;
+      for (int64_t i = 0; i < fresh; ++i) expected += (prompt + i) * routed_per_token;
+    }
+    CHECK(routed == double(expected));
   }
 }

@@ -75,6 +75,16 @@ struct ChatData {
       description;  // "chat: 1,204 conversations from 2 files (61 held out), 312,004 tokens, 41% counted"
 };
 
+// One line of a conversations file: "FILE:LINE" (for messages) and its messages.
+struct Conversation {
+  std::string where;
+  nlohmann::ordered_json messages;
+};
+// A JSONL file's conversations, blank lines skipped: {"messages": [...]}, or {"prompt": ...} with an
+// optional "completion" (strings are a user's and an assistant's message). Throws BadInput naming
+// the file, line and field.
+std::vector<Conversation> read_conversations(const std::string& path);
+
 // Reads data.paths' JSONL files, holds out data.val_fraction of the conversations (seeded), renders
 // and tokenizes them. Throws BadInput naming the file, line and field at fault: a line that is not
 // JSON, a conversation without messages, a role the template refuses, a conversation longer than

@@ -38,6 +38,11 @@ bool bf16_matmul_preferred();
 // bf16_matmul_preferred() for bfloat16, no for any other. MoEConfig::own_products asks for the own
 // route where this holds.
 bool own_products_preferred(at::ScalarType dtype);
+// Whether a product of x takes the own route: MoEConfig::own_products allows it (`allowed`), and it
+// beats ATen's for x's dtype on this machine.
+inline bool own_route(bool allowed, const at::Tensor& x) {
+  return allowed && x.is_cpu() && own_products_preferred(x.scalar_type());
+}
 
 // x W^T: x [..., in], weight [out, in] -> [..., out]; differentiable in both. With `own`, bfloat16 CPU
 // tensors take MKL's bfloat16 kernel where it is available. Otherwise, and for other dtypes and
