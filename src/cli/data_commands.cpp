@@ -74,6 +74,16 @@ std::shared_ptr<DataCommands> add_data_commands(CLI::App& app) {
       ->check(CLI::Range(uint64_t{0}, uint64_t{std::numeric_limits<int64_t>::max()}));
   c->tokenize->add_option("--threads", k.threads, "encoding threads (0: all cores)")
       ->check(CLI::Range(0, 4096));
+  auto* chat = c->tokenize->add_flag(
+      "--chat", k.chat,
+      "the inputs are JSONL conversations (as data.source \"chat\" reads), rendered with "
+      "the tokenizer's chat template; shards for data.source \"chat\" with data.path, "
+      "each with its loss mask beside it");
+  c->tokenize
+      ->add_option("--chat-template", k.chat_template,
+                   "with --chat: a template file instead of the tokenizer's")
+      ->check(CLI::ExistingFile)
+      ->needs(chat);
   return c;
 }
 
@@ -126,12 +136,14 @@ int tokenize(const DataCommands& c) {
   bar.finish();
   const auto& k = c.tokenize_options;
   const int64_t bytes = r.train.bytes + r.val.bytes, tokens = r.train.tokens + r.val.tokens;
+  const char* what = k.chat ? "conversations" : "documents";
   std::cout << fmt::format(
-      "wrote {}/: train {} documents, {:.2f} M tokens in {} shard{}; validation {} documents, {:.2f} M "
+      "wrote {}/: train {} {}, {:.2f} M tokens in {} shard{}; validation {} {}, {:.2f} M "
       "tokens in {} shard{}\n{:.2f} MB in {:.1f} s ({:.2f} MB/s), {:.3f} bytes/token{}\n",
-      k.output, r.train.documents, r.train.tokens / 1e6, r.train.shards, r.train.shards == 1 ? "" : "s",
-      r.val.documents, r.val.tokens / 1e6, r.val.shards, r.val.shards == 1 ? "" : "s", bytes / 1e6, r.seconds,
-      bytes / 1e6 / std::max(r.seconds, 1e-9), double(bytes) / double(std::max<int64_t>(1, tokens)),
+      k.output, r.train.documents, what, r.train.tokens / 1e6, r.train.shards, r.train.shards == 1 ? "" : "s",
+      r.val.documents, what, r.val.tokens / 1e6, r.val.shards, r.val.shards == 1 ? "" : "s", bytes / 1e6,
+      r.seconds, bytes / 1e6 / std::max(r.seconds, 1e-9),
+      double(bytes) / double(std::max<int64_t>(1, tokens)),
       r.skipped_files ? fmt::format("; {} binary files skipped", r.skipped_files) : "");
   return 0;
 }

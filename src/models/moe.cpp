@@ -116,10 +116,17 @@ double RouterStats::dropped_fraction() const {
 }
 
 int64_t MoEConfig::parameter_count() const {
-  const int64_t attn = 2 * dim * dim + 2 * dim * key_value_heads() * head_dim();
+  const int64_t hd = head_dim(), qkv_rows = (heads + 2 * key_value_heads()) * hd;
+  const int64_t attn = dim * qkv_rows + heads * hd * dim + (qkv_bias ? qkv_rows : 0) +
+                       (qk_norm == "head"         ? 2 * hd
+                        : qk_norm == "projection" ? (heads + key_value_heads()) * hd
+                                                  : 0);
   const int64_t dense = 3 * dim * ffn_hidden;
   const int64_t moe =
-      dim * experts + experts * 3 * dim * expert_hidden + (shared_expert ? 3 * dim * expert_hidden : 0);
+      dim * experts + experts * 3 * dim * expert_hidden +
+      (shared_expert ? 3 * dim * (shared_expert_hidden > 0 ? shared_expert_hidden : expert_hidden) +
+                           (shared_expert_gate ? dim : 0)
+                     : 0);
   int64_t n = (tie_embeddings ? 1 : 2) * vocab_size * dim + dim;
   for (int64_t i = 0; i < layers; ++i) n += attn + 2 * dim + (is_moe_layer(i) ? moe : dense);
   return n;
@@ -138,39 +145,89 @@ std::pair<at::Tensor, at::Tensor> RMSNormImpl::forward_residual(const at::Tensor
 AttentionImpl::AttentionImpl(const MoEConfig& c)
     : heads(c.heads),
       kv_heads(c.key_value_heads()),
-      rope_theta(c.rope_theta),
+      head_dim(c.head_dim()),
+      sliding_window(c.sliding_window),
+      rope{.theta = c.rope_theta,
+           .type = c.rope_type,
+           .factor = c.rope_factor,
+           .low_freq_factor = c.rope_low_freq_factor,
+           .high_freq_factor = c.rope_high_freq_factor,
+           .original_max_seq_len = c.rope_original_max_seq_len},
       own_products(c.own_products),
       fused(c.fused_kernels && c.fused_attention) {
   // Rows: the query heads', then the key heads', then the value heads'.
   qkv = register_module(
-      "qkv", torch::nn::Linear(
-                 torch::nn::LinearOptions(c.dim, (c.heads + 2 * kv_heads) * c.head_dim()).bias(false)));
-  out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.dim).bias(false)));
+      "qkv",
+      torch::nn::Linear(torch::nn::LinearOptions(c.dim, (heads + 2 * kv_heads) * head_dim).bias(c.qkv_bias)));
+  out = register_module("out",
+                        torch::nn::Linear(torch::nn::LinearOptions(heads * head_dim, c.dim).bias(false)));
+  if (c.qk_norm != "none") {
+    const bool whole = c.qk_norm == "projection";
+    q_norm =
+        register_module("q_norm", RMSNorm(whole ? heads * head_dim : head_dim, c.norm_eps, c.fused_kernels));
+    k_norm = register_module("k_norm",
+                             RMSNorm(whole ? kv_heads * head_dim : head_dim, c.norm_eps, c.fused_kernels));
+    norm_whole_projection = whole;
+  }
   init_normal(qkv->weight, c.init_std);
+  if (c.qkv_bias && !building_unallocated) {
+    at::NoGradGuard no_grad;
+    qkv->bias.zero_();
+  }
   init_normal(out->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
 }
 
 const std::pair<at::Tensor, at::Tensor>& AttentionImpl::rope_tables(int64_t T, int64_t hd,
                                                                     const at::Tensor& like) {
-  const auto& cos = rope_.first;
+  const auto& cos = tables_.first;
   if (cos.defined() && cos.size(0) == T && cos.size(1) == hd && cos.scalar_type() == like.scalar_type() &&
       cos.device() == like.device())
-    return rope_;
-  rope_ = rotary_tables(T, hd, rope_theta, like.options());
-  return rope_;
+    return tables_;
+  tables_ = rotary_tables(T, hd, rope, like.options());
+  return tables_;
 }
 
-at::Tensor AttentionImpl::forward(const at::Tensor& x) {
-  const auto B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
-  const auto& [cos, sin] = rope_tables(T, hd, x);
-  const bool own = own_route(own_products, x);
-  auto projected = linear(x, qkv->weight, own);
+at::Tensor AttentionImpl::project(const at::Tensor& x) {
+  const auto B = x.size(0), T = x.size(1);
+  auto p = linear(x, qkv->weight, own_route(own_products, x));
+  if (qkv->bias.defined()) p = p + qkv->bias;
+  p = p.view({B, T, heads + 2 * kv_heads, head_dim});
+  if (!q_norm) return p;
+  if (norm_whole_projection) {  // OLMoE's: over all of a token's queries, and all its keys
+    const auto flat = [&](int64_t first, int64_t n) {
+      return p.narrow(2, first, n).reshape({B, T, n * head_dim});
+    };
+    return at::cat({q_norm(flat(0, heads)).view({B, T, heads, head_dim}),
+                    k_norm(flat(heads, kv_heads)).view({B, T, kv_heads, head_dim}),
+                    p.narrow(2, heads + kv_heads, kv_heads)},
+                   2);
+  }
+  // Qwen3's norms: over each query head and each key head, before the rotary embedding.
+  return at::cat({q_norm(p.narrow(2, 0, heads).contiguous()),
+                  k_norm(p.narrow(2, heads, kv_heads).contiguous()), p.narrow(2, heads + kv_heads, kv_heads)},
+                 2);
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& positions) {
+  const auto B = x.size(0), T = x.size(1), hd = head_dim;
+  // Packed samples: each token rotated at its own sequence's position, attending within it.
+  const bool packed = positions.defined();
+  const auto tables = packed ? rotary_at(rope_tables(T, hd, x), positions) : rope_tables(T, hd, x);
+  const auto& [cos, sin] = tables;
+  at::Tensor starts = packed ? sequence_starts(positions) : at::Tensor();
+  if (sliding_window > 0 && T > sliding_window) {
+    // Each query's first key at most sliding_window - 1 positions back.
+    const auto window =
+        (at::arange(T, x.options().dtype(at::kLong)) - (sliding_window - 1)).clamp_min(0).unsqueeze(0);
+    starts = packed ? at::maximum(starts, window) : window.expand({B, T}).contiguous();
+  }
+  auto projected = project(x);
   if (kv_heads == heads) {
     projected = projected.view({B, T, 3, heads, hd});
   } else {
     // Grouped-query attention: each key and value head repeated for the query heads it serves
     // (consecutive ones), so that the attention below sees one per query head.
-    const auto p = projected.view({B, T, heads + 2 * kv_heads, hd});
+    const auto p = projected;
     const auto group = heads / kv_heads;
     projected = at::stack({p.narrow(2, 0, heads), p.narrow(2, heads, kv_heads).repeat_interleave(group, 2),
                            p.narrow(2, heads + kv_heads, kv_heads).repeat_interleave(group, 2)},
@@ -179,16 +236,16 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   // Rotary embedding and causal softmax(q k^T / sqrt(hd)) v: with fused kernels in one pass per
   // head (models::rotary_causal_attention on the CPU), else rotary_qkv and the attention the backend
   // scaled_dot_product_attention picks (flash attention on the CPU). No [B, H, T, T] score tensor
-  // is materialised, forward or backward. The result is laid out [B, T, H, hd] in memory, so the
-  // reshape below is a view.
+  // is materialised, forward or backward, unmasked. The result is laid out [B, T, H, hd] in memory,
+  // so the reshape below is a view.
   at::Tensor y;
   if (fused) {
-    y = rotary_causal_attention(projected, cos, sin);
+    y = rotary_causal_attention(projected, cos, sin, starts);
   } else {
     const auto [q, k, v] = rotary_qkv(projected, cos, sin);  // [B, H, T, hd] each
-    y = causal_attention_reference(q, k, v);
+    y = causal_attention_reference(q, k, v, starts);
   }
-  return linear(y.transpose(1, 2).reshape({B, T, D}), out->weight, own);
+  return linear(y.transpose(1, 2).reshape({B, T, heads * hd}), out->weight, own_route(own_products, x));
 }
 
 SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool fused_, bool own_products_)
@@ -251,10 +308,16 @@ MoEImpl::MoEImpl(const MoEConfig& c, std::shared_ptr<RouterStats> s) : config(c)
   init_normal(experts->w3, c.init_std);
   init_normal(experts->w2, c.init_std / std::sqrt(2.0 * double(c.layers)));
   if (c.shared_expert) {
-    shared = register_module("shared", SwiGLU(c.dim, c.expert_hidden, c.fused_kernels, c.own_products));
+    const int64_t width = c.shared_expert_hidden > 0 ? c.shared_expert_hidden : c.expert_hidden;
+    shared = register_module("shared", SwiGLU(c.dim, width, c.fused_kernels, c.own_products));
     init_normal(shared->w1->weight, c.init_std);
     init_normal(shared->w3->weight, c.init_std);
     init_normal(shared->w2->weight, c.init_std / std::sqrt(2.0 * double(c.layers)));
+    if (c.shared_expert_gate) {
+      shared_gate =
+          register_module("shared_gate", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 1).bias(false)));
+      init_normal(shared_gate->weight, c.init_std);
+    }
   }
 }
 
@@ -332,7 +395,11 @@ at::Tensor MoEImpl::forward(const at::Tensor& x) {
     const auto y = run_experts(fused ? dispatch_rows(flat, o) : dispatch_rows_reference(flat, o), o.counts);
     out = fused ? combine_rows(y, weights, o) : combine_rows_reference(y, weights, o);
   }
-  if (shared) out = out + shared(flat);
+  if (shared_gate)  // Qwen2-MoE's: the shared expert scaled per token by a sigmoid gate
+    out = out +
+          shared(flat) * at::sigmoid(linear(flat, shared_gate->weight, own_route(config.own_products, flat)));
+  else if (shared)
+    out = out + shared(flat);
 
   stats->add(at::stack({r.aux_loss.detach().to(at::kDouble), r.z_loss.detach().to(at::kDouble), dropped}),
              T * k);
@@ -417,12 +484,12 @@ BlockImpl::BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterSt
   }
 }
 
-at::Tensor BlockImpl::forward(at::Tensor x) {
+at::Tensor BlockImpl::forward(at::Tensor x, at::Tensor positions) {
   // x + attn(attn_norm(x)), then that + ffn(ffn_norm(that)). The norms take the residual stream
   // with them (RMSNorm::forward_residual): the first add is the second norm's, and in backward
   // neither norm's input gradient needs a separate add of the stream's.
   const auto [x0, h0] = attn_norm->forward_residual(x, at::Tensor());
-  const auto [x1, h1] = ffn_norm->forward_residual(x0, attn(h0));
+  const auto [x1, h1] = ffn_norm->forward_residual(x0, attn(h0, positions));
   return x1 + (moe ? moe(h1) : mlp(h1));
 }
 
@@ -487,7 +554,7 @@ at::Tensor MoETransformerImpl::forward(const at::Tensor& input) {
     // Hidden states arrive in float32 between stages; compute in the layers' dtype.
     h = h.to(blocks_.front()->attn->qkv->weight.scalar_type());
   }
-  for (auto& b : calls_) h = b.forward(h);
+  for (auto& b : calls_) h = b.forward(h, positions_);
   if (!has_head()) return h;
   const auto normed = norm(h);
   return linear(normed, output_weight(), own_route(config_.own_products, normed)).to(at::kFloat);

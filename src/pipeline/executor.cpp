@@ -222,6 +222,7 @@ at::Tensor PipelineExecutor::run(const std::vector<Action>& program, const std::
         }
         const auto begin = std::chrono::system_clock::now();
         sl.input = s == 0 ? x : x.detach().requires_grad_(true);
+        if (options_.before_forward) options_.before_forward(s, mb);
         at::Tensor out = stages_.at(s).forward(sl.input);
         if (s == last) {
           out = loss_(out, targets.at(mb)) * loss_scale;

@@ -3,14 +3,18 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <numeric>
 #include <stdexcept>
 
 #include "fsdpp/base/files.hpp"
 #include "fsdpp/base/paths.hpp"
 #include "fsdpp/train/data.hpp"
 #include "fsdpp/train/recipe.hpp"
+#include "fsdpp/train/shards.hpp"
 #include "fsdpp/train/tokenizer.hpp"
 #include "text/chat_template.hpp"
 
@@ -137,37 +141,87 @@ std::string ChatFormat::render(const ojson& messages, bool add_generation_prompt
   return text;
 }
 
-ChatSamples::ChatSamples(std::vector<ChatRow> rows, int64_t seq_len, int32_t pad, uint64_t seed, bool shuffle)
-    : rows_(std::move(rows)), seq_len_(seq_len), pad_(pad), seed_(seed), shuffle_(shuffle) {
+ChatSamples::ChatSamples(std::vector<ChatRow> rows, int64_t seq_len, int32_t pad, uint64_t seed, bool shuffle,
+                         bool pack)
+    : rows_(std::move(rows)), pack_(pack), seq_len_(seq_len), pad_(pad), seed_(seed), shuffle_(shuffle) {
   if (rows_.empty()) throw std::invalid_argument("ChatSamples: no conversations");
-}
-
-const ChatRow& ChatSamples::row_of(int64_t g) const {
-  const int64_t n = rows();
-  const int64_t epoch = g / n, i = g % n;
-  return rows_[size_t(shuffle_ ? permute_index(i, n, seed_ * 0x9E3779B97F4A7C15ULL + uint64_t(epoch)) : i)];
-}
-
-std::pair<at::Tensor, at::Tensor> ChatSamples::samples(int64_t first, int64_t count) const {
-  const int64_t T = seq_len_;
-  auto inputs = at::full({count, T}, pad_, at::kLong), targets = at::full({count, T}, -100, at::kLong);
-  auto* in = inputs.data_ptr<int64_t>();
-  auto* out = targets.data_ptr<int64_t>();
-  for (int64_t s = 0; s < count; ++s) {
-    const ChatRow& r = row_of(first + s);
-    const int64_t n = static_cast<int64_t>(r.tokens.size());
-    for (int64_t t = 0; t < std::min(n, T); ++t) in[s * T + t] = r.tokens[size_t(t)];
-    for (int64_t t = 1; t < n && t <= T; ++t)
-      if (r.counted[size_t(t)]) out[s * T + t - 1] = r.tokens[size_t(t)];
+  if (!pack) {
+    for (uint32_t i = 0; i < rows_.size(); ++i) samples_.push_back({i});
+    return;
   }
-  return {inputs, targets};
+  // Best fit decreasing: longest row first (the earlier among equals), each into the sample with the
+  // least room that holds it, a new sample when none does.
+  std::vector<uint32_t> order(rows_.size());
+  std::iota(order.begin(), order.end(), 0u);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint32_t a, uint32_t b) { return rows_[a].tokens.size() > rows_[b].tokens.size(); });
+  std::multimap<int64_t, size_t> room;  // room left -> sample
+  for (const uint32_t r : order) {
+    const auto n = static_cast<int64_t>(rows_[r].tokens.size());
+    auto it = room.lower_bound(n);
+    size_t s;
+    int64_t left;
+    if (it == room.end()) {
+      s = samples_.size(), left = seq_len + 1;
+      samples_.emplace_back();
+    } else {
+      s = it->second, left = it->first;
+      room.erase(it);
+    }
+    samples_[s].push_back(r);
+    if (left - n > 0) room.emplace(left - n, s);
+  }
+}
+
+double ChatSamples::fill() const {
+  double tokens = 0;
+  for (const auto& r : rows_) tokens += double(r.tokens.size());
+  return tokens / (double(samples_.size()) * double(seq_len_ + 1));
+}
+
+const std::vector<uint32_t>& ChatSamples::sample_of(int64_t g) const {
+  const int64_t n = size();
+  const int64_t epoch = g / n, i = g % n;
+  return samples_[size_t(shuffle_ ? permute_index(i, n, seed_ * 0x9E3779B97F4A7C15ULL + uint64_t(epoch))
+                                  : i)];
+}
+
+ChatBatch ChatSamples::samples(int64_t first, int64_t count) const {
+  const int64_t T = seq_len_;
+  ChatBatch batch{at::full({count, T}, pad_, at::kLong), at::full({count, T}, -100, at::kLong), at::Tensor()};
+  auto* in = batch.inputs.data_ptr<int64_t>();
+  auto* out = batch.targets.data_ptr<int64_t>();
+  int64_t* pos = nullptr;
+  if (pack_) batch.positions = at::empty({count, T}, at::kLong), pos = batch.positions.data_ptr<int64_t>();
+  for (int64_t s = 0; s < count; ++s) {
+    int64_t o = 0;  // where the next row starts in the sample
+    for (const uint32_t ri : sample_of(first + s)) {
+      const ChatRow& r = rows_[ri];
+      const int64_t n = static_cast<int64_t>(r.tokens.size());
+      for (int64_t t = 0; t < n && o + t < T; ++t) {
+        in[s * T + o + t] = r.tokens[size_t(t)];
+        if (pos) pos[s * T + o + t] = t;
+      }
+      // A row's first token is never a target: it would be predicted from the row before.
+      for (int64_t t = 1; t < n && o + t <= T; ++t)
+        if (r.counted[size_t(t)]) out[s * T + o + t - 1] = r.tokens[size_t(t)];
+      o += n;
+    }
+    if (pos)
+      for (int64_t t = o; t < T; ++t) pos[s * T + t] = t - o;  // the padding: a sequence of its own
+  }
+  return batch;
 }
 
 int64_t ChatSamples::counted(int64_t first, int64_t count) const {
   int64_t c = 0;
   for (int64_t s = 0; s < count; ++s) {
-    const ChatRow& r = row_of(first + s);
-    for (size_t t = 1; t < r.counted.size() && int64_t(t) <= seq_len_; ++t) c += r.counted[t];
+    int64_t o = 0;
+    for (const uint32_t ri : sample_of(first + s)) {
+      const ChatRow& r = rows_[ri];
+      for (size_t t = 1; t < r.counted.size() && o + int64_t(t) <= seq_len_; ++t) c += r.counted[t];
+      o += static_cast<int64_t>(r.tokens.size());
+    }
   }
   return c;
 }
@@ -223,71 +277,152 @@ std::vector<Conversation> read_conversations(const std::string& path) {
   return out;
 }
 
-ChatData load_chat(const DataOptions& o, const Tokenizer& tokenizer, uint64_t seed) {
-  const ChatFormat format(tokenizer, o.chat_template);
-  std::vector<Conversation> lines;
-  size_t files = 0;
-  for (const auto& root : o.paths)
-    for (const auto& path : list_text_files(root)) {
-      ++files;
-      for (auto& c : read_conversations(path)) lines.push_back(std::move(c));
+ChatRow tokenize_conversation(const ChatFormat& format, const Tokenizer& tokenizer, const Conversation& conv,
+                              ChatRowInfo* info) {
+  std::vector<std::pair<size_t, size_t>> spans;
+  std::string text;
+  try {
+    text = format.render(conv.messages, false, &spans);
+  } catch (const std::runtime_error& e) {
+    throw BadInput(fmt::format("{}: chat template {}: {}", conv.where, format.source(), e.what()));
+  }
+  // Encoded piece by piece at the assistant turns' edges, so that each token is wholly inside or
+  // outside one; where the whole text would tokenize otherwise across an edge, it is counted.
+  ChatRow row;
+  size_t at = 0;
+  const auto add = [&](size_t end, bool assistant) {
+    if (end <= at) return;
+    for (const auto id : tokenizer.encode(std::string_view(text).substr(at, end - at))) {
+      row.tokens.push_back(id);
+      row.counted.push_back(assistant);
     }
-  if (lines.empty()) throw BadInput(fmt::format("data.paths: no conversations in {} file(s)", files));
+    at = end;
+  };
+  for (const auto& [b, e] : spans) add(b, false), add(e, true);
+  add(text.size(), false);
+  int64_t c = 0;
+  for (size_t t = 1; t < row.tokens.size(); ++t) c += row.counted[t];
+  if (c == 0)
+    throw BadInput(
+        fmt::format("{}: no assistant tokens: nothing in this conversation is trained on", conv.where));
+  if (info) *info = {text.size(), row.tokens != tokenizer.encode(text)};
+  return row;
+}
+
+std::vector<ChatRow> read_chat_shards(const std::string& dir, const std::string& split, int64_t vocab_size,
+                                      int64_t max_tokens) {
+  const ShardSet set(dir, split, vocab_size);
+  if (!set.chat())
+    throw BadInput(
+        fmt::format("data.path: {} holds token shards without conversations' masks: write them with "
+                    "`fsdpp tokenize --chat`, or read them with data.source \"shards\"",
+                    dir));
+  std::vector<ChatRow> rows;
+  std::string begun;  // where the last conversation starts
+  constexpr int64_t kChunk = 1 << 20;
+  std::vector<int64_t> tokens;
+  for (int64_t s = 0; s < set.segments(); ++s) {
+    const auto& bin = set.segment_path(s);
+    const auto mask_path = fs::path(bin).replace_extension(kChatMaskExtension).string();
+    if (!fs::is_regular_file(mask_path))
+      throw BadInput(fmt::format("data.path: {} has no mask file {} beside it", bin, mask_path));
+    const std::string mask = read_text_file(mask_path);
+    const int64_t n = set.segment_tokens(s);
+    if (static_cast<int64_t>(mask.size()) != n)
+      throw BadInput(fmt::format("data.path: {} is {} bytes, but {} holds {} tokens (one byte each)",
+                                 mask_path, mask.size(), bin, n));
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const int64_t m = std::min(kChunk, n - c0);
+      tokens.resize(size_t(m));
+      set.read(s, c0, m, tokens.data());
+      for (int64_t i = 0; i < m; ++i) {
+        const auto bits = static_cast<uint8_t>(mask[size_t(c0 + i)]);
+        if (bits & kMaskStart) {
+          rows.emplace_back();
+          begun = fmt::format("{} (conversation {} of the {} split, from token {})", bin, rows.size(), split,
+                              c0 + i);
+        } else if (rows.empty()) {
+          throw BadInput(fmt::format("data.path: {}: token 0 does not start a conversation (mask byte {:#x})",
+                                     mask_path, bits));
+        }
+        auto& row = rows.back();
+        row.tokens.push_back(static_cast<int32_t>(tokens[size_t(i)]));
+        row.counted.push_back(bits & kMaskCounted);
+        if (static_cast<int64_t>(row.tokens.size()) > max_tokens)
+          throw BadInput(
+              fmt::format("data.path: {}: the conversation is longer than data.seq_len + 1 = {} tokens "
+                          "(a sample holds whole conversations): raise data.seq_len",
+                          begun, max_tokens));
+      }
+    }
+  }
+  return rows;
+}
+
+ChatData load_chat(const DataOptions& o, const Tokenizer& tokenizer, uint64_t seed) {
   const int64_t T = o.seq_len;
   std::vector<ChatRow> train, val;
   int64_t tokens = 0, counted = 0, split_turns = 0;
-  uint64_t draw = seed ^ 0xC4A7ULL;
-  for (const auto& line : lines) {
-    std::vector<std::pair<size_t, size_t>> spans;
-    std::string text;
-    try {
-      text = format.render(line.messages, false, &spans);
-    } catch (const std::runtime_error& e) {
-      throw BadInput(fmt::format("{}: chat template {}: {}", line.where, format.source(), e.what()));
-    }
-    // Encoded piece by piece at the assistant turns' edges, so that each token is wholly inside or
-    // outside one; where the whole text would tokenize otherwise across an edge, it is counted.
-    ChatRow row;
-    size_t at = 0;
-    const auto add = [&](size_t end, bool assistant) {
-      if (end <= at) return;
-      for (const auto id : tokenizer.encode(std::string_view(text).substr(at, end - at))) {
-        row.tokens.push_back(id);
-        row.counted.push_back(assistant);
+  std::string origin;
+  if (!o.path.empty()) {
+    // Shards of `fsdpp tokenize --chat`: rendered, tokenized and split into train and validation there.
+    train = read_chat_shards(o.path, "train", tokenizer.vocab_size(), T + 1);
+    val = read_chat_shards(o.path, "val", tokenizer.vocab_size(), T + 1);
+    for (const auto* rows : {&train, &val})
+      for (const auto& r : *rows) {
+        tokens += static_cast<int64_t>(r.tokens.size());
+        for (size_t t = 1; t < r.counted.size(); ++t) counted += r.counted[t];
       }
-      at = end;
-    };
-    for (const auto& [b, e] : spans) add(b, false), add(e, true);
-    add(text.size(), false);
-    split_turns += row.tokens != tokenizer.encode(text);
-    const int64_t n = static_cast<int64_t>(row.tokens.size());
-    if (n > T + 1)
-      throw BadInput(
-          fmt::format("{}: the conversation is {} tokens, longer than data.seq_len + 1 = {} (a sample holds "
-                      "one conversation): shorten it or raise data.seq_len",
-                      line.where, n, T + 1));
-    int64_t c = 0;
-    for (int64_t t = 1; t < n; ++t) c += row.counted[size_t(t)];
-    if (c == 0)
-      throw BadInput(
-          fmt::format("{}: no assistant tokens: nothing in this conversation is trained on", line.where));
-    tokens += n, counted += c;
-    (uniform01(draw) < o.val_fraction ? val : train).push_back(std::move(row));
+    origin = fmt::format("{} conversations from the shards in {} ({} held out)", train.size() + val.size(),
+                         o.path, val.size());
+  } else {
+    const ChatFormat format(tokenizer, o.chat_template);
+    std::vector<Conversation> lines;
+    size_t files = 0;
+    for (const auto& root : o.paths)
+      for (const auto& path : list_text_files(root)) {
+        ++files;
+        for (auto& c : read_conversations(path)) lines.push_back(std::move(c));
+      }
+    if (lines.empty()) throw BadInput(fmt::format("data.paths: no conversations in {} file(s)", files));
+    uint64_t draw = seed ^ 0xC4A7ULL;
+    for (const auto& line : lines) {
+      ChatRowInfo info;
+      ChatRow row = tokenize_conversation(format, tokenizer, line, &info);
+      split_turns += info.split_at_edges;
+      const int64_t n = static_cast<int64_t>(row.tokens.size());
+      if (n > T + 1)
+        throw BadInput(fmt::format(
+            "{}: the conversation is {} tokens, longer than data.seq_len + 1 = {} (a sample holds "
+            "whole conversations): shorten it or raise data.seq_len",
+            line.where, n, T + 1));
+      tokens += n;
+      for (int64_t t = 1; t < n; ++t) counted += row.counted[size_t(t)];
+      (uniform01(draw) < o.val_fraction ? val : train).push_back(std::move(row));
+    }
+    if (val.empty() && train.size() > 1) val.push_back(train.back()), train.pop_back();
+    if (val.empty()) val = train;
+    origin = fmt::format("{} conversations from {} file(s) ({} held out); template {}{}", lines.size(), files,
+                         val.size(), format.source(),
+                         split_turns ? fmt::format("; {} tokenized apart at turn edges where the whole text "
+                                                   "tokenizes otherwise",
+                                                   split_turns)
+                                     : "");
   }
-  if (val.empty() && train.size() > 1) val.push_back(train.back()), train.pop_back();
-  if (val.empty()) val = train;
+  if (train.empty() || val.empty())
+    throw BadInput(fmt::format("data.path: {} holds no conversations in its {} split", o.path,
+                               train.empty() ? "train" : "val"));
   const int32_t pad = tokenizer.eot() >= 0 ? tokenizer.eot() : 0;
   ChatData d;
+  d.train = std::make_shared<ChatSamples>(std::move(train), T, pad, seed, true, o.pack);
+  d.val = std::make_shared<ChatSamples>(std::move(val), T, pad, 0, false, o.pack);
   d.description = fmt::format(
-      "chat: {} conversations from {} file(s) ({} held out), {} tokens, {:.0f}% of them assistant targets; "
-      "template {}{}",
-      lines.size(), files, val.size(), tokens, 100.0 * double(counted) / double(std::max<int64_t>(1, tokens)),
-      format.source(),
-      split_turns ? fmt::format("; {} tokenized apart at turn edges where the whole text tokenizes otherwise",
-                                split_turns)
-                  : "");
-  d.train = std::make_shared<ChatSamples>(std::move(train), T, pad, seed, true);
-  d.val = std::make_shared<ChatSamples>(std::move(val), T, pad, 0, false);
+      "chat: {}; {} tokens, {:.0f}% of them assistant targets; {}", origin, tokens,
+      100.0 * double(counted) / double(std::max<int64_t>(1, tokens)),
+      o.pack ? fmt::format("packed into {} training samples of {} tokens, {:.0f}% filled", d.train->size(),
+                           T + 1, 100.0 * d.train->fill())
+             : fmt::format("one per sample, {:.0f}% of the samples' tokens filled (data.pack fills more)",
+                           100.0 * d.train->fill()));
   return d;
 }
 

@@ -35,6 +35,9 @@ Names attention_names(int64_t i) {
           p + "input_layernorm.weight",  p + "post_attention_layernorm.weight"};
 }
 
+// A projection's bias beside its weight: model.layers.0.self_attn.q_proj.bias.
+std::string bias_of(const std::string& weight) { return weight.substr(0, weight.size() - 6) + "bias"; }
+
 // The fsdpp name of layer i's parameter `rest`.
 std::string ours(int64_t i, const std::string& rest) { return fmt::format("layers.{}.{}", i, rest); }
 
@@ -61,14 +64,22 @@ std::map<std::string, std::vector<int64_t>> parameter_shapes(const models::MoECo
     shapes[ours(i, "attn_norm.weight")] = {D};
     shapes[ours(i, "ffn_norm.weight")] = {D};
     shapes[ours(i, "attn.qkv.weight")] = {(H + 2 * KV) * hd, D};
+    if (c.qkv_bias) shapes[ours(i, "attn.qkv.bias")] = {(H + 2 * KV) * hd};
+    if (c.qk_norm != "none") {
+      const bool whole = c.qk_norm == "projection";
+      shapes[ours(i, "attn.q_norm.weight")] = {whole ? H * hd : hd};
+      shapes[ours(i, "attn.k_norm.weight")] = {whole ? KV * hd : hd};
+    }
     shapes[ours(i, "attn.out.weight")] = {D, H * hd};
     if (c.is_moe_layer(i)) {
       shapes[ours(i, "moe.router.gate.weight")] = {E, D};
       shapes[ours(i, "moe.experts.w1")] = shapes[ours(i, "moe.experts.w3")] = {E, F, D};
       shapes[ours(i, "moe.experts.w2")] = {E, D, F};
       if (c.shared_expert) {
-        shapes[ours(i, "moe.shared.w1.weight")] = shapes[ours(i, "moe.shared.w3.weight")] = {F, D};
-        shapes[ours(i, "moe.shared.w2.weight")] = {D, F};
+        const int64_t S = c.shared_expert_hidden > 0 ? c.shared_expert_hidden : F;
+        shapes[ours(i, "moe.shared.w1.weight")] = shapes[ours(i, "moe.shared.w3.weight")] = {S, D};
+        shapes[ours(i, "moe.shared.w2.weight")] = {D, S};
+        if (c.shared_expert_gate) shapes[ours(i, "moe.shared_gate.weight")] = {1, D};
       }
     } else {
       shapes[ours(i, "mlp.w1.weight")] = shapes[ours(i, "mlp.w3.weight")] = {c.ffn_hidden, D};
@@ -108,6 +119,7 @@ NamedTensors to_hf_views(const models::MoEConfig& c, const NamedTensors& state) 
   };
   put("model.embed_tokens.weight", get("embed.weight"));
   const int64_t hd = c.head_dim(), H = c.heads, KV = c.key_value_heads();
+  const bool mixtral = export_type(c) == "mixtral";
   for (int64_t i = 0; i < c.layers; ++i) {
     const auto n = attention_names(i);
     const auto p = fmt::format("model.layers.{}.", i);
@@ -116,17 +128,37 @@ NamedTensors to_hf_views(const models::MoEConfig& c, const NamedTensors& state) 
     put(n.q, qkv.narrow(0, 0, H * hd));
     put(n.k, qkv.narrow(0, H * hd, KV * hd));
     put(n.v, qkv.narrow(0, (H + KV) * hd, KV * hd));
+    if (c.qkv_bias) {  // Qwen2's
+      const auto bias = get(ours(i, "attn.qkv.bias"));
+      put(bias_of(n.q), bias.narrow(0, 0, H * hd));
+      put(bias_of(n.k), bias.narrow(0, H * hd, KV * hd));
+      put(bias_of(n.v), bias.narrow(0, (H + KV) * hd, KV * hd));
+    }
+    if (c.qk_norm != "none") {  // Qwen3's, OLMoE's
+      put(p + "self_attn.q_norm.weight", get(ours(i, "attn.q_norm.weight")));
+      put(p + "self_attn.k_norm.weight", get(ours(i, "attn.k_norm.weight")));
+    }
     put(n.o, get(ours(i, "attn.out.weight")));
     put(n.post_norm, get(ours(i, "ffn_norm.weight")));
     if (c.is_moe_layer(i)) {
-      put(p + "block_sparse_moe.gate.weight", get(ours(i, "moe.router.gate.weight")));
       const auto w1 = get(ours(i, "moe.experts.w1")), w2 = get(ours(i, "moe.experts.w2")),
                  w3 = get(ours(i, "moe.experts.w3"));
+      // Mixtral's names, or Qwen3-MoE's and OLMoE's.
+      const std::string block = mixtral ? "block_sparse_moe" : "mlp";
+      const char* names[3] = {mixtral ? "w1" : "gate_proj", mixtral ? "w3" : "up_proj",
+                              mixtral ? "w2" : "down_proj"};
+      put(p + block + ".gate.weight", get(ours(i, "moe.router.gate.weight")));
       for (int64_t e = 0; e < c.experts; ++e) {
-        const auto ep = fmt::format("{}block_sparse_moe.experts.{}.", p, e);
-        put(ep + "w1.weight", w1[e]);
-        put(ep + "w2.weight", w2[e]);
-        put(ep + "w3.weight", w3[e]);
+        const auto ep = fmt::format("{}{}.experts.{}.", p, block, e);
+        put(ep + names[0] + ".weight", w1[e]);
+        put(ep + names[1] + ".weight", w3[e]);
+        put(ep + names[2] + ".weight", w2[e]);
+      }
+      if (c.shared_expert_gate) {  // Qwen2-MoE's gated shared expert
+        for (const auto& [mine, theirs] : kMlp)
+          put(fmt::format("{}mlp.shared_expert.{}.weight", p, theirs),
+              get(ours(i, fmt::format("moe.shared.{}.weight", mine))));
+        put(p + "mlp.shared_expert_gate.weight", get(ours(i, "moe.shared_gate.weight")));
       }
     } else {
       for (const auto& [mine, theirs] : kMlp)
@@ -201,21 +233,38 @@ std::vector<LazyTensor> from_hf_lazy(const models::MoEConfig& c, const NamedTens
     as_is(ours(i, "attn_norm.weight"), take(n.input_norm, {D}));
     const auto q = take(n.q, {H * hd, D}), k = take(n.k, {KV * hd, D}), v = take(n.v, {KV * hd, D});
     joined(ours(i, "attn.qkv.weight"), {q, k, v}, {(H + 2 * KV) * hd, D}, concatenated({q, k, v}));
+    if (c.qkv_bias) {
+      const auto qb = take(bias_of(n.q), {H * hd}), kb = take(bias_of(n.k), {KV * hd}),
+                 vb = take(bias_of(n.v), {KV * hd});
+      joined(ours(i, "attn.qkv.bias"), {qb, kb, vb}, {(H + 2 * KV) * hd}, concatenated({qb, kb, vb}));
+    }
+    if (c.qk_norm != "none") {
+      const bool whole = c.qk_norm == "projection";
+      as_is(ours(i, "attn.q_norm.weight"), take(p + "self_attn.q_norm.weight", {whole ? H * hd : hd}));
+      as_is(ours(i, "attn.k_norm.weight"), take(p + "self_attn.k_norm.weight", {whole ? KV * hd : hd}));
+    }
     as_is(ours(i, "attn.out.weight"), take(n.o, {D, H * hd}));
     as_is(ours(i, "ffn_norm.weight"), take(n.post_norm, {D}));
+    // The router under `block`, and expert e's gate, up and down projections as `block`.experts.e.NAME.
+    const auto per_expert = [&](const std::string& block, const char* gate, const char* up,
+                                const char* down) {
+      as_is(ours(i, "moe.router.gate.weight"), take(p + block + ".gate.weight", {E, D}));
+      std::vector<at::Tensor> w1, w2, w3;
+      for (int64_t e = 0; e < E; ++e) {
+        const auto ep = fmt::format("{}{}.experts.{}.", p, block, e);
+        w1.push_back(take(ep + gate + ".weight", {F, D}));
+        w2.push_back(take(ep + down + ".weight", {D, F}));
+        w3.push_back(take(ep + up + ".weight", {F, D}));
+      }
+      joined(ours(i, "moe.experts.w1"), w1, {E, F, D}, stacked(w1));
+      joined(ours(i, "moe.experts.w3"), w3, {E, F, D}, stacked(w3));
+      joined(ours(i, "moe.experts.w2"), w2, {E, D, F}, stacked(w2));
+    };
     if (c.is_moe_layer(i)) {
-      if (has(p + "block_sparse_moe.gate.weight")) {  // the layout save_pretrained writes
-        as_is(ours(i, "moe.router.gate.weight"), take(p + "block_sparse_moe.gate.weight", {E, D}));
-        std::vector<at::Tensor> w1, w2, w3;
-        for (int64_t e = 0; e < E; ++e) {
-          const auto ep = fmt::format("{}block_sparse_moe.experts.{}.", p, e);
-          w1.push_back(take(ep + "w1.weight", {F, D}));
-          w2.push_back(take(ep + "w2.weight", {D, F}));
-          w3.push_back(take(ep + "w3.weight", {F, D}));
-        }
-        joined(ours(i, "moe.experts.w1"), w1, {E, F, D}, stacked(w1));
-        joined(ours(i, "moe.experts.w3"), w3, {E, F, D}, stacked(w3));
-        joined(ours(i, "moe.experts.w2"), w2, {E, D, F}, stacked(w2));
+      if (has(p + "block_sparse_moe.gate.weight")) {  // the layout save_pretrained writes for Mixtral
+        per_expert("block_sparse_moe", "w1", "w3", "w2");
+      } else if (has(p + "mlp.experts.0.gate_proj.weight")) {  // Qwen3-MoE's, OLMoE's and Qwen2-MoE's
+        per_expert("mlp", "gate_proj", "up_proj", "down_proj");
       } else {  // transformers' in-memory layout: gate and up projections fused, experts stacked
         as_is(ours(i, "moe.router.gate.weight"), take(p + "mlp.gate.weight", {E, D}));
         const auto gate_up = take(p + "mlp.experts.gate_up_proj", {E, 2 * F, D});
@@ -225,6 +274,14 @@ std::vector<LazyTensor> from_hf_lazy(const models::MoEConfig& c, const NamedTens
                    return gate_up.narrow(0, first, count).narrow(1, half * F, F).contiguous();
                  });
         as_is(ours(i, "moe.experts.w2"), take(p + "mlp.experts.down_proj", {E, D, F}));
+      }
+      if (c.shared_expert_gate) {  // Qwen2-MoE's gated shared expert
+        const int64_t S = c.shared_expert_hidden > 0 ? c.shared_expert_hidden : F;
+        const auto sp = p + "mlp.shared_expert.";
+        as_is(ours(i, "moe.shared.w1.weight"), take(sp + "gate_proj.weight", {S, D}));
+        as_is(ours(i, "moe.shared.w3.weight"), take(sp + "up_proj.weight", {S, D}));
+        as_is(ours(i, "moe.shared.w2.weight"), take(sp + "down_proj.weight", {D, S}));
+        as_is(ours(i, "moe.shared_gate.weight"), take(p + "mlp.shared_expert_gate.weight", {1, D}));
       }
     } else {
       const int64_t Fd = c.ffn_hidden;

@@ -222,6 +222,23 @@ json to_json(const models::MoEConfig& c) {
   // Written only when set, so that the descriptions of models without them stay as they were.
   if (c.kv_heads > 0 && c.kv_heads != c.heads) j["kv_heads"] = c.kv_heads;
   if (c.tie_embeddings) j["tie_embeddings"] = true;
+  if (c.head_size > 0) j["head_dim"] = c.head_size;
+  if (c.qkv_bias) j["qkv_bias"] = true;
+  if (c.qk_norm != "none") j["qk_norm"] = c.qk_norm;
+  if (c.moe_step != 1) j["moe_step"] = c.moe_step;
+  if (c.shared_expert_hidden > 0) j["shared_expert_hidden"] = c.shared_expert_hidden;
+  if (c.shared_expert_gate) j["shared_expert_gate"] = true;
+  if (!c.mlp_only_layers.empty()) j["mlp_only_layers"] = c.mlp_only_layers;
+  if (c.sliding_window > 0) j["sliding_window"] = c.sliding_window;
+  if (c.rope_type != "default") {
+    j["rope_type"] = c.rope_type;
+    j["rope_factor"] = c.rope_factor;
+    if (c.rope_type == "llama3") {
+      j["rope_low_freq_factor"] = c.rope_low_freq_factor;
+      j["rope_high_freq_factor"] = c.rope_high_freq_factor;
+      j["rope_original_max_seq_len"] = c.rope_original_max_seq_len;
+    }
+  }
   return j;
 }
 

@@ -126,6 +126,21 @@ class Reader {
     }
   }
 
+  void integers(const std::string& key, std::vector<int64_t>& out, int64_t lo, int64_t hi) {
+    const json* v = find(key);
+    if (!v) return;
+    if (!v->is_array()) return fail(key, fmt::format("must be an array of integers, got {}", type_name(*v)));
+    std::vector<int64_t> got;
+    for (size_t i = 0; i < v->size(); ++i) {
+      const auto& x = (*v)[i];
+      if (!x.is_number_integer() || (x.is_number_unsigned() && x.get<uint64_t>() > uint64_t(hi)) ||
+          x.get<int64_t>() < lo || x.get<int64_t>() > hi)
+        return fail(fmt::format("{}[{}]", key, i), fmt::format("must be an integer in [{}, {}]", lo, hi));
+      got.push_back(x.get<int64_t>());
+    }
+    out = std::move(got);
+  }
+
   static std::string suggest(const std::string& s, const std::vector<std::string>& options) {
     // In half edits: a prefix either way ("drop" -> "dropless") counts as one and a half.
     std::string best;

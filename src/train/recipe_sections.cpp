@@ -39,13 +39,24 @@ void read_model(Reader& r, models::MoEConfig& c) {
   r.integer("layers", c.layers, 1, 1024);
   r.integer("heads", c.heads, 1, 1024);
   r.integer("kv_heads", c.kv_heads, 0, 1024);
+  r.integer("head_dim", c.head_size, 0, 1 << 12);
+  r.boolean("qkv_bias", c.qkv_bias);
+  r.string("qk_norm", c.qk_norm, {"none", "head", "projection"});
+  r.integer("sliding_window", c.sliding_window, 0, 1 << 20);
   r.integer("max_seq_len", c.max_seq_len, 1, 1 << 20);
   r.integer("ffn_hidden", c.ffn_hidden, 1, 1 << 20);
   r.integer("dense_layers", c.dense_layers, 0, 1024);
+  r.integer("moe_step", c.moe_step, 1, 1024);
+  r.integers("mlp_only_layers", c.mlp_only_layers, 0, 1023);
   r.integer("experts", c.experts, 0, 4096);
   r.integer("top_k", c.top_k, 1, 4096);
   r.integer("expert_hidden", c.expert_hidden, 1, 1 << 20);
   r.boolean("shared_expert", c.shared_expert);
+  r.integer("shared_expert_hidden", c.shared_expert_hidden, 0, 1 << 20);
+  r.boolean("shared_expert_gate", c.shared_expert_gate);
+  if (!c.shared_expert && (c.shared_expert_hidden > 0 || c.shared_expert_gate))
+    r.fail(c.shared_expert_gate ? "shared_expert_gate" : "shared_expert_hidden",
+           "shapes the shared expert: set shared_expert: true");
   r.string("score", c.score, {"softmax", "sigmoid"});
   r.boolean("normalize_top_k", c.normalize_top_k);
   r.string("routing", c.routing, {"dropless", "capacity"});
@@ -53,16 +64,27 @@ void read_model(Reader& r, models::MoEConfig& c) {
   r.number("aux_loss_coef", c.aux_loss_coef, 0, 1e6);
   r.number("z_loss_coef", c.z_loss_coef, 0, 1e6);
   r.number("rope_theta", c.rope_theta, 0, 1e12, true);
+  r.string("rope_type", c.rope_type, {"default", "linear", "llama3"});
+  r.number("rope_factor", c.rope_factor, 0, 1e6, true);
+  r.number("rope_low_freq_factor", c.rope_low_freq_factor, 0, 1e6, true);
+  r.number("rope_high_freq_factor", c.rope_high_freq_factor, 0, 1e6, true);
+  r.integer("rope_original_max_seq_len", c.rope_original_max_seq_len, 1, 1 << 24);
+  if (c.rope_type == "llama3" && c.rope_high_freq_factor <= c.rope_low_freq_factor)
+    r.fail("rope_high_freq_factor", fmt::format("must exceed rope_low_freq_factor ({}), got {}",
+                                                c.rope_low_freq_factor, c.rope_high_freq_factor));
   r.number("norm_eps", c.norm_eps, 0, 1, true);
   r.number("init_std", c.init_std, 0, 10, true);
   r.boolean("tie_embeddings", c.tie_embeddings);
   r.boolean("fused_kernels", c.fused_kernels);
   r.boolean("fused_attention", c.fused_attention);
   r.boolean("own_products", c.own_products);
-  if (c.dim % c.heads != 0 || (c.dim / c.heads) % 2 != 0)
+  if (c.head_size > 0 && c.head_size % 2 != 0)
+    r.fail("head_dim", fmt::format("must be even (rotary embeddings rotate pairs), got {}", c.head_size));
+  else if (c.head_size == 0 && (c.dim % c.heads != 0 || (c.dim / c.heads) % 2 != 0))
     r.fail("heads",
-           fmt::format("dim {} must split into {} heads of even size (rotary embeddings rotate pairs)", c.dim,
-                       c.heads));
+           fmt::format("dim {} must split into {} heads of even size (rotary embeddings rotate pairs), or "
+                       "head_dim give their width",
+                       c.dim, c.heads));
   if (c.kv_heads > 0 && c.heads % c.kv_heads != 0)
     r.fail("kv_heads", fmt::format("must divide heads ({}), got {}", c.heads, c.kv_heads));
   if (c.experts > 0 && c.top_k > c.experts)
@@ -104,9 +126,13 @@ void read_model_section(Reader& top, Recipe& rc, [[maybe_unused]] const std::str
     static const std::set<std::string> training{"aux_loss_coef", "z_loss_coef",     "init_std",
                                                 "routing",       "capacity_factor", "max_seq_len"};
     // What the architecture leaves unused: a Mixtral's dense width, a Llama's experts' settings.
-    static const std::set<std::string> moe_only{"expert_hidden",   "top_k",         "score",
-                                                "normalize_top_k", "shared_expert", "dense_layers"};
-    const bool unused = moe ? key == "ffn_hidden" : moe_only.count(key) > 0;
+    static const std::set<std::string> moe_only{
+        "expert_hidden", "top_k",    "score",           "normalize_top_k",      "shared_expert",
+        "dense_layers",  "moe_step", "mlp_only_layers", "shared_expert_hidden", "shared_expert_gate"};
+    // A MoE checkpoint's dense width counts where it has dense layers (Qwen3-MoE's mlp_only_layers).
+    bool dense = false;
+    for (int64_t i = 0; i < imported->layers; ++i) dense |= !imported->is_moe_layer(i);
+    const bool unused = moe ? key == "ffn_hidden" && !dense : moe_only.count(key) > 0;
     const auto field = hf::field_of(key, moe);
     if (training.count(key) || unused)
       merged[key] = given[key];
@@ -118,7 +144,11 @@ void read_model_section(Reader& top, Recipe& rc, [[maybe_unused]] const std::str
                       : fmt::format("{} here, but the transformers checkpoint {} has {} {}",
                                     given.value(key, json()).dump(), rc.init_from, field, value.dump()));
   }
-  for (const char* key : {"kv_heads", "tie_embeddings"})
+  // Keys written only when set (to_json): the checkpoint's model has none of these.
+  for (const char* key :
+       {"kv_heads", "tie_embeddings", "head_dim", "qkv_bias", "qk_norm", "sliding_window", "moe_step",
+        "mlp_only_layers", "shared_expert_hidden", "shared_expert_gate", "rope_type", "rope_factor",
+        "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"})
     if (m.find(key) && !theirs.contains(key) && given.contains(key))
       m.fail(key, fmt::format("{} here, but the transformers checkpoint {} has none", given[key].dump(),
                               rc.init_from));
@@ -138,6 +168,7 @@ void read_data(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base
   d.string("path", rc.data.path);
   d.string("tokenizer", rc.data.tokenizer);
   d.string("chat_template", rc.data.chat_template);
+  d.boolean("pack", rc.data.pack);
   // A transformers directory brings its own tokenizer unless the recipe names another.
   std::error_code exists_ec;
   if (!d.find("tokenizer") && hf::is_checkpoint_dir(rc.init_from) &&
@@ -149,8 +180,14 @@ void read_data(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base
   if (rc.data.seq_len > rc.model.max_seq_len)
     d.fail("seq_len", fmt::format("must be at most model.max_seq_len ({}), got {}", rc.model.max_seq_len,
                                   rc.data.seq_len));
-  const bool reads_paths = rc.data.source == DataSource::kFiles || rc.data.source == DataSource::kChat;
-  if (reads_paths && rc.data.paths.empty())
+  const bool chat = rc.data.source == DataSource::kChat;
+  const bool reads_paths = rc.data.source == DataSource::kFiles || chat;
+  // Conversations come from JSONL files (paths) or from `fsdpp tokenize --chat`'s shards (path).
+  if (chat && rc.data.paths.empty() == rc.data.path.empty())
+    d.fail(rc.data.paths.empty() ? "paths" : "path",
+           "source \"chat\" reads JSONL files (paths) or the shards of `fsdpp tokenize --chat` (path): give "
+           "one of the two");
+  else if (reads_paths && !chat && rc.data.paths.empty())
     d.fail("paths", fmt::format("source \"{}\" needs at least one path", name_of(rc.data.source)));
   if (!reads_paths && !rc.data.paths.empty())
     d.fail("paths", fmt::format("only read with source \"files\" or \"chat\" (source is \"{}\")",
@@ -158,12 +195,19 @@ void read_data(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base
   if (rc.data.source != DataSource::kChat && !rc.data.chat_template.empty())
     d.fail("chat_template",
            fmt::format("only read with source \"chat\" (source is \"{}\")", name_of(rc.data.source)));
+  if (rc.data.source != DataSource::kChat && rc.data.pack)
+    d.fail("pack", fmt::format("packs conversations: only read with source \"chat\" (source \"{}\" already "
+                               "fills every sample with its token stream)",
+                               name_of(rc.data.source)));
   if (!rc.data.chat_template.empty()) rc.data.chat_template = resolve(rc.data.chat_template, base_dir);
   if (rc.data.source == DataSource::kShards && rc.data.path.empty())
     d.fail("path", "source \"shards\" needs the directory of token shards (fsdpp tokenize writes one)");
-  if (rc.data.source != DataSource::kShards && !rc.data.path.empty())
-    d.fail("path",
-           fmt::format("only read with source \"shards\" (source is \"{}\")", name_of(rc.data.source)));
+  if (rc.data.source != DataSource::kShards && !chat && !rc.data.path.empty())
+    d.fail("path", fmt::format("only read with source \"shards\" or \"chat\" (source is \"{}\")",
+                               name_of(rc.data.source)));
+  if (chat && !rc.data.path.empty() && !rc.data.chat_template.empty())
+    d.fail("chat_template",
+           "the shards of `fsdpp tokenize --chat` are rendered already (its --chat-template)");
   if (!rc.data.path.empty()) {
     rc.data.path = resolve(rc.data.path, base_dir);
     std::error_code ec;
@@ -172,7 +216,16 @@ void read_data(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base
     } else {
       // Every shard's header against its size (and the index), before any rank starts.
       for (const char* split : {"train", "val"}) try {
-          ShardSet(rc.data.path, split, rc.model.vocab_size);
+          const ShardSet set(rc.data.path, split, rc.model.vocab_size);
+          // Plain shards of conversations would train on every token, and conversations need masks.
+          if (set.chat() != chat)
+            d.fail("path",
+                   chat ? fmt::format("{} holds token shards without conversations' masks: write them "
+                                      "with `fsdpp tokenize --chat`",
+                                      rc.data.path)
+                        : fmt::format("{} holds conversations (`fsdpp tokenize --chat`): read them with "
+                                      "data.source \"chat\", which trains on the assistant's tokens only",
+                                      rc.data.path));
         } catch (const std::exception& e) {
           d.fail("path", e.what());
         }
@@ -195,7 +248,7 @@ void read_data(Reader& top, Recipe& rc, [[maybe_unused]] const std::string& base
                                                                   : "the model needs a row for every token"));
       const auto index = fs::path(rc.data.path) / "index.json";
       std::error_code ec;
-      if (rc.data.source == DataSource::kShards && fs::is_regular_file(index, ec)) {
+      if (!rc.data.path.empty() && fs::is_regular_file(index, ec)) {
         const auto recorded =
             read_json_file(index.string(), "shard index").value("tokenizer", json::object());
         try {

@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <regex>
 
 #include "fsdpp/base/files.hpp"
+#include "fsdpp/train/chat_data.hpp"
 #include "fsdpp/train/tokenizer.hpp"
 
 namespace fsdpp::train {
@@ -231,22 +233,27 @@ void ShardWriter::close() {
 
 namespace {
 
-// Shards of one split, opened as tokens arrive.
+// Shards of one split, opened as tokens arrive; with conversations, each shard's mask file beside
+// it, cut where the shard is.
 class SplitWriter {
  public:
   SplitWriter(const TokenizeOptions& o, std::string split, ShardLayout layout, json& shards, int first_number)
       : o_(o), split_(std::move(split)), layout_(layout), shards_(shards), number_(first_number) {}
 
-  void append(const std::vector<int32_t>& tokens) {
+  void append(const std::vector<int32_t>& tokens, const std::vector<uint8_t>* mask = nullptr) {
     size_t done = 0;
     while (done < tokens.size()) {
       if (!w_) {
         name_ = fmt::format("{}_{}_{:06d}.bin", o_.name, split_, number_++);
-        w_ = std::make_unique<ShardWriter>((fs::path(o_.output) / name_).string(), layout_);
+        const auto path = fs::path(o_.output) / name_;
+        w_ = std::make_unique<ShardWriter>(path.string(), layout_);
+        if (o_.chat)
+          mask_ = std::make_unique<AtomicFile>(fs::path(path).replace_extension(kChatMaskExtension).string());
       }
       const size_t n =
           std::min(tokens.size() - done, static_cast<size_t>(o_.tokens_per_shard - w_->tokens()));
       w_->append(tokens.data() + done, n);
+      if (mask_) mask_->write(mask->data() + done, n);
       done += n;
       if (w_->tokens() == o_.tokens_per_shard) close();
     }
@@ -254,8 +261,10 @@ class SplitWriter {
   void close() {
     if (!w_) return;
     w_->close();
+    if (mask_) mask_->commit();
     shards_.push_back({{"file", name_}, {"split", split_}, {"tokens", w_->tokens()}});
     w_.reset();
+    mask_.reset();
     ++closed_;
   }
   int shards() const { return closed_; }
@@ -269,6 +278,7 @@ class SplitWriter {
   int number_, closed_ = 0;
   std::string name_;
   std::unique_ptr<ShardWriter> w_;
+  std::unique_ptr<AtomicFile> mask_;
 };
 
 }  // namespace
@@ -305,7 +315,8 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
     const auto name = e.path().filename().string();
     const bool ours =
         name == kShardIndexFile || name.rfind(kStaging, 0) == 0 ||
-        (name.rfind(o.name + "_", 0) == 0 && (name.ends_with(".bin") || name.ends_with(".bin.tmp")));
+        (name.rfind(o.name + "_", 0) == 0 && (name.ends_with(".bin") || name.ends_with(".bin.tmp") ||
+                                              name.ends_with(".mask") || name.ends_with(".mask.tmp")));
     if (!ours)
       throw std::runtime_error(
           fmt::format("tokenize: {} holds {}, which is not a shard or index of an earlier run: give an "
@@ -332,10 +343,36 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
   TokenizeProgress p;
   p.bytes_total = total;
   uint64_t draw = o.seed ^ 0x7E57ull;
+  std::optional<ChatFormat> format;
+  if (o.chat) format.emplace(tok, o.chat_template);
+  // Conversations: one file at a time, each conversation rendered, tokenized and masked in order.
+  for (size_t f = 0; o.chat && f < files.size(); ++f) {
+    const auto conversations = read_conversations(files[f]);
+    for (size_t i = 0; i < conversations.size(); ++i) {
+      ChatRowInfo info;
+      const ChatRow row = tokenize_conversation(*format, tok, conversations[i], &info);
+      std::vector<uint8_t> mask(row.tokens.size());
+      for (size_t t = 0; t < mask.size(); ++t)
+        mask[t] = uint8_t((row.counted[t] ? kMaskCounted : 0) | (t == 0 ? kMaskStart : 0));
+      const bool last = f + 1 == files.size() && i + 1 == conversations.size();
+      const bool to_val =
+          uniform01(draw) < o.val_fraction || (r.val.documents == 0 && last && r.train.documents > 0);
+      (to_val ? val : train).append(row.tokens, &mask);
+      auto& split = to_val ? r.val : r.train;
+      split.documents += 1;
+      split.bytes += static_cast<int64_t>(info.text_bytes);
+      split.tokens += static_cast<int64_t>(row.tokens.size());
+      p.tokens += static_cast<int64_t>(row.tokens.size());
+    }
+    p.bytes_done += static_cast<int64_t>(fs::file_size(files[f]));
+    p.shards = static_cast<int64_t>(shards.size());
+    p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (progress) progress(p);
+  }
   // Files are read in batches of about 16 MB, encoded on every core, and written in input order.
   constexpr int64_t kBatchBytes = 16 << 20;
   std::vector<std::string> batch;
-  size_t next = 0;
+  size_t next = o.chat ? files.size() : 0;
   while (next < files.size()) {
     batch.clear();
     int64_t batch_bytes = 0;
@@ -377,9 +414,9 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
   val.close();
   train.close();
   if (r.val.documents == 0 || r.train.documents == 0)
-    throw std::runtime_error(
-        fmt::format("tokenize: {} gave {} text documents; need at least 2 (one for validation)",
-                    fmt::join(o.inputs, " "), r.val.documents + r.train.documents));
+    throw std::runtime_error(fmt::format("tokenize: {} gave {} {}; need at least 2 (one for validation)",
+                                         fmt::join(o.inputs, " "), r.val.documents + r.train.documents,
+                                         o.chat ? "conversations" : "text documents"));
   r.val.shards = val.shards();
   r.train.shards = train.shards();
   const auto split_json = [](const TokenizeReport::Split& s) {
@@ -393,14 +430,19 @@ TokenizeReport tokenize_to_shards(const Tokenizer& tok, const TokenizeOptions& o
                 {"tokens_per_shard", o.tokens_per_shard},
                 {"splits", {{"train", split_json(r.train)}, {"val", split_json(r.val)}}},
                 {"shards", shards}};
+  if (o.chat) index["chat"] = {{"template", format->source()}, {"mask", kChatMaskExtension}};
   // The earlier run's index first (no index ever lists a shard that is gone), then its shards; then
   // this run's shards move in and its index is written.
   fs::remove(fs::path(o.output) / kShardIndexFile);
   for (const auto& e : fs::directory_iterator(o.output))
     if (e.path().filename().string().rfind(kStaging, 0) != 0) fs::remove(e.path());
-  for (const auto& shard : shards)
-    fs::rename(fs::path(staged.output) / shard.at("file").get<std::string>(),
-               fs::path(o.output) / shard.at("file").get<std::string>());
+  for (const auto& shard : shards) {
+    const fs::path file = shard.at("file").get<std::string>();
+    fs::rename(fs::path(staged.output) / file, fs::path(o.output) / file);
+    if (o.chat)
+      fs::rename(fs::path(staged.output) / fs::path(file).replace_extension(kChatMaskExtension),
+                 fs::path(o.output) / fs::path(file).replace_extension(kChatMaskExtension));
+  }
   write_file_atomically((fs::path(o.output) / kShardIndexFile).string(), index.dump(2) + "\n");
   sync_to_disk(o.output);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -173,6 +173,9 @@ class Trainer {
   at::Device device_ = at::kCPU;
   std::vector<at::Tensor> inputs_,
       targets_;  // static inputs: one [micro_batch, seq_len] pair per microbatch of a step
+  // Packed conversations: each microbatch's positions (static as the inputs), and those of the
+  // executor's current call, which ExecutorOptions::before_forward hands its stages.
+  std::vector<at::Tensor> positions_, stage_positions_;
   // cpu.microbatch_threads > 1: the model for each thread past the first, and the threads
   // (made at the first step).
   std::vector<models::MoETransformer> thread_models_;

@@ -196,6 +196,14 @@ void Trainer::build() {
                                 if (tracer_.active())
                                   tracer_.span(pipeline::to_string(a), "compute", begin, end);
                               },
+                          // Packed conversations: each stage's model gets its microbatch's positions.
+                          .before_forward =
+                              [this](int stage, int microbatch) {
+                                if (stage_positions_.empty()) return;
+                                for (size_t i = 0; i < roots_.size(); ++i)
+                                  if (stage_ids_[i] == stage)
+                                    roots_[i]->inner().set_positions(stage_positions_.at(size_t(microbatch)));
+                              },
                       });
   }
   full = nullptr;  // parts of other stages
@@ -213,6 +221,7 @@ void Trainer::build() {
     inputs_.push_back(at::zeros({recipe_.micro_batch(), recipe_.data.seq_len},
                                 at::TensorOptions(device_).dtype(at::kLong)));
     targets_.push_back(at::zeros_like(inputs_.back()));
+    if (chat_train_ && chat_train_->packed()) positions_.push_back(at::zeros_like(inputs_.back()));
   }
   const auto f64 = at::TensorOptions(device_).dtype(at::kDouble);
   token_scale_ = at::zeros({}, f64), pp_token_scale_ = at::zeros({}, f64),

@@ -62,6 +62,7 @@ void Trainer::microbatches_on_threads(at::Tensor& loss_sum) {
     at::set_num_threads(1);  // OpenMP's (and MKL's) thread count is the calling thread's own
     auto sum = at::zeros({}, loss_sum.options());
     for (int64_t j = t; j < accum; j += n) {
+      if (!positions_.empty()) (t == 0 ? root->inner() : *thread_models_[t - 1]).set_positions(positions_[j]);
       const auto logits = t == 0 ? root->forward(inputs_[j]) : thread_models_[t - 1]->forward(inputs_[j]);
       if (counted_targets()) {  // Note [counted targets]
         const auto loss = models::summed_lm_loss(logits, targets_[j]);
@@ -125,9 +126,10 @@ void Trainer::fill_inputs(int64_t step) {
     pp_token_scale_.fill_(double(recipe_.parallel.dp) * per_step / global);
     local_targets_.fill_(holds_last_stage() ? double(chat_train_->counted(base, count * mb)) : 0.0);
     for (int64_t i = 0; i < count; ++i) {
-      const auto [x, y] = chat_train_->samples(base + i * mb, mb);
-      inputs_[i].copy_(x);
-      targets_[i].copy_(y);
+      const auto b = chat_train_->samples(base + i * mb, mb);
+      inputs_[i].copy_(b.inputs);
+      targets_[i].copy_(b.targets);
+      if (!positions_.empty()) positions_[i].copy_(b.positions);
     }
     return;
   }
@@ -156,6 +158,7 @@ at::Tensor Trainer::step_body() {
       // Blocks kept gathered through forward stay so through the no-sync microbatches too.
       if (!recipe_.parallel.reshard_after_forward) root->set_reshard_after_backward(j + 1 == accum);
       auto b0 = std::chrono::system_clock::now();
+      if (!positions_.empty()) root->inner().set_positions(positions_[j]);
       const auto logits = root->forward(inputs_[j]);
       const auto loss = counted_targets()
                             ? models::summed_lm_loss(logits, targets_[j])  // Note [counted targets]
@@ -176,6 +179,8 @@ at::Tensor Trainer::step_body() {
     for (int64_t a = 0; a < accum; ++a) {
       const std::vector<at::Tensor> xs(inputs_.begin() + a * m, inputs_.begin() + (a + 1) * m);
       const std::vector<at::Tensor> ys(targets_.begin() + a * m, targets_.begin() + (a + 1) * m);
+      if (!positions_.empty())
+        stage_positions_.assign(positions_.begin() + a * m, positions_.begin() + (a + 1) * m);
       const auto b0 = std::chrono::system_clock::now();
       // Sharded stages stay gathered across the accumulation's calls, reducing once at the last.
       const auto mean_scaled = executor_->step_on_device(xs, ys, /*finalize_gradients=*/a + 1 == accum);
@@ -290,12 +295,14 @@ double Trainer::evaluate() {
   const int64_t group = executor_ ? recipe_.parallel.microbatches : 1;
   for (int64_t first = 0; first < recipe_.eval.batches; first += group) {
     std::vector<at::Tensor> xs, ys;
+    stage_positions_.clear();
     for (int64_t b = first; b < std::min(first + group, recipe_.eval.batches); ++b) {
       // The validation set in order; every rank its own slice of each batch.
       if (counted_targets()) {
-        const auto [x, y] = chat_val_->samples((b * dp + dp_rank()) * mb, mb);
-        xs.push_back(x.to(device_));
-        ys.push_back(y.to(device_));
+        const auto v = chat_val_->samples((b * dp + dp_rank()) * mb, mb);
+        xs.push_back(v.inputs.to(device_));
+        ys.push_back(v.targets.to(device_));
+        if (v.positions.defined()) stage_positions_.push_back(v.positions.to(device_));
         continue;
       }
       const auto batch = val_data_->samples((b * dp + dp_rank()) * mb, mb).to(device_);
@@ -309,6 +316,7 @@ double Trainer::evaluate() {
       return n;
     };
     if (!executor_) {
+      if (!stage_positions_.empty()) roots_.front()->inner().set_positions(stage_positions_[0]);
       if (counted_targets()) {
         loss_sum += models::summed_lm_loss(roots_.front()->forward(xs[0]), ys[0]).item<double>();
         count += targets();

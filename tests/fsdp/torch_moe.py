@@ -59,7 +59,7 @@ class Attention(nn.Module):
         if getattr(self, "_rope_key", None) != key:
             with torch.no_grad():
                 f = dict(dtype=torch.float32, device=like.device)
-                inv_freq = torch.pow(self.theta, -torch.arange(0, hd, 2, **f) / hd)
+                inv_freq = 1.0 / torch.pow(self.theta, torch.arange(0, hd, 2, **f) / hd)
                 angles = torch.outer(torch.arange(T, **f), inv_freq)
                 cos = torch.cat((angles.cos(), angles.cos()), -1).to(like.dtype)
                 sin = torch.cat((angles.sin(), angles.sin()), -1).to(like.dtype)

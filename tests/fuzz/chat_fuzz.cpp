@@ -47,8 +47,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       o.chat_template = chatml;
       o.seq_len = 512;
       const auto d = fsdpp::train::load_chat(o, *tokenizer, 1);
-      const auto [x, y] = d.train->samples(0, 2);
-      if (x.size(1) != 512 || y.size(1) != 512) __builtin_trap();
+      const auto b = d.train->samples(0, 2);
+      if (b.inputs.size(1) != 512 || b.targets.size(1) != 512) __builtin_trap();
     } else {
       const fsdpp::train::text::ChatTemplate t(rest);
       for (const bool gen : {false, true}) {

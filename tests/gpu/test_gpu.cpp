@@ -280,3 +280,51 @@ TEST_CASE("a step captured as a CUDA graph gives the same bits as the step run e
   MESSAGE("small MoE step, 1 GPU: eager " << eager.step_ms << " ms, graph replay " << graph.step_ms << " ms ("
                                           << eager.step_ms / graph.step_ms << "x)");
 }
+
+TEST_CASE("packed samples and the published families' attention on CUDA: the CPU kernel's results") {
+  REQUIRE(gpus() >= 1);
+  models::MoEConfig c;
+  c.dim = 32;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.head_size = 12;  // Qwen3's wide heads, its q/k norms, Qwen2's biases, Mistral's window, Llama 3.1's rope
+  c.qk_norm = "head";
+  c.qkv_bias = true;
+  c.sliding_window = 40;
+  c.rope_type = "llama3";
+  c.rope_factor = 8;
+  c.rope_original_max_seq_len = 32;
+  c.layers = 2;
+  c.max_seq_len = 96;
+  c.ffn_hidden = 48;
+  c.experts = 4;
+  c.expert_hidden = 16;
+  c.vocab_size = 64;
+  at::manual_seed(41);
+  auto cpu = models::MoETransformer(c);
+  auto gpu = models::MoETransformer(c);
+  {
+    at::NoGradGuard no_grad;
+    const auto from = cpu->named_parameters();
+    for (auto& p : gpu->named_parameters()) p.value().copy_(from[p.key()]);
+  }
+  gpu->to(at::Device(at::kCUDA, 0));
+  // Two samples: three sequences (one crossing the CPU kernel's 64-row blocks), and one.
+  std::vector<int64_t> pos;
+  for (const int64_t n : {20, 50, 26, 96})
+    for (int64_t t = 0; t < n; ++t) pos.push_back(t);
+  const auto positions = at::tensor(pos, at::kLong).view({2, 96});
+  const auto tokens = at::randint(c.vocab_size, {2, 96}, at::kLong);
+  cpu->set_positions(positions);
+  gpu->set_positions(positions.cuda());
+  const auto want = cpu->forward(tokens);
+  const auto got = gpu->forward(tokens.cuda());
+  CHECK(at::allclose(got.cpu(), want, 1e-4, 1e-5));
+  want.pow(2).mean().backward();
+  got.pow(2).mean().backward();
+  const auto cpu_grads = cpu->named_parameters();
+  for (const auto& p : gpu->named_parameters()) {
+    CAPTURE(p.key());
+    CHECK(at::allclose(p.value().grad().cpu(), cpu_grads[p.key()].grad(), 1e-3, 1e-5));
+  }
+}

@@ -1,8 +1,43 @@
 """What the Python comparisons with transformers share: a scratch folder, checks that collect
-failures, and commands run with their output shown when they fail."""
+failures, commands run with their output shown when they fail, fsdpp's logits through the probe,
+and the checkpoints' tensors and runs' losses."""
+import json
 import os
 import subprocess
 import tempfile
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def randomize(model, std=0.15, norm_spread=0.2):
+    """Weights from N(0, std) and norm gains from 1 + N(0, norm_spread): far from an initialisation's
+    zeros and ones, so that every tensor's place shows in the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + norm_spread * torch.randn_like(p))
+            else:
+                p.normal_(0, std)
+
+
+def tensors_of(directory):
+    """Every tensor of a directory's safetensors files."""
+    out = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, f)))
+    return out
+
+
+def first_loss(run_dir):
+    """The first training loss rank 0 recorded."""
+    with open(os.path.join(run_dir, "metrics", "rank0.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            if "loss" in record:
+                return record["loss"]
+    raise AssertionError(f"no loss in {run_dir}")
 
 
 class Harness:
@@ -24,3 +59,10 @@ class Harness:
 
     def path(self, *parts):
         return os.path.join(self.work, *parts)
+
+    def probe_logits(self, probe, model_path, tokens):
+        """fsdpp's logits for `tokens` from any model path it loads (tests/train/hf_probe.cpp)."""
+        src, out = self.path("tokens.safetensors"), self.path("logits.safetensors")
+        save_file({"tokens": tokens.contiguous()}, src)
+        self.run(probe, model_path, src, out)
+        return load_file(out)["logits"]

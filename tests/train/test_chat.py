@@ -10,7 +10,10 @@
     and gradient norm of transformers' model on the same global batch with labels -100 (the mean over
     the counted targets), at dp 1, dp 2, grad_accum 2, cpu.microbatch_threads 2 and pp 2; the second
     step's loss is the same at every layout; a transformers Mixtral's first loss at dp 2 and with
-    experts over ep 2, and the same second loss at both;
+    experts over ep 2, and the same second loss at both; packed (data.pack), each row holds whole
+    conversations from position 0, and the first loss at dp 1, dp 2 with activation checkpointing
+    and pp 2 is transformers' on the packed batch given its position_ids; `fsdpp tokenize --chat`
+    writes shards whose rows are the same, trained on from data.path;
 (3) the bundled recipe recipes/finetune-chat.json: its loss falls, `generate --chat` (a prompt, and a
     file of conversations) gives transformers' greedy replies token for token, and its export loads in
     transformers;
@@ -179,6 +182,106 @@ for name, parallel in [("moe-dp2", {"dp": 2}), ("moe-ep2", {"dp": 2, "ep": 2})]:
     moe_second[name] = m[1]["loss"]
 check(abs(moe_second["moe-dp2"] - moe_second["moe-ep2"]) <= 2e-5,
       f"experts over ep 2: the second step's loss as at dp 2: {moe_second}")
+
+# ---------------------------------------------------------------- (2b) packed samples
+# Several conversations per row, positions restarting at each: transformers reads such a batch from
+# its position_ids (one sequence where they count up by one) and masks attention to each sequence,
+# when it runs without a cache as in training.
+recipe = write_recipe("packed-reference", data_extra={"pack": True})
+run(PROBE, "chat-batch", recipe, 0, path("packed.safetensors"))
+packed = load_file(path("packed.safetensors"))
+whole = [fast.apply_chat_template(messages(c), chat_template=PLAIN, tokenize=True, return_dict=True)["input_ids"]
+         for c in conversations]
+rows_ok, seen = True, 0
+for ins, tgs, pos in zip(packed["inputs"].tolist(), packed["targets"].tolist(), packed["positions"].tolist()):
+    starts = [i for i, p in enumerate(pos) if p == 0] + [T]
+    for a, b in zip(starts, starts[1:]):
+        ids = next((w for w in whole if w[:b - a] == ins[a:b] and len(w) >= b - a), None)
+        if ids is None:  # the padding: pad tokens and nothing counted
+            rows_ok &= all(t == fast.pad_token_id or t == fast.eos_token_id for t in ins[a:b]) and \
+                all(t == -100 for t in tgs[a:b])
+            continue
+        seen += 1
+        # The whole conversation (its last token only a target at the row's end), and no target that
+        # is the next conversation's first token.
+        rows_ok &= ins[a:b] == ids[:b - a] and (b - a == len(ids) or (b == T and b - a == len(ids) - 1))
+        rows_ok &= all(t == -100 or t == ids[i + 1 - a] for i, t in enumerate(tgs[a:b], start=a))
+        rows_ok &= tgs[b - 1] == -100 or b - a < len(ids)
+check(rows_ok and seen > 8, f"packed samples: {seen} whole conversations in 8 rows, each from position 0")
+with torch.no_grad():
+    hf_packed = model(packed["inputs"], position_ids=packed["positions"], use_cache=False).logits.float()
+    hf_unaware = model(packed["inputs"]).logits.float()
+ptargets = packed["targets"]
+
+
+def loss_of(lg):
+    return (torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), ptargets.reshape(-1), ignore_index=-100,
+                                              reduction="sum") / (ptargets != -100).sum()).item()
+
+
+packed_loss = loss_of(hf_packed)
+# What a packing that let conversations see each other would report: the check below can tell.
+check(abs(loss_of(hf_unaware) - packed_loss) > 1e-3,
+      f"packed: attending across conversations changes the loss ({loss_of(hf_unaware):.6f} vs {packed_loss:.6f})")
+packed_second = {}
+for name, parallel, train in [("packed-dp1", {}, {}), ("packed-dp2", {"dp": 2}, {"activation_checkpointing": 1}),
+                              ("packed-pp2", {"pp": 2, "microbatches": 2}, {})]:
+    run(FSDPP, "run", write_recipe(name, parallel, train, data_extra={"pack": True}))
+    m = metrics(path("runs", name))
+    check(abs(m[0]["loss"] - packed_loss) <= 2e-5,
+          f"{name}: first loss {m[0]['loss']:.6f} is transformers' on the packed batch {packed_loss:.6f}")
+    packed_second[name] = m[1]["loss"]
+check(max(packed_second.values()) - min(packed_second.values()) <= 2e-5,
+      f"packed: the second step's loss is the same at every layout: {packed_second}")
+
+# ---------------------------------------------------------------- (2c) shards of conversations
+# `fsdpp tokenize --chat` renders and masks the conversations once; data.path then reads them.
+shard_dir = path("chat-shards")
+run(FSDPP, "tokenize", "--chat", "--tokenizer", model_dir, data, "-o", shard_dir, "--val-fraction", "0.1",
+    "--shard-tokens", "1000")
+names = sorted(os.listdir(shard_dir))
+bins = [n for n in names if n.endswith(".bin")]
+check(len(bins) > 2 and all(n[:-4] + ".mask" in names for n in bins),
+      f"tokenize --chat: {len(bins)} shards, each with its mask beside it")
+recipe = write_recipe("from-shards", data_extra={"paths": [], "path": shard_dir})
+run(PROBE, "chat-batch", recipe, 0, path("shard-batch.safetensors"))
+rows = load_file(path("shard-batch.safetensors"))
+got = {(tuple(a.tolist()), tuple(b.tolist())) for a, b in zip(rows["inputs"], rows["targets"])}
+check(got <= expected and len(got) == 8,
+      f"from shards: the 8 rows of step 0 are transformers' tokens and assistant masks ({len(got - expected)} differ)")
+recipe = write_recipe("from-shards-packed", data_extra={"paths": [], "path": shard_dir, "pack": True})
+run(PROBE, "chat-batch", recipe, 0, path("shard-packed.safetensors"))
+sp = load_file(path("shard-packed.safetensors"))
+with torch.no_grad():
+    lg = model(sp["inputs"], position_ids=sp["positions"], use_cache=False).logits.float()
+shard_loss = (torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), sp["targets"].reshape(-1),
+                                                ignore_index=-100, reduction="sum") / (sp["targets"] != -100).sum()).item()
+run(FSDPP, "run", write_recipe("shards-dp2", {"dp": 2}, data_extra={"paths": [], "path": shard_dir, "pack": True}))
+m = metrics(path("runs", "shards-dp2"))
+check(abs(m[0]["loss"] - shard_loss) <= 2e-5,
+      f"from shards, packed, dp 2: first loss {m[0]['loss']:.6f} is transformers' {shard_loss:.6f}")
+# Shards and sources that do not go together, and a mask cut short.
+plain_dir = path("plain-shards")
+run(FSDPP, "tokenize", "--tokenizer", model_dir, docs, "-o", plain_dir)
+bad_shards = {
+    "plain shards as conversations": ({"paths": [], "path": plain_dir}, "without conversations' masks"),
+    "conversations as plain shards": ({"source": "shards", "paths": [], "path": shard_dir}, "holds conversations"),
+}
+for what, (extra, needle) in bad_shards.items():
+    p = run(FSDPP, "run", write_recipe("bad-shards", data_extra=extra), expect=None)
+    check(p.returncode == 2 and needle in p.stderr, f"{what}: exit {p.returncode}, {p.stderr.strip()[-200:]!r}")
+mask = os.path.join(shard_dir, bins[-1][:-4] + ".mask")
+with open(mask, "r+b") as f:
+    f.truncate(os.path.getsize(mask) - 1)
+p = run(FSDPP, "run", write_recipe("cut-mask", data_extra={"paths": [], "path": shard_dir}), expect=None)
+check(p.returncode == 2 and os.path.basename(mask) in p.stderr and "one byte each" in p.stderr,
+      f"a mask cut short: exit {p.returncode}, {p.stderr.strip()[-200:]!r}")
+with open(path("bad-line.jsonl"), "w") as f:
+    f.write(json.dumps(conversations[0]) + "\n{\"messages\": 3}\n")
+p = run(FSDPP, "tokenize", "--chat", "--tokenizer", model_dir, path("bad-line.jsonl"), "-o", path("bad-out"),
+        expect=None)
+check(p.returncode == 2 and "bad-line.jsonl:2" in p.stderr and not os.path.exists(path("bad-out", "index.json")),
+      f"tokenize --chat, a bad line: exit {p.returncode}, {p.stderr.strip()[-200:]!r}")
 
 # ---------------------------------------------------------------- (3) the bundled recipe
 run_dir = path("runs", "finetune-chat")

@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 import torch
-from harness import Harness
+from harness import Harness, first_loss, randomize, tensors_of
 from safetensors.torch import load_file, save_file
 
 import transformers
@@ -35,10 +35,7 @@ WORK, failures, check, run, path = H.work, H.failures, H.check, H.run, H.path
 
 
 def fsdpp_logits(model_path, tokens):
-    src, out = path("tokens.safetensors"), path("logits.safetensors")
-    save_file({"tokens": tokens.contiguous()}, src)
-    run(PROBE, model_path, src, out)
-    return load_file(out)["logits"]
+    return H.probe_logits(PROBE, model_path, tokens)
 
 
 def hf_logits(model_dir, tokens):
@@ -71,13 +68,6 @@ def write_recipe(name, model, **sections):
     return file
 
 
-def first_loss(run_dir):
-    with open(os.path.join(run_dir, "metrics", "rank0.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            if "loss" in record:
-                return record["loss"]
-    raise AssertionError(f"no loss in {run_dir}")
 
 
 torch.manual_seed(0)
@@ -168,15 +158,6 @@ for kind, model_file, vocab in [("bpe", os.path.join(SOURCE, "recipes", "tokeniz
     check(os.path.exists(os.path.join(exported, "tokenizer.model")), f"export {name}: the model file beside it")
 
 # ---------------------------------------------------------------- (2) import
-def randomize(model):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.15)
-
-
 torch.manual_seed(1)
 llama_cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
@@ -239,13 +220,6 @@ for name, d, extra in [("llama", llama_dir, []), ("mixtral", mixtral_dir, ["--ma
     back = path("roundtrip", name)
     run(FSDPP, "export", path(f"{name}.safetensors"), "-o", back, *extra)
 
-    def tensors_of(directory):
-        out = {}
-        for f in sorted(os.listdir(directory)):
-            if f.endswith(".safetensors"):
-                out.update(load_file(os.path.join(directory, f)))
-        return out
-
     a, b = tensors_of(d), tensors_of(back)
     same = a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     check(same, f"round trip {name}: {len(a)} tensors bit for bit")
@@ -286,10 +260,10 @@ refused("shape", broken_copy("shape", edit_tensors=lambda t: t.update(
         "model.layers.0.self_attn.k_proj.weight has shape [32, 64]", "[16, 64]")
 refused("extra", broken_copy("extra", edit_tensors=lambda t: t.update({"model.layers.0.extra.bias": torch.zeros(3)})),
         "model.layers.0.extra.bias")
-refused("model_type", broken_copy("model_type", edit_config=lambda c: c.update(model_type="qwen3_moe")),
-        "model_type \"qwen3_moe\"", "config.json")
+refused("model_type", broken_copy("model_type", edit_config=lambda c: c.update(model_type="gemma2")),
+        "model_type \"gemma2\"", "config.json")
 refused("rope_scaling", broken_copy("rope_scaling", edit_config=lambda c: c.update(
-    rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})), "rope_parameters", "linear")
+    rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0})), "rope_parameters", "yarn")
 refused("bias", broken_copy("bias", edit_config=lambda c: c.update(attention_bias=True)), "attention_bias true")
 truncated = broken_copy("truncated")
 with open(os.path.join(truncated, "model.safetensors"), "r+b") as f:

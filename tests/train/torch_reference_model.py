@@ -66,7 +66,7 @@ def forward(W, c, tokens):
     B, T = tokens.shape
     D, H = c["dim"], c["heads"]
     hd = D // H
-    inv_freq = c["rope_theta"] ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    inv_freq = 1.0 / c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
     angles = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     causal = torch.ones(T, T, dtype=torch.bool).triu(1)

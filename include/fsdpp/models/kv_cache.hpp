@@ -22,8 +22,8 @@ class KVCache {
   int64_t capacity() const { return capacity_; }
 
   // Logits [B, t, vocab] (float32) of `tokens` [B, t] (int64) at positions size() to size() + t - 1,
-  // each attending to every earlier position and itself, as MoETransformerImpl::forward would over
-  // the whole sequence; their keys and values are kept. Throws std::invalid_argument past
+  // each attending to every earlier position and itself (the last sliding_window with one), as
+  // MoETransformerImpl::forward would over the whole sequence; their keys and values are kept. Throws std::invalid_argument past
   // capacity(). Call under at::NoGradGuard.
   at::Tensor forward(const at::Tensor& tokens);
 

@@ -92,18 +92,28 @@ TORCH_MODULE(RMSNorm);
 
 struct AttentionImpl : torch::nn::Module {
   explicit AttentionImpl(const MoEConfig& c);
-  at::Tensor forward(const at::Tensor& x);
-  int64_t heads, kv_heads;
-  double rope_theta;
+  // `positions` (int64 [B, T], or undefined: each sample one sequence from position 0): packed
+  // samples, each token's position in its own sequence; no token attends across two sequences
+  // (models::rotary_at, models::sequence_starts).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& positions = {});
+  // x's queries, keys and values before the rotary embedding: [B, T, heads + 2 kv_heads, head_dim],
+  // the query heads first, then the key heads, then the value heads; the projection's bias and the
+  // q/k norms applied (what forward and KVCache share).
+  at::Tensor project(const at::Tensor& x);
+  int64_t heads, kv_heads, head_dim;
+  int64_t sliding_window;  // MoEConfig::sliding_window
+  RopeSpec rope;
   bool own_products;  // models::linear's own routes where they beat ATen's (MoEConfig::own_products)
   bool fused;         // models::rotary_causal_attention's kernel, else scaled_dot_product_attention
-  torch::nn::Linear qkv{nullptr}, out{nullptr};
+  torch::nn::Linear qkv{nullptr}, out{nullptr};  // qkv has a bias with MoEConfig::qkv_bias
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};      // MoEConfig::qk_norm "head" or "projection"
+  bool norm_whole_projection = false;            // qk_norm "projection"
 
  private:
   // cos and sin of the rotary angles of T positions ([T, head_dim] each) in `like`'s dtype and on its
   // device: computed on the first call of each shape and kept, since they depend on nothing else.
   const std::pair<at::Tensor, at::Tensor>& rope_tables(int64_t T, int64_t head_dim, const at::Tensor& like);
-  std::pair<at::Tensor, at::Tensor> rope_;
+  std::pair<at::Tensor, at::Tensor> tables_;
 };
 TORCH_MODULE(Attention);
 
@@ -170,6 +180,7 @@ struct MoEImpl : torch::nn::Module {
   Router router{nullptr};
   Experts experts{nullptr};
   SwiGLU shared{nullptr};
+  torch::nn::Linear shared_gate{nullptr};  // MoEConfig::shared_expert_gate
 
  private:
   // The experts on rows sorted by expert (`counts`: int64 [E] on the device), or on the [E, C, dim]
@@ -183,7 +194,9 @@ TORCH_MODULE(MoE);
 
 struct BlockImpl : torch::nn::Module {
   BlockImpl(const MoEConfig& c, int64_t index, std::shared_ptr<RouterStats> stats);
-  at::Tensor forward(at::Tensor x);
+  // `positions`: AttentionImpl::forward's (undefined for unpacked samples). Wrappers of a block
+  // (wrap_blocks) take and pass on both.
+  at::Tensor forward(at::Tensor x, at::Tensor positions);
   RMSNorm attn_norm{nullptr}, ffn_norm{nullptr};
   Attention attn{nullptr};
   SwiGLU mlp{nullptr};
@@ -211,6 +224,13 @@ class MoETransformerImpl : public torch::nn::Module {
   // returns logits [B, T, vocab] (float32) when it holds the head, else hidden states.
   at::Tensor forward(const at::Tensor& input);
 
+  // Packed samples: the positions (int64 [B, T], AttentionImpl::forward's) of the tokens of the
+  // forwards that follow, until set again; undefined (the default) for one sequence per sample.
+  // A setting rather than an argument, so that forward keeps the one-tensor signature that
+  // fully_shard, pipeline stages and users' code call.
+  void set_positions(at::Tensor positions) { positions_ = std::move(positions); }
+  const at::Tensor& positions() const { return positions_; }
+
   const MoEConfig& config() const { return config_; }
   RouterStats& router_stats() { return *stats_; }
   bool has_embedding() const { return first_ == 0; }
@@ -224,8 +244,8 @@ class MoETransformerImpl : public torch::nn::Module {
   const std::vector<Block>& blocks() const { return blocks_; }
   // Replaces each block, where forward calls it and under its name in `layers`, by
   // wrap(block, layer index in the full model):
-  // a module around it (an FSDP unit, activation checkpointing) whose forward takes and returns
-  // the hidden states. Parameter names do not change when the wrapper adopts the block's
+  // a module around it (an FSDP unit, activation checkpointing) whose forward takes the hidden
+  // states and the positions (BlockImpl::forward) and returns the hidden states. Parameter names do not change when the wrapper adopts the block's
   // parameters under their own names, as fsdp::FullyShard does. Stages are cut from an unwrapped
   // model.
   void wrap_blocks(const std::function<torch::nn::AnyModule(const Block&, int64_t layer)>& wrap);
@@ -245,6 +265,7 @@ class MoETransformerImpl : public torch::nn::Module {
   MoEConfig config_;
   std::shared_ptr<RouterStats> stats_;
   int64_t first_ = 0, last_ = 0;
+  at::Tensor positions_;
 };
 TORCH_MODULE(MoETransformer);
 

@@ -71,6 +71,10 @@ struct ExecutorOptions {
   std::function<void(const Action&, std::chrono::system_clock::time_point begin,
                      std::chrono::system_clock::time_point end)>
       on_compute;
+  // Called before each forward of a stage with the stage and the microbatch (0-based within the
+  // step or forward() call): inputs every stage reads besides its activation, as PyTorch's
+  // schedules hand each stage its microbatch's keyword arguments (the trainer's packed positions).
+  std::function<void(int stage, int microbatch)> before_forward;
 };
 
 // What a custom function (PipelineExecutor::register_custom_function) gets for the action it runs.

@@ -24,9 +24,10 @@ namespace fsdpp::train {
 
 class CheckpointImpl : public torch::nn::Module {
  public:
-  // `inner`'s forward takes and returns one tensor.
+  // `inner`'s forward takes a tensor and a second one without gradient (a block's hidden states
+  // and positions, models::BlockImpl::forward), kept for the recompute; returns one tensor.
   explicit CheckpointImpl(torch::nn::AnyModule inner);
-  at::Tensor forward(at::Tensor x);
+  at::Tensor forward(at::Tensor x, at::Tensor aside);
   // Forwards recomputed in backward since construction.
   int64_t recomputes() const { return recomputes_; }
 

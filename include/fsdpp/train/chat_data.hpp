@@ -3,7 +3,9 @@
 // or {"prompt", "completion"}, rendered with the tokenizer's own chat template as transformers'
 // apply_chat_template renders it, tokenized, and trained on with the loss on the assistant's tokens
 // only (the other targets are -100, as transformers' labels). One conversation per sample, padded
-// to seq_len + 1: a sample never attends across two conversations (docs/data.md).
+// to seq_len + 1, or, packed (data.pack), several per sample with positions that restart at each
+// (models::MoETransformerImpl::set_positions): no token attends to, or predicts, another
+// conversation's (docs/data.md).
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -49,20 +51,35 @@ struct ChatRow {
   std::vector<uint8_t> counted;  // per token: predicted with loss (an assistant token)
 };
 
+// Inputs and targets [count, seq_len] (int64); a target the loss does not count is -100. Packed:
+// the inputs' positions [count, seq_len] (int64), each conversation's from 0 and the padding's too;
+// undefined otherwise.
+struct ChatBatch {
+  at::Tensor inputs, targets, positions;
+};
+
 class ChatSamples {
  public:
-  // Samples are rows in a seeded order per epoch (as TokenStream's windows), each padded with `pad`.
-  ChatSamples(std::vector<ChatRow> rows, int64_t seq_len, int32_t pad, uint64_t seed, bool shuffle);
-  int64_t rows() const { return static_cast<int64_t>(rows_.size()); }
-  // Inputs and targets [count, seq_len] (int64) of samples [first, first + count); a target the
-  // loss does not count is -100.
-  std::pair<at::Tensor, at::Tensor> samples(int64_t first, int64_t count) const;
+  // Samples in a seeded order per epoch (as TokenStream's windows), each padded with `pad`: one
+  // row each, or with `pack` the rows packed into as few samples of seq_len + 1 tokens as best fit
+  // finds, longest row first (TRL's "bfd"), fixed for the run.
+  ChatSamples(std::vector<ChatRow> rows, int64_t seq_len, int32_t pad, uint64_t seed, bool shuffle,
+              bool pack = false);
+  int64_t size() const { return static_cast<int64_t>(samples_.size()); }
+  int64_t conversations() const { return static_cast<int64_t>(rows_.size()); }
+  bool packed() const { return pack_; }
+  // The samples' tokens over their room (samples x (seq_len + 1)).
+  double fill() const;
+  // Samples [first, first + count), counted from the first epoch's first.
+  ChatBatch samples(int64_t first, int64_t count) const;
   // How many targets samples [first, first + count) count.
   int64_t counted(int64_t first, int64_t count) const;
 
  private:
-  const ChatRow& row_of(int64_t g) const;
+  const std::vector<uint32_t>& sample_of(int64_t g) const;
   std::vector<ChatRow> rows_;
+  std::vector<std::vector<uint32_t>> samples_;  // each sample's rows, in order
+  bool pack_;
   int64_t seq_len_;
   int32_t pad_;
   uint64_t seed_;
@@ -85,9 +102,28 @@ struct Conversation {
 // the file, line and field.
 std::vector<Conversation> read_conversations(const std::string& path);
 
+// One conversation rendered by `format` and tokenized (piece by piece at the assistant turns'
+// edges). Throws BadInput naming conv.where for a conversation the template refuses and for one
+// with nothing for the loss. `info`: the rendered text's bytes, and whether the whole text would
+// tokenize otherwise across a turn's edge.
+struct ChatRowInfo {
+  size_t text_bytes = 0;
+  bool split_at_edges = false;
+};
+ChatRow tokenize_conversation(const ChatFormat& format, const Tokenizer& tokenizer, const Conversation& conv,
+                              ChatRowInfo* info = nullptr);
+
+// The conversations of one split ("train" or "val") of a directory `fsdpp tokenize --chat` wrote
+// (shards.hpp: kChatMaskExtension), read whole into memory. Throws BadInput naming the directory for
+// shards without masks, and the shard and conversation for a mask that disagrees with its shard or a
+// conversation longer than max_tokens.
+std::vector<ChatRow> read_chat_shards(const std::string& dir, const std::string& split, int64_t vocab_size,
+                                      int64_t max_tokens);
+
 // Reads data.paths' JSONL files, holds out data.val_fraction of the conversations (seeded), renders
-// and tokenizes them. Throws BadInput naming the file, line and field at fault: a line that is not
-// JSON, a conversation without messages, a role the template refuses, a conversation longer than
+// and tokenizes them; or, with data.path, the shards of `fsdpp tokenize --chat` (its own split).
+// Throws BadInput naming the file, line and field at fault: a line that is not JSON, a
+// conversation without messages, a role the template refuses, a conversation longer than
 // seq_len + 1 tokens, one with nothing for the loss.
 ChatData load_chat(const DataOptions& options, const Tokenizer& tokenizer, uint64_t seed);
 

@@ -39,10 +39,13 @@ bool is_checkpoint_dir(const std::string& path);
 // the model key (model.score, model.dense_layers ...) when no transformers class expresses `c`
 // exactly.
 nlohmann::json export_config(const models::MoEConfig& c, at::ScalarType dtype);
+// The model_type export writes for `c`: qwen3, qwen2, mistral or llama (dense), qwen3_moe, olmoe or
+// mixtral (MoE), by its q/k norms, biases and sliding window (export_config refuses the rest).
+std::string export_type(const models::MoEConfig& c);
 
 // The model config of a transformers config.json (`source` names it in messages). Throws
-// std::invalid_argument naming the field and its value when fsdpp does not implement it (a
-// model_type other than llama and mixtral, rope scaling, attention biases, a sliding window ...).
+// std::invalid_argument naming the field and its value when fsdpp does not implement it (another
+// model_type than docs/checkpoints.md lists, other rope types, biases on other projections ...).
 models::MoEConfig import_config(const nlohmann::json& config, const std::string& source);
 
 // The config.json field that holds fsdpp's model key `key` for a model with (`moe`) or without

@@ -79,6 +79,9 @@ struct DataOptions {
   std::string path;                 // a directory of token shards (source "shards")
   std::string tokenizer = "bytes";  // "bytes", a SentencePiece .model, a tokenizer.json or its directory
   std::string chat_template;        // source "chat": a template file; default: the tokenizer's own
+  // Source "chat": several conversations per sample (best fit, longest first), each attending and
+  // predicting only within itself (positions restart at each; docs/data.md). Else one per sample.
+  bool pack = false;
   int64_t seq_len = 128;
   double val_fraction = 0.05;
   int64_t synthetic_bytes = 1 << 20;

@@ -36,6 +36,11 @@ inline constexpr ShardLayout kShardU16{20240520, 1, 2};  // vocabularies up to 6
 inline constexpr ShardLayout kShardU32{20240801, 7, 4};  // larger ones
 inline constexpr int64_t kShardHeaderBytes = 256 * 4;
 inline constexpr const char* kShardIndexFile = "index.json";
+// Conversation shards (fsdpp tokenize --chat): beside each NAME.bin a NAME.mask, one byte per token
+// and no header: bit 0 set where the token is an assistant's (a counted target), bit 1 where a
+// conversation starts.
+inline constexpr const char* kChatMaskExtension = ".mask";
+inline constexpr uint8_t kMaskCounted = 1, kMaskStart = 2;
 
 // The shards of one split ("train" or "val") of a directory, as a token source: one segment per
 // file. Tokens at or above `vocab_size` are an error naming the file and byte offset when read.
@@ -56,7 +61,11 @@ class ShardSet final : public TokenSource {
   void read(int64_t segment, int64_t offset, int64_t count, int64_t* out) const override;
 
   int64_t tokens() const;
+  const std::string& segment_path(int64_t segment) const { return files_[static_cast<size_t>(segment)].path; }
   // index.json's contents; null for a directory without one.
+  // Whether the index says the shards hold conversations (fsdpp tokenize --chat: each shard has a
+  // mask file beside it, kChatMaskExtension).
+  bool chat() const { return index_.is_object() && index_.contains("chat"); }
   const nlohmann::json& index() const { return index_; }
   // "3 shards, 1.20 G tokens (uint16, llm.c layout)".
   std::string description() const;
@@ -98,8 +107,13 @@ class ShardWriter {
 
 struct TokenizeOptions {
   std::vector<std::string> inputs;  // text files or directories; every file is a document
-  std::string output;               // the directory
-  std::string name = "tokens";      // shard names: <name>_train_000001.bin
+  // Conversations instead (JSONL files, chat_data.hpp's read_conversations), rendered with the
+  // tokenizer's chat template or `chat_template`'s: every conversation a document, its tokens'
+  // loss mask in a file beside each shard (read_chat_shards).
+  bool chat = false;
+  std::string chat_template;
+  std::string output;           // the directory
+  std::string name = "tokens";  // shard names: <name>_train_000001.bin
   int64_t tokens_per_shard = 100'000'000;
   double val_fraction = 0.005;  // of documents, drawn with the seed; at least one
   uint64_t seed = 0;
@@ -121,7 +135,8 @@ struct TokenizeProgress {
 
 // Tokenizes the inputs into shards under options.output (created; it must be empty or hold an
 // earlier run's shards, which are replaced). Documents are separated by the tokenizer's
-// end-of-text token (a newline for "bytes"). index.json is written last.
+// end-of-text token (a newline for "bytes"); conversations (options.chat) are not, each starting
+// where its mask says. index.json is written last.
 TokenizeReport tokenize_to_shards(const Tokenizer& tokenizer, const TokenizeOptions& options,
                                   const std::function<void(const TokenizeProgress&)>& progress = {});
 

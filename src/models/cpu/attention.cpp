@@ -139,35 +139,70 @@ std::vector<float>& scratch(size_t n, int slot = 0) {
   return buf;
 }
 
-void forward_head(Head q, Head k, Head v, Head o, float* lse, int64_t T, int64_t D, float scale) {
+// Packed samples: the first key each query row sees (sequence_starts), null when every row sees
+// keys from 0. A block of rows [r0, r1) multiplies keys [first, r1), first its rows' least start.
+struct Starts {
+  const int64_t* p = nullptr;
+  int64_t first(int64_t r0, int64_t r1) const {
+    if (!p) return 0;
+    int64_t f = p[r0];
+    for (int64_t i = r0 + 1; i < r1; ++i) f = std::min(f, p[i]);
+    return f;
+  }
+  int64_t of(int64_t i) const { return p ? p[i] : 0; }
+};
+
+// Row i of a block whose keys start at `first`: its scores s[0, keys), of which keys
+// [start_i - first, i + 1 - first) are visible; the others become zeros.
+template <typename Row>
+void visible_row(float* s, int64_t lead, int64_t n, int64_t keys, Row&& row) {
+  std::fill(s, s + lead, 0.0f);
+  row(s + lead, n - lead, keys - lead);
+}
+
+void forward_head(Head q, Head k, Head v, Head o, float* lse, int64_t T, int64_t D, float scale, Starts st) {
   const BlasOnThisThread one_thread;
   float* s = scratch(size_t(kBlockRows * T)).data();
   for (int64_t r0 = 0; r0 < T; r0 += kBlockRows) {
-    const int64_t r1 = std::min(T, r0 + kBlockRows), rows = r1 - r0, keys = r1;
-    gemm(false, true, rows, keys, D, scale, q.p + r0 * q.ld, q.ld, k.p, k.ld, 0.0f, s, keys);
-    for (int64_t i = 0; i < rows; ++i) lse[r0 + i] = softmax_row(s + i * keys, r0 + i + 1, keys);
-    gemm(false, false, rows, D, keys, 1.0f, s, keys, v.p, v.ld, 0.0f, o.p + r0 * o.ld, o.ld);
+    const int64_t r1 = std::min(T, r0 + kBlockRows), rows = r1 - r0, k0 = st.first(r0, r1), keys = r1 - k0;
+    gemm(false, true, rows, keys, D, scale, q.p + r0 * q.ld, q.ld, k.p + k0 * k.ld, k.ld, 0.0f, s, keys);
+    for (int64_t i = 0; i < rows; ++i)
+      visible_row(s + i * keys, st.of(r0 + i) - k0, r0 + i + 1 - k0, keys,
+                  [&](float* row, int64_t n, int64_t len) { lse[r0 + i] = softmax_row(row, n, len); });
+    gemm(false, false, rows, D, keys, 1.0f, s, keys, v.p + k0 * v.ld, v.ld, 0.0f, o.p + r0 * o.ld, o.ld);
   }
 }
 
 void backward_head(Head q, Head k, Head v, Head o, Head dout, const float* lse, Head dq, Head dk, Head dv,
-                   int64_t T, int64_t D, float scale) {
+                   int64_t T, int64_t D, float scale, Starts st) {
   const BlasOnThisThread one_thread;
   float* buf = scratch(size_t(2 * kBlockRows * T + T)).data();
   float *p = buf, *dp = buf + kBlockRows * T, *delta = buf + 2 * kBlockRows * T;
   for (int64_t i = 0; i < T; ++i) delta[i] = loops::dot(dout.p + i * dout.ld, o.p + i * o.ld, D);
   const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
+  if (st.p) {
+    // Packed: the last block need not see every key, so dK and dV start from zeros.
+    for (int64_t i = 0; i < T; ++i) {
+      std::fill(dk.p + i * dk.ld, dk.p + i * dk.ld + D, 0.0f);
+      std::fill(dv.p + i * dv.ld, dv.p + i * dv.ld + D, 0.0f);
+    }
+  }
   for (int64_t b = blocks - 1; b >= 0; --b) {
-    const int64_t r0 = b * kBlockRows, r1 = std::min(T, r0 + kBlockRows), rows = r1 - r0, keys = r1;
-    const float beta = b == blocks - 1 ? 0.0f : 1.0f;  // the last block sees every key: it starts dK and dV
-    const float *qb = q.p + r0 * q.ld, *gb = dout.p + r0 * dout.ld;
-    gemm(false, true, rows, keys, D, scale, qb, q.ld, k.p, k.ld, 0.0f, p, keys);
-    for (int64_t i = 0; i < rows; ++i) probs_row(p + i * keys, lse[r0 + i], r0 + i + 1, keys);
-    gemm(true, false, keys, D, rows, 1.0f, p, keys, gb, dout.ld, beta, dv.p, dv.ld);
-    gemm(false, true, rows, keys, D, 1.0f, gb, dout.ld, v.p, v.ld, 0.0f, dp, keys);
+    const int64_t r0 = b * kBlockRows, r1 = std::min(T, r0 + kBlockRows), rows = r1 - r0;
+    const int64_t k0 = st.first(r0, r1), keys = r1 - k0;
+    // The last block sees every key: it starts dK and dV (unless packed, above).
+    const float beta = b == blocks - 1 && !st.p ? 0.0f : 1.0f;
+    const float *qb = q.p + r0 * q.ld, *gb = dout.p + r0 * dout.ld, *kb = k.p + k0 * k.ld,
+                *vb = v.p + k0 * v.ld;
+    gemm(false, true, rows, keys, D, scale, qb, q.ld, kb, k.ld, 0.0f, p, keys);
+    for (int64_t i = 0; i < rows; ++i)
+      visible_row(p + i * keys, st.of(r0 + i) - k0, r0 + i + 1 - k0, keys,
+                  [&](float* row, int64_t n, int64_t len) { probs_row(row, lse[r0 + i], n, len); });
+    gemm(true, false, keys, D, rows, 1.0f, p, keys, gb, dout.ld, beta, dv.p + k0 * dv.ld, dv.ld);
+    gemm(false, true, rows, keys, D, 1.0f, gb, dout.ld, vb, v.ld, 0.0f, dp, keys);
     for (int64_t i = 0; i < rows; ++i) dscores_row(p + i * keys, dp + i * keys, delta[r0 + i], scale, keys);
-    gemm(false, false, rows, D, keys, 1.0f, dp, keys, k.p, k.ld, 0.0f, dq.p + r0 * dq.ld, dq.ld);
-    gemm(true, false, keys, D, rows, 1.0f, dp, keys, qb, q.ld, beta, dk.p, dk.ld);
+    gemm(false, false, rows, D, keys, 1.0f, dp, keys, kb, k.ld, 0.0f, dq.p + r0 * dq.ld, dq.ld);
+    gemm(true, false, keys, D, rows, 1.0f, dp, keys, qb, q.ld, beta, dk.p + k0 * dk.ld, dk.ld);
   }
 }
 
@@ -177,9 +212,14 @@ at::Tensor rows_dense(const at::Tensor& x) {
   return x.stride(3) == 1 && x.stride(2) <= std::numeric_limits<int>::max() ? x : x.contiguous();
 }
 
+// Sample b's rows of `starts` (int64 [B, T], contiguous; empty: none).
+Starts starts_of(const at::Tensor& starts, int64_t b) {
+  return {starts.numel() > 0 ? starts.const_data_ptr<int64_t>() + b * starts.size(1) : nullptr};
+}
+
 struct CausalAttention : torch::autograd::Function<CausalAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q_in,
-                            const at::Tensor& k_in, const at::Tensor& v_in) {
+                            const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& starts) {
     const auto q = rows_dense(q_in), k = rows_dense(k_in), v = rows_dense(v_in);
     const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
     const float scale = 1.0f / std::sqrt(float(D));
@@ -188,17 +228,19 @@ struct CausalAttention : torch::autograd::Function<CausalAttention> {
     float* lp = lse.mutable_data_ptr<float>();
     parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
       for (int64_t bh = h0; bh < h1; ++bh)
-        forward_head(head(q, bh), head(k, bh), head(v, bh), head(o, bh), lp + bh * T, T, D, scale);
+        forward_head(head(q, bh), head(k, bh), head(v, bh), head(o, bh), lp + bh * T, T, D, scale,
+                     starts_of(starts, bh / H));
     });
-    ctx->save_for_backward({q, k, v, o, lse});
+    ctx->save_for_backward({q, k, v, o, lse, starts});
     return o;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
-    if (!grads[0].defined()) return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4],
+               &starts = saved[5];
+    if (!grads[0].defined()) return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v), at::Tensor()};
     const auto dout = rows_dense(grads[0]);
     const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
     const float scale = 1.0f / std::sqrt(float(D));
@@ -207,9 +249,9 @@ struct CausalAttention : torch::autograd::Function<CausalAttention> {
     parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
       for (int64_t bh = h0; bh < h1; ++bh)
         backward_head(head(q, bh), head(k, bh), head(v, bh), head(o, bh), head(dout, bh), lp + bh * T,
-                      head(dq, bh), head(dk, bh), head(dv, bh), T, D, scale);
+                      head(dq, bh), head(dk, bh), head(dv, bh), T, D, scale, starts_of(starts, bh / H));
     });
-    return {dq, dk, dv};
+    return {dq, dk, dv, at::Tensor()};
   }
 };
 
@@ -222,9 +264,13 @@ Head qkv_head(const at::Tensor& qkv, int64_t bh, int64_t part) {
           qkv.stride(1)};
 }
 
-// Head bh's q and k rows of the projection, rotated into q and k.
-void rotate_qk(const at::Tensor& qkv, int64_t bh, Head q, Head k, const float* cos, const float* sin) {
-  const int64_t T = qkv.size(1), D = qkv.size(4);
+// Head bh's q and k rows of the projection, rotated into q and k by the tables cos and sin ([T, D],
+// or [B, T, D]: a table per sample).
+void rotate_qk(const at::Tensor& qkv, int64_t bh, Head q, Head k, const at::Tensor& cos_t,
+               const at::Tensor& sin_t) {
+  const int64_t T = qkv.size(1), H = qkv.size(3), D = qkv.size(4);
+  const int64_t off = cos_t.dim() == 3 ? (bh / H) * T * D : 0;
+  const float *cos = cos_t.const_data_ptr<float>() + off, *sin = sin_t.const_data_ptr<float>() + off;
   const Head qs = qkv_head(qkv, bh, 0), ks = qkv_head(qkv, bh, 1);
   detail::rotate_head(q.p, q.ld, qs.p, qs.ld, cos, sin, T, D, false);
   detail::rotate_head(k.p, k.ld, ks.p, ks.ld, cos, sin, T, D, false);
@@ -237,72 +283,110 @@ void rotate_qk(const at::Tensor& qkv, int64_t bh, Head q, Head k, const float* c
 // tensor of q, k, v or their gradients is written, and the projection is what is saved.
 struct RotaryCausalAttention : torch::autograd::Function<RotaryCausalAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv,
-                            const at::Tensor& cos, const at::Tensor& sin) {
+                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& starts) {
     const int64_t B = qkv.size(0), T = qkv.size(1), H = qkv.size(3), D = qkv.size(4);
     const float scale = 1.0f / std::sqrt(float(D));
     auto o = at::empty({B, T, H, D}, qkv.options()).permute({0, 2, 1, 3});
     auto lse = at::empty({B, H, T}, qkv.options());
     float* lp = lse.mutable_data_ptr<float>();
-    const float *cp = cos.const_data_ptr<float>(), *sp = sin.const_data_ptr<float>();
     parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
       float* rows = scratch(size_t(2 * T * D), 1).data();
       const Head q{rows, D}, k{rows + T * D, D};
       for (int64_t bh = h0; bh < h1; ++bh) {
-        rotate_qk(qkv, bh, q, k, cp, sp);
-        forward_head(q, k, qkv_head(qkv, bh, 2), head(o, bh), lp + bh * T, T, D, scale);
+        rotate_qk(qkv, bh, q, k, cos, sin);
+        forward_head(q, k, qkv_head(qkv, bh, 2), head(o, bh), lp + bh * T, T, D, scale,
+                     starts_of(starts, bh / H));
       }
     });
-    ctx->save_for_backward({qkv, cos, sin, o, lse});
+    ctx->save_for_backward({qkv, cos, sin, o, lse, starts});
     return o;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &qkv = saved[0], &cos = saved[1], &sin = saved[2], &o = saved[3], &lse = saved[4];
-    if (!grads[0].defined()) return {at::zeros_like(qkv), at::Tensor(), at::Tensor()};
+    const auto &qkv = saved[0], &cos = saved[1], &sin = saved[2], &o = saved[3], &lse = saved[4],
+               &starts = saved[5];
+    if (!grads[0].defined()) return {at::zeros_like(qkv), at::Tensor(), at::Tensor(), at::Tensor()};
     const auto dout = rows_dense(grads[0]);
     const int64_t B = qkv.size(0), T = qkv.size(1), H = qkv.size(3), D = qkv.size(4);
     const float scale = 1.0f / std::sqrt(float(D));
     auto g = at::empty_like(qkv, at::MemoryFormat::Contiguous);
-    const float *lp = lse.const_data_ptr<float>(), *cp = cos.const_data_ptr<float>(),
-                *sp = sin.const_data_ptr<float>();
+    const float* lp = lse.const_data_ptr<float>();
+    const int64_t off = cos.dim() == 3 ? T * D : 0;  // between two samples' tables
+    const float *cp = cos.const_data_ptr<float>(), *sp = sin.const_data_ptr<float>();
     parallel_ranges(B * H, 1, [&](int64_t h0, int64_t h1) {
       float* rows = scratch(size_t(4 * T * D), 1).data();
       const Head q{rows, D}, k{rows + T * D, D}, dq{rows + 2 * T * D, D}, dk{rows + 3 * T * D, D};
       for (int64_t bh = h0; bh < h1; ++bh) {
-        rotate_qk(qkv, bh, q, k, cp, sp);
+        rotate_qk(qkv, bh, q, k, cos, sin);
         backward_head(q, k, qkv_head(qkv, bh, 2), head(o, bh), head(dout, bh), lp + bh * T, dq, dk,
-                      qkv_head(g, bh, 2), T, D, scale);
+                      qkv_head(g, bh, 2), T, D, scale, starts_of(starts, bh / H));
         const Head gq = qkv_head(g, bh, 0), gk = qkv_head(g, bh, 1);
-        detail::rotate_head(gq.p, gq.ld, dq.p, dq.ld, cp, sp, T, D, true);
-        detail::rotate_head(gk.p, gk.ld, dk.p, dk.ld, cp, sp, T, D, true);
+        const float *c = cp + (bh / H) * off, *sn = sp + (bh / H) * off;
+        detail::rotate_head(gq.p, gq.ld, dq.p, dq.ld, c, sn, T, D, true);
+        detail::rotate_head(gk.p, gk.ld, dk.p, dk.ld, c, sn, T, D, true);
       }
     });
-    return {g, at::Tensor(), at::Tensor()};
+    return {g, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// `starts` checked and made the kernels' (CPU, int64, contiguous); undefined becomes empty (an
+// autograd function's inputs are defined tensors).
+at::Tensor checked_starts(const at::Tensor& starts, int64_t B, int64_t T, const at::Tensor& like) {
+  if (!starts.defined()) return at::empty({0}, like.options().dtype(at::kLong));
+  TORCH_CHECK(
+      starts.dim() == 2 && starts.size(0) == B && starts.size(1) == T && starts.scalar_type() == at::kLong,
+      "causal attention: starts must be int64 [", B, ", ", T, "], got ", starts.scalar_type(), " ",
+      starts.sizes());
+  return starts.to(at::kCPU).contiguous();
+}
+
+// Whether every start is a key its row sees: 0 <= starts[b, i] <= i (read on the host; the kernels'
+// own path only).
+void check_start_range(const at::Tensor& starts) {
+  if (starts.numel() == 0) return;
+  const int64_t B = starts.size(0), T = starts.size(1);
+  const int64_t* p = starts.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < T; ++i)
+      TORCH_CHECK(p[b * T + i] >= 0 && p[b * T + i] <= i, "causal attention: sample ", b, " row ", i,
+                  " starts at key ", p[b * T + i], ", outside 0..", i, " (positions past the row's index?)");
+}
 
 }  // namespace
 
 bool causal_attention_available() { return detail::blas_available(); }
 
-at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& starts) {
+  if (!starts.defined())
+    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+  // Key j visible from query i of sample b: starts[b, i] <= j <= i.
+  const auto T = q.size(2);
+  const auto keys = at::arange(T, starts.options().device(q.device()));
+  const auto st = starts.to(q.device()).unsqueeze(-1);  // [B, T, 1]
+  const auto mask = (keys.view({1, 1, T}) >= st) & (keys.view({1, 1, T}) <= keys.view({1, T, 1}));
+  return at::scaled_dot_product_attention(q, k, v, mask.unsqueeze(1), /*dropout_p=*/0.0, /*is_causal=*/false);
 }
 
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& starts_in) {
   TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
               "causal_attention: expected q, k and v of one shape [B, H, T, D], got ", q.sizes(), ", ",
               k.sizes(), " and ", v.sizes());
   const bool own = q.is_cpu() && k.is_cpu() && v.is_cpu() && q.scalar_type() == at::kFloat &&
                    k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && q.numel() > 0 &&
                    q.size(2) <= std::numeric_limits<int>::max() / kBlockRows && causal_attention_available();
-  if (!own) return causal_attention_reference(q, k, v);
-  return CausalAttention::apply(q, k, v);
+  if (!own) return causal_attention_reference(q, k, v, starts_in);
+  const auto starts = checked_starts(starts_in, q.size(0), q.size(2), q);
+  check_start_range(starts);
+  return CausalAttention::apply(q, k, v, starts);
 }
 
-at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
+at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& starts_in) {
   detail::check_rotary_shapes(qkv, cos, sin);
   if (qkv.is_cpu() && at::isReducedFloatingType(qkv.scalar_type()) &&
       qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type() &&
@@ -310,7 +394,7 @@ at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos,
     // 16-bit: the kernel on the values widened to float32, the result rounded once (Note [16-bit
     // attention on the CPU]).
     const auto wide = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
-    return rotary_causal_attention(wide(qkv), wide(cos), wide(sin)).to(qkv.scalar_type());
+    return rotary_causal_attention(wide(qkv), wide(cos), wide(sin), starts_in).to(qkv.scalar_type());
   }
   const bool own = qkv.is_cpu() && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() &&
                    qkv.numel() > 0 && qkv.size(1) <= std::numeric_limits<int>::max() / kBlockRows &&
@@ -319,9 +403,11 @@ at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos,
                    !cos.requires_grad() && !sin.requires_grad() && causal_attention_available();
   if (!own) {
     const auto [q, k, v] = rotary_qkv(qkv, cos, sin);
-    return causal_attention(q, k, v);
+    return causal_attention(q, k, v, starts_in);
   }
-  return RotaryCausalAttention::apply(qkv, cos, sin);
+  const auto starts = checked_starts(starts_in, qkv.size(0), qkv.size(1), qkv);
+  check_start_range(starts);
+  return RotaryCausalAttention::apply(qkv, cos, sin, starts);
 }
 
 }  // namespace fsdpp::models

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "fsdpp/models/cpu/kernels.hpp"
@@ -24,7 +25,7 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
-// Rotates x into y, both [B, H, T, D]; cos and sin are [T, D]. With lo and hi the first and second
+// Rotates x into y, both [B, H, T, D]; cos and sin are [T, D], or [B, T, D] (a table per sample). With lo and hi the first and second
 // halves of the last dimension, forward:
 //   y_lo = x_lo c_lo - x_hi s_lo,   y_hi = x_hi c_hi + x_lo s_hi
 // and backward (x the output's gradient, y the input's):
@@ -40,6 +41,7 @@ at::Tensor rotate_half(const at::Tensor& x) {
 struct RowLayout {
   int64_t B, H, T, half;
   int64_t y_b, y_h, y_t, x_b, x_h, x_t;  // element strides; the last dimension's is 1
+  int64_t c_b = 0;                       // the tables' stride between samples: 0 when shared
 };
 
 // How rotate_rows_body reads and writes an element: in its dtype's math type (ATen's opmath:
@@ -91,6 +93,8 @@ C10_ALWAYS_INLINE void rotate_rows_body(S* __restrict y, const S* __restrict x, 
     const int64_t b = bh / l.H, head = bh % l.H;
     S* const y_head = y + b * l.y_b + head * l.y_h;
     const S* const x_head = x + b * l.x_b + head * l.x_h;
+    const S* const cos_b = cos + b * l.c_b;
+    const S* const sin_b = sin + b * l.c_b;
     const auto ask = [&](int64_t t) {
       prefetch_row</*Write=*/0>(x_head + t * l.x_t, 2 * h);
       prefetch_row</*Write=*/1>(y_head + t * l.y_t, 2 * h);
@@ -102,8 +106,8 @@ C10_ALWAYS_INLINE void rotate_rows_body(S* __restrict y, const S* __restrict x, 
       const S* __restrict x_lo = x_head + t * l.x_t;
       S* __restrict y_hi = y_lo + h;
       const S* __restrict x_hi = x_lo + h;
-      const S* __restrict c_lo = cos + t * 2 * h;
-      const S* __restrict s_lo = sin + t * 2 * h;
+      const S* __restrict c_lo = cos_b + t * 2 * h;
+      const S* __restrict s_lo = sin_b + t * 2 * h;
       const S* __restrict c_hi = c_lo + h;
       const S* __restrict s_hi = s_lo + h;
       if (!backward)
@@ -142,6 +146,9 @@ FSDPP_VECTOR_CLONES void rotate_rows(c10::BFloat16* y, const c10::BFloat16* x, c
                                     end, backward);
 }
 
+// Elements between two samples' tables: 0 for one table of every sample.
+int64_t per_sample(const at::Tensor& table) { return table.dim() == 3 ? table.size(1) * table.size(2) : 0; }
+
 // y's last dimension is contiguous (made so by RotaryQKV), as are cos and sin (rotary_qkv's
 // condition for the fused path); x's is read in place where it is contiguous (a view of the
 // projection, the attention kernel's gradients) and from a contiguous copy otherwise (an expanded
@@ -150,8 +157,8 @@ void rotate_into(const at::Tensor& x_in, const at::Tensor& y, const at::Tensor& 
                  bool backward) {
   TORCH_INTERNAL_ASSERT(y.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous());
   const at::Tensor x = x_in.stride(3) == 1 ? x_in : x_in.contiguous();
-  const RowLayout l{x.size(0),   x.size(1),   x.size(2),   x.size(3) / 2, y.stride(0),
-                    y.stride(1), y.stride(2), x.stride(0), x.stride(1),   x.stride(2)};
+  const RowLayout l{x.size(0),   x.size(1),   x.size(2),   x.size(3) / 2, y.stride(0),    y.stride(1),
+                    y.stride(2), x.stride(0), x.stride(1), x.stride(2),   per_sample(cos)};
   // At least 32k elements a task, so that small calls stay on the calling thread.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, l.T * 2 * l.half));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fsdpp_rotary", [&] {
@@ -211,26 +218,64 @@ void detail::rotate_head(float* y, int64_t y_ld, const float* x, int64_t x_ld, c
   rotate_rows(y, x, cos, sin, l, 0, 1, backward);
 }
 
-std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t hd, double theta,
+std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t hd, const RopeSpec& rope,
                                                 at::TensorOptions options) {
   at::NoGradGuard no_grad;
   const auto f = options.dtype(at::kFloat);
-  const auto inv_freq = at::pow(theta, -at::arange(0, hd, 2, f) / double(hd));
+  // 1 / theta^(2j / hd) in float32, as transformers computes it (and so bit for bit its angles).
+  auto inv_freq = 1.0 / at::pow(rope.theta, at::arange(0, hd, 2, f) / double(hd));
+  if (rope.type == "linear") {
+    inv_freq = inv_freq / rope.factor;
+  } else if (rope.type == "llama3") {
+    // Wavelengths longer than the original context / low_freq_factor slow by `factor`, shorter than
+    // original / high_freq_factor stay, and those between move along a linear ramp in
+    // original / wavelength.
+    const double original = double(rope.original_max_seq_len);
+    const auto wavelen = 2 * M_PI / inv_freq;
+    const auto slowed =
+        at::where(wavelen > original / rope.low_freq_factor, inv_freq / rope.factor, inv_freq);
+    const auto smooth =
+        (original / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor);
+    const auto ramp = (1 - smooth) * slowed / rope.factor + smooth * slowed;
+    const auto medium =
+        (wavelen >= original / rope.high_freq_factor) & (wavelen <= original / rope.low_freq_factor);
+    inv_freq = at::where(medium, ramp, slowed);
+  } else if (rope.type != "default") {
+    TORCH_CHECK(false, "rotary_tables: rope type \"", rope.type, "\" is not default, linear or llama3");
+  }
   const auto angles = at::outer(at::arange(T, f), inv_freq);  // [T, hd/2]
   return {at::cat({angles.cos(), angles.cos()}, -1).to(options.dtype()),
           at::cat({angles.sin(), angles.sin()}, -1).to(options.dtype())};
 }
 
 at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (cos.dim() == 3) return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1);  // [B, 1, T, D]
   return x * cos + rotate_half(x) * sin;
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_at(const std::pair<at::Tensor, at::Tensor>& tables,
+                                            const at::Tensor& positions) {
+  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong,
+              "rotary_at: positions must be int64 [B, T], got ", positions.scalar_type(), " ",
+              positions.sizes());
+  const auto B = positions.size(0), T = positions.size(1), D = tables.first.size(1);
+  const auto at_rows = [&](const at::Tensor& t) {
+    return t.index_select(0, positions.reshape({-1}).to(t.device())).view({B, T, D});
+  };
+  return {at_rows(tables.first), at_rows(tables.second)};
+}
+
+at::Tensor sequence_starts(const at::Tensor& positions) {
+  return at::arange(positions.size(1), positions.options()).unsqueeze(0) - positions;
 }
 
 void detail::check_rotary_shapes(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(qkv.dim() == 5 && qkv.size(2) == 3 && qkv.size(4) % 2 == 0,
               "rotary_qkv: expected [B, T, 3, H, D] with an even D, got ", qkv.sizes());
-  const int64_t T = qkv.size(1), D = qkv.size(4);
-  TORCH_CHECK(cos.sizes() == at::IntArrayRef({T, D}) && sin.sizes() == cos.sizes(),
-              "rotary_qkv: cos and sin must be [", T, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
+  const int64_t B = qkv.size(0), T = qkv.size(1), D = qkv.size(4);
+  const bool shared = cos.sizes() == at::IntArrayRef({T, D}), own = cos.sizes() == at::IntArrayRef({B, T, D});
+  TORCH_CHECK((shared || own) && sin.sizes() == cos.sizes(), "rotary_qkv: cos and sin must be [", T, ", ", D,
+              "] or [", B, ", ", T, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos,

@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -71,13 +72,39 @@ at::Tensor expert_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Te
 at::Tensor expert_swiglu_reference(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w3,
                                    const at::Tensor& w2, const at::Tensor& ends);
 
+// The rotary embedding's frequencies: theta, and transformers' rope scaling (MoEConfig's rope_*
+// fields; rope_type "default", "linear" or "llama3").
+struct RopeSpec {
+  double theta = 10000.0;
+  std::string type = "default";
+  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  int64_t original_max_seq_len = 8192;
+};
+
 // cos and sin of the rotary angles of T positions, each [T, head_dim] (the head_dim / 2 angles
-// position * theta^(-2j / head_dim), repeated twice), computed in float32 and given `options`' dtype.
-std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t head_dim, double theta,
+// position * f_j, repeated twice), given `options`' dtype. f_j = 1 / theta^(2j / head_dim), scaled as
+// `rope` says (transformers' rope types of the same names), each step and the angles in float32 as
+// transformers computes them.
+std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t head_dim, const RopeSpec& rope,
                                                 at::TensorOptions options);
+inline std::pair<at::Tensor, at::Tensor> rotary_tables(int64_t T, int64_t head_dim, double theta,
+                                                       at::TensorOptions options) {
+  return rotary_tables(T, head_dim, RopeSpec{.theta = theta}, options);
+}
+
+// Packed sequences. `positions` [B, T] (int64) numbers each token from the start of its own
+// sequence: a sequence starts where its position is 0, and position i - positions[b, i] is where
+// token i's starts (transformers' position_ids for packed samples, as DataCollatorWithFlattening
+// writes them). rotary_at gathers the tables' rows at those positions ([B, T, head_dim] each);
+// sequence_starts gives each token's first visible key, i - positions (int64 [B, T]). Both on the
+// positions' device, without reading them on the host.
+std::pair<at::Tensor, at::Tensor> rotary_at(const std::pair<at::Tensor, at::Tensor>& tables,
+                                            const at::Tensor& positions);
+at::Tensor sequence_starts(const at::Tensor& positions);
 
 // Rotary position embedding of one tensor: x * cos + rotate_half(x) * sin, written as ATen
-// operations (x: [..., T, head_dim]; cos, sin: [T, head_dim]; rotate_half(x) = cat(-x2, x1)).
+// operations (x: [B, H, T, head_dim]; cos, sin: [T, head_dim], or [B, T, head_dim] for positions
+// of their own per sample (rotary_at); rotate_half(x) = cat(-x2, x1)).
 at::Tensor rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 // The attention's projection split and rotated: qkv [B, T, 3, H, head_dim] -> q', k', v, each
@@ -92,12 +119,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_qkv(const at::Tensor& qkv,
                                                           const at::Tensor& sin);
 
 // softmax(q k^T / sqrt(D) + causal mask) v for q, k, v [B, H, T, D] (query i sees keys 0..i), the
-// result [B, H, T, D] laid out [B, T, H, D] in memory. On the CPU in float32 (any strides) a kernel
+// result [B, H, T, D] laid out [B, T, H, D] in memory. With `starts` (int64 [B, T], sequence_starts
+// of packed samples) query i of sample b sees keys starts[b, i]..i only: no attention crosses from
+// one packed sequence into another, and a block of queries multiplies only the keys its rows see. On the CPU in float32 (any strides) a kernel
 // of row blocks of whole heads whose products go to LibTorch's BLAS (src/models/cpu/attention.cpp), and
 // differentiable in q, k and v; elsewhere, or where LibTorch has no BLAS, causal_attention_reference:
 // at::scaled_dot_product_attention(q, k, v, is_causal = true).
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
-at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& starts = {});
+// With `starts`, scaled_dot_product_attention with a boolean [B, 1, T, T] mask.
+at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& starts = {});
 
 // causal_attention(rotary_qkv(qkv, cos, sin)): the attention's projection qkv [B, T, 3, H, head_dim]
 // to the attention's output [B, H, T, head_dim], laid out [B, T, H, head_dim] in memory. On the CPU
@@ -116,7 +148,10 @@ at::Tensor causal_attention_reference(const at::Tensor& q, const at::Tensor& k, 
 // are two passes over tensors the kernel reads and writes anyway. The
 // kernel sums in float32 as ATen's does, and keeps its probabilities in float32 where ATen rounds
 // them to bfloat16 before multiplying by v: the same function, rounded differently (less).
-at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin);
+// cos and sin may be [B, T, head_dim] and `starts` given, for packed samples (rotary_at,
+// sequence_starts).
+at::Tensor rotary_causal_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& starts = {});
 
 // Whether causal_attention has its CPU kernel in this process (LibTorch's BLAS found).
 bool causal_attention_available();
