@@ -234,6 +234,10 @@ def check_bad_input(probe, work):
                           ["model.merges[0]", "is not in the vocabulary"]),
         "badnorm.json": (json.dumps({**good, "normalizer": {"type": "Precompiled", "precompiled_charsmap": ""}}),
                          ["normalizer", "Precompiled", "not supported"]),
+        # An id far past the vocabulary (found by fuzz.tokenizer_json: a table of gigabytes).
+        "hugeid.json": (json.dumps({**good, "model": {**good["model"], "vocab": {**good["model"]["vocab"],
+                                                                                 "zz": 322222225}}}),
+                        ["model.vocab[\"zz\"]", "322222225", "far past"]),
     }
     for file, (text, needles) in cases.items():
         (work / file).write_text(text)

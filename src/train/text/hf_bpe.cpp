@@ -51,6 +51,9 @@ bool flag(const json& model, const char* key, const std::string& where) {
   return model[key].get<bool>();
 }
 
+// How far past the vocabulary's size an id may be (holes in the numbering).
+constexpr int64_t kIdSlack = 65536;
+
 }  // namespace
 
 Bpe::Bpe(const json& model, const std::string& where) {
@@ -58,10 +61,18 @@ Bpe::Bpe(const json& model, const std::string& where) {
   cache_key_ = ++instances;
   if (!model.contains("vocab") || !model["vocab"].is_object())
     throw std::invalid_argument(fmt::format("{}.vocab: expected an object of token: id", where));
+  // Ids index a table of the tokens: one far past the vocabulary's size would make it gigabytes
+  // (published vocabularies number their tokens 0 to n - 1).
+  const int64_t bound = static_cast<int64_t>(model["vocab"].size()) + kIdSlack;
   for (const auto& [token, id] : model["vocab"].items()) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
       throw std::invalid_argument(fmt::format("{}.vocab[\"{}\"]: id {} is not a non-negative 32-bit integer",
                                               where, token, id.dump()));
+    if (id.get<int64_t>() >= bound)
+      throw std::invalid_argument(
+          fmt::format("{}.vocab[\"{}\"]: id {} is far past the vocabulary's {} tokens (ids "
+                      "must be below {})",
+                      where, token, id.get<int64_t>(), model["vocab"].size(), bound));
     const auto i = id.get<int32_t>();
     vocab_[token] = i;
     if (static_cast<size_t>(i) >= tokens_.size())
