@@ -280,12 +280,12 @@ models::MoEConfig import_config(const json& j, const std::string& source) {
       refuse_field(
           source, key, j[key],
           "fsdpp's projections have no bias (but Qwen2's query, key and value ones, model.qkv_bias)");
-  models::MoEConfig rope;  // the rope fields, read into a config of their own
-  rope.rope_theta =
+  models::MoEConfig c;
+  c.rope_theta =
       type == "mixtral" || type == "qwen2" || type == "qwen3" ? 1e6 : 1e4;  // transformers' defaults
-  if (is_set("rope_scaling")) read_rope(j["rope_scaling"], "rope_scaling", source, rope);
-  if (is_set("rope_parameters")) read_rope(j["rope_parameters"], "rope_parameters", source, rope);
-  if (is_set("rope_theta")) rope.rope_theta = j["rope_theta"].get<double>();
+  if (is_set("rope_scaling")) read_rope(j["rope_scaling"], "rope_scaling", source, c);
+  if (is_set("rope_parameters")) read_rope(j["rope_parameters"], "rope_parameters", source, c);
+  if (is_set("rope_theta")) c.rope_theta = j["rope_theta"].get<double>();
   // Sliding windows: Mistral's and Mixtral's on every layer; Qwen's only past max_window_layers.
   int64_t window = 0;
   if (type == "qwen2" || type == "qwen3" || type == "qwen3_moe" || type == "qwen2_moe") {
@@ -310,7 +310,6 @@ models::MoEConfig import_config(const json& j, const std::string& source) {
   if (j.value("pretraining_tp", json(1)) != 1)
     refuse_field(source, "pretraining_tp", j["pretraining_tp"], "fsdpp implements 1 only");
 
-  models::MoEConfig c;
   c.vocab_size = required_int(j, "vocab_size", source);
   c.dim = required_int(j, "hidden_size", source);
   c.layers = required_int(j, "num_hidden_layers", source);
@@ -329,12 +328,6 @@ models::MoEConfig import_config(const json& j, const std::string& source) {
   c.max_seq_len =
       is_set("max_position_embeddings") ? required_int(j, "max_position_embeddings", source) : 2048;
   c.norm_eps = j.value("rms_norm_eps", moe ? 1e-5 : 1e-6);
-  c.rope_theta = rope.rope_theta;
-  c.rope_type = rope.rope_type;
-  c.rope_factor = rope.rope_factor;
-  c.rope_low_freq_factor = rope.rope_low_freq_factor;
-  c.rope_high_freq_factor = rope.rope_high_freq_factor;
-  c.rope_original_max_seq_len = rope.rope_original_max_seq_len;
   c.init_std = j.value("initializer_range", 0.02);
   c.tie_embeddings = j.value("tie_word_embeddings", false);
   const int64_t hidden = required_int(j, "intermediate_size", source);

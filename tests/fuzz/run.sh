@@ -21,7 +21,7 @@ case $target in
   recipe)
     # The parser loads data.tokenizer to check its vocabulary: the plugin is linked in, not opened
     # (piece_plugin_linked.cpp says why).
-    sources=("$src/tests/fuzz/recipe_fuzz.cpp" "$src/src/train/recipe.cpp" "$src/src/train/recipe_sections.cpp"
+    sources=("$src/tests/fuzz/recipe_fuzz.cpp" "$src/src/train/recipe.cpp" "$src/src/train/recipe_sections.cpp" "$src/src/train/recipe_model.cpp"
       "$src/src/train/tokenizer.cpp" "$src/src/train/sentencepiece_tokenizer.cpp" "$src/tests/fuzz/piece_plugin_linked.cpp")
     extra=(-lsentencepiece_train -lsentencepiece) ;;
   checkpoint) sources=("$src/tests/fuzz/checkpoint_fuzz.cpp" "$src/src/base/safetensors.cpp" "$src/src/fsdp/checkpoint.cpp") ;;
@@ -38,7 +38,7 @@ case $target in
   schedule) sources=("$src/tests/fuzz/schedule_fuzz.cpp") ;;  # header-only
   hf_config)
     sources=("$src/tests/fuzz/hf_config_fuzz.cpp" "$src/src/train/hf_config.cpp" "$src/src/train/recipe.cpp"
-      "$src/src/train/recipe_sections.cpp" "$src/src/train/tokenizer.cpp" "$src/src/train/sentencepiece_tokenizer.cpp"
+      "$src/src/train/recipe_sections.cpp" "$src/src/train/recipe_model.cpp" "$src/src/train/tokenizer.cpp" "$src/src/train/sentencepiece_tokenizer.cpp"
       "$src/tests/fuzz/piece_plugin_linked.cpp")
     extra=(-lsentencepiece_train -lsentencepiece) ;;
   lock) sources=("$src/tests/fuzz/lock_fuzz.cpp" "$src/src/train/run_lock.cpp" "$src/src/base/files.cpp") ;;

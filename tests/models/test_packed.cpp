@@ -46,6 +46,21 @@ double worst(const at::Tensor& a, const at::Tensor& b, double floor) {
   return ((af - bf).abs() / (bf.abs() + floor)).max().item<double>();
 }
 
+// A small model: 4 heads of 8 over 2 layers, MoE (4 experts, top 2) unless `experts` is 0.
+models::MoEConfig small_config(int64_t experts) {
+  models::MoEConfig c;
+  c.dim = 32;
+  c.heads = 4;
+  c.layers = 2;
+  c.max_seq_len = 160;
+  c.ffn_hidden = 48;
+  c.experts = experts;
+  c.top_k = 2;
+  c.expert_hidden = 16;
+  c.vocab_size = 64;
+  return c;
+}
+
 // Sequences of one token, ones that cross the kernel's 64-row blocks, one that fills a sample.
 const std::vector<std::vector<int64_t>> kLengths = {{1, 40, 70, 1, 38}, {150}, {64, 64, 22}};
 
@@ -117,17 +132,8 @@ TEST_CASE("packed rotary attention: the one-pass kernel equals rotary_qkv and th
 }
 
 TEST_CASE("packed model: each sequence's logits equal the sequence run alone") {
-  models::MoEConfig c;
-  c.dim = 32;
-  c.heads = 4;
+  auto c = small_config(4);
   c.kv_heads = 2;
-  c.layers = 2;
-  c.max_seq_len = 160;
-  c.ffn_hidden = 48;
-  c.experts = 4;
-  c.top_k = 2;
-  c.expert_hidden = 16;
-  c.vocab_size = 64;
   for (const bool fused : {true, false}) {
     CAPTURE(fused);
     c.fused_attention = fused;
@@ -157,9 +163,7 @@ TEST_CASE("packed model: each sequence's logits equal the sequence run alone") {
 }
 
 TEST_CASE("packed model with the published families' attention: the CPU kernel equals the masked reference") {
-  models::MoEConfig c;
-  c.dim = 32;
-  c.heads = 4;
+  auto c = small_config(0);
   c.kv_heads = 2;
   c.head_size = 12;
   c.qk_norm = "head";
@@ -168,11 +172,6 @@ TEST_CASE("packed model with the published families' attention: the CPU kernel e
   c.rope_type = "llama3";
   c.rope_factor = 8;
   c.rope_original_max_seq_len = 32;
-  c.layers = 2;
-  c.max_seq_len = 160;
-  c.ffn_hidden = 48;
-  c.experts = 0;
-  c.vocab_size = 64;
   const auto positions = positions_of(kLengths);
   const auto tokens = at::randint(c.vocab_size, positions.sizes(), at::kLong);
   std::vector<at::Tensor> logits, grads;
@@ -197,14 +196,7 @@ TEST_CASE("packed model with the published families' attention: the CPU kernel e
 TEST_CASE("sliding window: a token's logits are those of the window's tokens alone") {
   // With rotary embeddings scores depend on positions' differences only, so the last token of a
   // window run on its own computes what it computes at any position of a longer sequence.
-  models::MoEConfig c;
-  c.dim = 32;
-  c.heads = 4;
-  c.layers = 2;
-  c.max_seq_len = 160;
-  c.ffn_hidden = 48;
-  c.experts = 0;
-  c.vocab_size = 64;
+  auto c = small_config(0);
   c.sliding_window = 24;
   for (const bool fused : {true, false}) {
     CAPTURE(fused);
